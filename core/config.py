@@ -1,0 +1,104 @@
+"""Configuration: frozen dataclasses loaded from `configs/*.yaml`, with dotted overrides.
+
+Every process loads the same file; the CLI turns its flags into overrides such as
+`{"gateway.port": "8080"}` so that no setting is read from the environment deep in the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "SmolLM2-135M-Instruct"
+    cache_dir: str = "~/.cache/raging/models"
+    dtype: str = "float32"
+    max_model_len: int = 0  # 0: the model's own max_position_embeddings
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_address: str = "tcp://127.0.0.1:8100"
+    expect_prefill: int = 1
+    expect_decode: int = 1
+    max_inflight_requests: int = 512
+    heartbeat_timeout_s: float = 3.0
+    request_timeout_s: float = 600.0
+    keepalive_s: float = 10.0
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    threads: int = 0  # 0: leave torch's default
+    heartbeat_interval_s: float = 0.5
+    kv_bind: str = "tcp://127.0.0.1:*"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    prefill: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:
+    """Read a YAML file (or defaults), apply `section.key` overrides, and validate types."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ValueError(f"override {dotted!r} must look like section.key")
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        raw.setdefault(section, {})[key] = parsed
+    return _build(Config, raw, "config")
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    values = {name: _convert(hints[name], raw[name], f"{where}.{name}") for name in raw}
+    return cls(**values)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if any(_is_instance(value, t) for t in allowed):
+        return value
+    raise ValueError(f"{where}: expected {hint}, got {value!r}")
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)

@@ -1,0 +1,122 @@
+"""Control-plane messages: small frozen dataclasses and their msgpack codec.
+
+`decode` is the one place control bytes become messages (see core/codec.py): anything malformed
+raises `MalformedMessage`, which the channels count and drop.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+
+from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationTask:
+    """What a worker needs to generate for one request, beyond the request id."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    max_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Register:
+    worker_id: str
+    instance_id: str
+    role: str  # "prefill" | "decode"
+    kv_address: str  # where a decode worker receives KV; "" for prefill
+    fingerprint: str
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    accepted: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    instance_id: str
+    queued_tokens: int
+    free_blocks: int
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    epoch: int
+    task: GenerationTask
+    decode_worker: str
+    decode_address: str
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Travels with the KV from prefill to decode: the request, plus the first sampled token."""
+
+    request_id: str
+    epoch: int
+    task: GenerationTask
+    first_token: int
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    request_id: str
+    epoch: int
+    token_id: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    epoch: int
+    token_id: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """All tokens one decode step produced, sent as one message."""
+
+    events: list[TokenEvent]
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    request_id: str
+    epoch: int
+    reason: str
+
+
+Message = (
+    Register | RegisterReply | Heartbeat | PrefillRequest | DecodeRequest | FirstToken
+    | TokenBatch | Abort | RequestFailed
+)
+_CODEC: Codec[Message] = Codec(typing.get_args(Message))
+encode = _CODEC.encode
+decode = _CODEC.decode

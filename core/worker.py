@@ -1,0 +1,98 @@
+"""What prefill and decode workers share: registration, heartbeats, signals, and the loop.
+
+A worker subclasses `Worker` and supplies `handle` (a control message), `step` (one unit of
+model work, returning whether it did any) and `heartbeat` (its current load).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from abc import ABC, abstractmethod
+
+import zmq
+
+from core.channels import ControlClient
+from core.messages import Heartbeat, Message, Register, RegisterReply
+
+log = logging.getLogger(__name__)
+_IDLE_POLL_MS = 20
+
+
+class RegistrationRefused(RuntimeError):
+    """The gateway refused this worker (for example, a KV layout mismatch)."""
+
+
+class Worker(ABC):
+    def __init__(self, worker_id: str, gateway_address: str, heartbeat_interval_s: float) -> None:
+        self.worker_id = worker_id
+        self.instance_id = uuid.uuid4().hex
+        self.context = zmq.Context()
+        self.control = ControlClient(self.context, gateway_address, worker_id)
+        self.poller = zmq.Poller()
+        self.poller.register(self.control.socket, zmq.POLLIN)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.next_heartbeat = 0.0
+        self.stopping = False
+
+    @abstractmethod
+    def registration(self) -> Register: ...
+
+    @abstractmethod
+    def handle(self, message: Message) -> None: ...
+
+    @abstractmethod
+    def step(self) -> bool:
+        """One unit of model work; False when there was nothing to do."""
+
+    @abstractmethod
+    def heartbeat(self) -> Heartbeat: ...
+
+    def register(self, timeout_s: float = 60.0) -> None:
+        """Announce this worker and wait for the gateway's verdict."""
+        self.control.send(self.registration())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            if self.control.socket.poll(200):
+                for message in self.control.drain():
+                    if isinstance(message, RegisterReply):
+                        if not message.accepted:
+                            raise RegistrationRefused(message.reason)
+                        log.info("%s registered with the gateway", self.worker_id)
+                        return
+                    self.handle(message)
+        raise TimeoutError("the gateway did not answer the registration")
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT."""
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        self.register()
+        busy = False
+        while not self.stopping:
+            ready = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
+            if self.control.socket in ready:
+                for message in self.control.drain():
+                    self.handle(message)
+            self.on_poll(ready)
+            busy = self.step()
+            self._maybe_heartbeat()
+        self.close()
+
+    def on_poll(self, ready: dict[zmq.Socket, int]) -> None:  # noqa: B027 (optional hook)
+        """Hook for workers with more sockets than the control channel."""
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.control.send(self.heartbeat())
+            self.next_heartbeat = now + self.heartbeat_interval_s
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def close(self) -> None:
+        self.control.close()
+        self.context.term()

@@ -1,0 +1,98 @@
+"""Continuous batching for decode: admit, grow, preempt (by recompute), finish. Pure bookkeeping.
+
+A sequence's KV covers `tokens[:num_cached]`; each step feeds `tokens[num_cached:]` (one token
+in steady state, the whole sequence after a preemption) and appends the sampled token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.messages import DecodeRequest
+from engine.block_allocator import BlockAllocator, blocks_needed
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: DecodeRequest
+    tokens: list[int]  # prompt + generated
+    num_generated: int
+    received_kv: Any = None  # KV that arrived with the request, written at admission
+    num_cached: int = 0
+    blocks: list[int] = field(default_factory=list)
+    sampler_state: Any = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request.request_id, self.request.epoch
+
+
+class DecodeScheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def fits_at_all(self, sequence: Sequence) -> bool:
+        return self._need(sequence) <= self.allocator.num_total
+
+    def find(self, key: tuple[str, int]) -> Sequence | None:
+        return next((s for s in [*self.running, *self.waiting] if s.key == key), None)
+
+    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(sequences admitted now, the batch to run this step)."""
+        self._grow_running()
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < self.max_running:
+            sequence = self.waiting[0]
+            if not self.allocator.can_allocate(self._need(sequence)):
+                break
+            self.waiting.popleft()
+            sequence.blocks = self.allocator.allocate(self._need(sequence))
+            self.running.append(sequence)
+            admitted.append(sequence)
+        return admitted, list(self.running)
+
+    def remove(self, sequence: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        else:
+            self.waiting.remove(sequence)
+        self._release(sequence)
+
+    def _need(self, sequence: Sequence) -> int:
+        return blocks_needed(len(sequence.tokens), self.block_size)
+
+    def _grow_running(self) -> None:
+        """Give each running sequence room for this step's tokens; preempt the newest if full."""
+        for sequence in list(self.running):
+            extra = self._need(sequence) - len(sequence.blocks)
+            while extra > 0 and not self.allocator.can_allocate(extra):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is sequence:
+                    break
+            if extra > 0 and sequence in self.running:
+                sequence.blocks += self.allocator.allocate(extra)
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self._release(sequence)
+        sequence.num_cached = 0
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.blocks:
+            self.allocator.free(sequence.blocks)
+        sequence.blocks = []
+        sequence.received_kv = None

@@ -1,0 +1,170 @@
+"""Attention over the paged KV cache, planned once per forward pass and reused by every layer.
+
+New tokens of all sequences are laid out as consecutive rows of one flat batch. Single-token
+sequences (decode steps) attend in one padded, masked SDPA call; longer ones (prefill chunks)
+each get their own causal SDPA call over cached prefix + new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import ForwardBatch
+from engine.kv_cache import slot_mapping
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The single-token sequences of a batch, attended to together."""
+
+    rows: torch.Tensor  # [B] their rows in the flat batch
+    blocks: torch.Tensor  # [B, max_blocks] their block tables, padded, covering every context
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True for keys in the context
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One multi-token sequence: rows begin..end-1 attend causally to its whole context."""
+
+    begin: int
+    end: int
+    blocks: torch.Tensor  # [num_blocks] the blocks holding its context
+    context_len: int  # cached prefix + new tokens
+    mask: torch.Tensor | None  # [T, context_len]; None means plain causal (no cached prefix)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Where each new token goes and what it attends to."""
+
+    block_size: int
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] absolute position of each new token
+    slots: torch.Tensor  # [N] cache slot each new token's K/V is written to
+    last_rows: torch.Tensor  # [num_seqs] row of each sequence's last new token
+    decode: DecodePlan | None
+    prefills: tuple[PrefillPlan, ...]
+
+
+def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks."""
+    tables = _padded_tables(batch, block_size)
+    lengths = torch.tensor([len(tokens) for tokens in batch.token_ids])
+    starts = torch.tensor(batch.start_positions)
+    ends = lengths.cumsum(0)
+    seq_of_row = torch.repeat_interleave(torch.arange(batch.num_seqs), lengths)
+    positions = starts[seq_of_row] + torch.arange(int(ends[-1])) - (ends - lengths)[seq_of_row]
+    slots = slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0]
+    prefills = tuple(
+        _plan_prefill(tables[i], int(ends[i]) - len(tokens), start, len(tokens), block_size)
+        for i, (start, tokens) in enumerate(zip(batch.start_positions, batch.token_ids, strict=True))
+        if len(tokens) > 1
+    )
+    is_decode = torch.nonzero(lengths == 1).flatten()
+    return AttentionPlan(
+        block_size=block_size,
+        token_ids=torch.tensor([t for tokens in batch.token_ids for t in tokens]),
+        positions=positions,
+        slots=slots,
+        last_rows=ends - 1,
+        decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size),
+        prefills=prefills,
+    )
+
+
+def _padded_tables(batch: ForwardBatch, block_size: int) -> torch.Tensor:
+    """Block tables as one `[num_seqs, max_blocks]` tensor, after checking each is big enough."""
+    for start, tokens, table in zip(
+        batch.start_positions, batch.token_ids, batch.block_tables, strict=True
+    ):
+        if start + len(tokens) > len(table) * block_size:
+            raise ValueError(
+                f"{start + len(tokens)} tokens do not fit {len(table)} blocks of {block_size}"
+            )
+    width = max(len(table) for table in batch.block_tables)
+    return torch.tensor([table + [0] * (width - len(table)) for table in batch.block_tables])
+
+
+def _plan_decode(
+    tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int
+) -> DecodePlan | None:
+    if len(tables) == 0:
+        return None
+    context = starts + 1
+    num_blocks = -(-int(context.max()) // block_size)
+    keys = torch.arange(num_blocks * block_size)
+    mask = (keys[None, :] < context[:, None])[:, None, None, :]
+    return DecodePlan(ends - 1, tables[:, :num_blocks], mask)
+
+
+def _plan_prefill(
+    table: torch.Tensor, begin: int, start: int, num_new: int, block_size: int
+) -> PrefillPlan:
+    context_len = start + num_new
+    blocks = table[: -(-context_len // block_size)]
+    mask = None
+    if start > 0:
+        queries = torch.arange(start, context_len)
+        mask = queries[:, None] >= torch.arange(context_len)[None, :]
+    return PrefillPlan(begin, begin + num_new, blocks, context_len, mask)
+
+
+def attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """Attention output `[N, H, D]` of queries `q` `[N, H, D]` over one layer's cache.
+
+    Padded keys are masked out but still multiplied by 0, so the cache must hold finite
+    values everywhere (it starts zeroed).
+    """
+    decode, block_size = plan.decode, plan.block_size
+    if decode is not None and not plan.prefills:
+        return _decode_attention(q, k_cache, v_cache, decode, block_size)
+    out = torch.empty_like(q)
+    if decode is not None:
+        out[decode.rows] = _decode_attention(q[decode.rows], k_cache, v_cache, decode, block_size)
+    for prefill in plan.prefills:
+        rows = slice(prefill.begin, prefill.end)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, prefill, block_size)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+    block_size: int,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    k = _gather_blocks(k_cache, plan.blocks, block_size).transpose(1, 2)  # [B, Hkv, len, D]
+    v = _gather_blocks(v_cache, plan.blocks, block_size).transpose(1, 2)
+    # A query head group sharing one kv head plays the role of the query length, so K/V are
+    # never repeated per query head.
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
+    block_size: int,
+) -> torch.Tensor:
+    context = slice(0, plan.context_len)
+    k = _gather_blocks(k_cache, plan.blocks, block_size)[context].transpose(0, 1)[None]
+    v = _gather_blocks(v_cache, plan.blocks, block_size)[context].transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v,
+        attn_mask=plan.mask, is_causal=plan.mask is None, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of `blocks` (`[..., num_blocks]`) in order: `[..., num_blocks * block_size, H, D]`.
+
+    Copying whole blocks is several times faster on CPU than gathering single slots.
+    """
+    paged = cache.view(-1, block_size, *cache.shape[1:])
+    return paged[blocks].flatten(-4, -3)

@@ -1,0 +1,43 @@
+"""Building a worker's model runtime from config, and its KV layout fingerprint."""
+
+from __future__ import annotations
+
+import torch
+
+from core.cli import base_parser, config_from_args, setup_logging
+from core.config import ModelConfig, WorkerConfig
+from core.worker import Worker
+from engine.prepare import resolve_model
+from engine.runner import ModelRunner, set_threads
+from engine.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
+    if model.dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {list(DTYPES)}, not {model.dtype!r}")
+    set_threads(worker.threads or None)
+    folder = resolve_model(model.name, model.cache_dir)
+    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[model.dtype])
+
+
+def kv_fingerprint(spec: ModelSpec, dtype: str) -> str:
+    """What two workers must agree on to exchange KV (block size may differ: KV moves per token)."""
+    return (f"{spec.name}|{dtype}|layers={spec.num_layers}|kv_heads={spec.num_kv_heads}"
+            f"|head_dim={spec.head_dim}")
+
+
+def worker_main(role: str, worker_class: type[Worker]) -> None:
+    """The command line of a worker process (`python -m prefill`, `python -m decode`)."""
+    parser = base_parser(f"raging {role} worker")
+    parser.add_argument("--worker-id", default=f"{role}-0")
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args()
+    config = config_from_args(args, {"threads": f"{role}.threads"})
+    setup_logging(args.worker_id)
+    worker_config: WorkerConfig = getattr(config, role)
+    runner = load_runner(config.model, worker_config)
+    fingerprint = kv_fingerprint(runner.spec, config.model.dtype)
+    worker = worker_class(args.worker_id, config, runner, fingerprint)  # type: ignore[call-arg]
+    worker.run()

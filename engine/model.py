@@ -1,0 +1,120 @@
+"""Our own Llama forward pass over a paged KV cache (no transformers modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionPlan, attend, plan_attention
+from engine.batch import ForwardBatch
+from engine.kv_cache import PagedKVCache
+from engine.rope import RotaryEmbedding
+from engine.spec import ModelSpec
+from engine.weights import EMBED, LM_HEAD
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    o: torch.Tensor
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
+    """Gather (and fuse) layer `index`'s tensors from Hugging Face-named `weights`."""
+    prefix = f"model.layers.{index}."
+
+    def get(name: str) -> torch.Tensor:
+        if prefix + name not in weights:
+            raise ValueError(f"missing weight {prefix + name}")
+        return weights[prefix + name]
+
+    attn = [get(f"self_attn.{p}_proj.weight") for p in "qkv"]
+    mlp = [get(f"mlp.{p}_proj.weight") for p in ("gate", "up")]
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight"),
+        qkv=torch.cat(attn),
+        o=get("self_attn.o_proj.weight"),
+        post_attention_norm=get("post_attention_layernorm.weight"),
+        gate_up=torch.cat(mlp),
+        down=get("mlp.down_proj.weight"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalize in fp32, scale in the model dtype."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+class LlamaModel:
+    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]) -> None:
+        self.spec = spec
+        self.embed = weights[EMBED]
+        if self.embed.shape != (spec.vocab_size, spec.hidden_size):
+            raise ValueError(f"{EMBED} has shape {tuple(self.embed.shape)}, spec disagrees")
+        self.dtype = self.embed.dtype
+        self.lm_head = weights[LM_HEAD]
+        self.norm = weights["model.norm.weight"]
+        self.layers = [load_layer(weights, i) for i in range(spec.num_layers)]
+        self.rope = RotaryEmbedding(spec, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token.
+
+        Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
+        K/V are written.
+        """
+        assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
+        plan = plan_attention(batch, cache.block_size)
+        if int(plan.positions.max()) >= self.spec.max_position_embeddings:
+            raise ValueError(f"positions exceed {self.spec.max_position_embeddings}")
+        x = F.embedding(plan.token_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            x = self._layer(index, layer, x, plan, cache, layer_hook)
+        last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _layer(
+        self,
+        index: int,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        plan: AttentionPlan,
+        cache: PagedKVCache,
+        layer_hook: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = x.shape[0]
+        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q, k, v = F.linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rope(
+            q.view(num_tokens, spec.num_heads, spec.head_dim),
+            k.view(num_tokens, spec.num_kv_heads, spec.head_dim),
+            plan.positions,
+        )
+        cache.store(index, plan.slots, k, v.view(num_tokens, spec.num_kv_heads, spec.head_dim))
+        if layer_hook is not None:
+            layer_hook(index)
+        attn = attend(q, cache.k[index], cache.v[index], plan)
+        x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
+        h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)

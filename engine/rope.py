@@ -1,0 +1,64 @@
+"""Rotary position embeddings with the config's scaling, as transformers computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.spec import ModelSpec
+
+
+def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
+    """`[head_dim // 2]` rotation frequencies, scaled per `spec.rope_scaling`."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = spec.rope_scaling or {"rope_type": "default"}
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    assert rope_type == "default", rope_type
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: slow down low frequencies by `factor`, blend the middle band smoothly."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for every position up to max_position_embeddings."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        positions = torch.arange(spec.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inverse_frequencies(spec)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate `q` `[N, H, D]` and `k` `[N, Hkv, D]` to their token `positions` `[N]`."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin

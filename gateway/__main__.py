@@ -1,0 +1,43 @@
+"""`python -m gateway --config configs/default.yaml --port 8000`"""
+
+from __future__ import annotations
+
+import uvicorn
+from transformers import AutoTokenizer
+
+from core.cli import base_parser, config_from_args, setup_logging
+from engine.loading import kv_fingerprint
+from engine.prepare import resolve_model
+from engine.spec import load_spec
+from gateway.app import build_app
+from gateway.metrics import Metrics
+from gateway.registry import Registry
+from gateway.state import GatewayState
+
+
+def main() -> None:
+    parser = base_parser("raging gateway (OpenAI-compatible HTTP server)")
+    for flag in ("host", "port", "expect-prefill", "expect-decode"):
+        parser.add_argument(f"--{flag}")
+    args = parser.parse_args()
+    config = config_from_args(args, {
+        "host": "gateway.host", "port": "gateway.port",
+        "expect_prefill": "gateway.expect_prefill", "expect_decode": "gateway.expect_decode",
+    })
+    setup_logging("gateway")
+    folder = resolve_model(config.model.name, config.model.cache_dir)
+    spec = load_spec(folder)
+    gateway = config.gateway
+    registry = Registry(kv_fingerprint(spec, config.model.dtype), gateway.heartbeat_timeout_s,
+                        gateway.expect_prefill, gateway.expect_decode)
+    max_len = min(config.model.max_model_len or spec.max_position_embeddings,
+                  spec.max_position_embeddings)
+    state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
+                         tokenizer=AutoTokenizer.from_pretrained(folder), registry=registry,
+                         metrics=Metrics())
+    uvicorn.run(build_app(state), host=gateway.host, port=gateway.port, loop="uvloop",
+                http="httptools", log_level="warning", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

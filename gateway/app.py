@@ -1,0 +1,85 @@
+"""The Starlette application: routes, error handling, and the control-plane tasks' lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from core.channels import ControlServer
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError, error_response, method_not_allowed, not_found, server_error
+from gateway.openai_api import OpenAIRoutes
+from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+def build_app(state: GatewayState) -> Starlette:
+    routes = OpenAIRoutes(state)
+
+    async def health(request: Request) -> Response:
+        ready = state.registry.ready()
+        body = {"status": "ok" if ready else "starting",
+                "prefill": len(state.registry.alive("prefill")),
+                "decode": len(state.registry.alive("decode"))}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        text = state.metrics.render(state.registry, state.dispatcher.control.dropped)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        context = zmq.asyncio.Context()
+        control = ControlServer(context, state.config.gateway.control_address)
+        state.dispatcher = Dispatcher(control, state.registry)
+        tasks = [asyncio.create_task(state.dispatcher.serve()),
+                 asyncio.create_task(state.dispatcher.watch_liveness())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            control.close()
+            context.term()
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                            Exception: _unexpected_error},
+        lifespan=lifespan,
+    )
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return error_response(method_not_allowed(f"{request.method} is not allowed here"))
+    if exc.status_code == 404:
+        return error_response(not_found(f"no route {request.url.path[:200]}"))
+    return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(server_error())

@@ -1,0 +1,101 @@
+"""OpenAI-shaped API errors: one exception type and its HTTP response.
+
+Every error the gateway reports to a client is an `APIError`; `error_response` turns it into
+`{"error": {"message", "type", "param", "code"}}` with the right status code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+MAX_MESSAGE_CHARS = 1000
+_MAX_PARAM_CHARS = 200
+
+
+def _cap(text: str, limit: int) -> str:
+    # Messages may quote user-derived text; capping keeps a huge input from being echoed back.
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class APIError(Exception):
+    """An error reported to the client with an HTTP status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        self.status = status
+        self.message = _cap(message, MAX_MESSAGE_CHARS)
+        self.type = type
+        self.param = None if param is None else _cap(param, _MAX_PARAM_CHARS)
+        self.code = code
+        self.retry_after = retry_after
+        super().__init__(self.message)
+
+    def to_body(self) -> dict[str, Any]:
+        """The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return f"APIError(status={self.status}, type={self.type!r}, message={self.message!r})"
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """The JSON response for `err`, with `Retry-After` (whole seconds) when it is set."""
+    headers: dict[str, str] = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(err.retry_after)))
+    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the request is malformed or asks for something unsupported."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """404: unknown route or model."""
+    return APIError(404, message, "not_found_error", param, code)
+
+
+def method_not_allowed(message: str) -> APIError:
+    """405: the route exists but not for this HTTP method."""
+    return APIError(405, message, "invalid_request_error")
+
+
+def payload_too_large(message: str) -> APIError:
+    """413: the request body exceeds the size limit."""
+    return APIError(413, message, "invalid_request_error", code="payload_too_large")
+
+
+def rate_limited(message: str, retry_after: float | None = None) -> APIError:
+    """429: too many requests in flight; the client should retry later."""
+    return APIError(429, message, "rate_limit_error", retry_after=retry_after)
+
+
+_SERVER_ERROR = "The server had an error while processing your request."
+
+
+def server_error(message: str = _SERVER_ERROR) -> APIError:
+    """500: an internal failure; the message must not leak internals."""
+    return APIError(500, message, "server_error")
+
+
+def service_unavailable(message: str, retry_after: float | None = None) -> APIError:
+    """503: the server is overloaded, starting, or draining."""
+    return APIError(503, message, "service_unavailable", retry_after=retry_after)

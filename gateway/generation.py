@@ -1,0 +1,108 @@
+"""One request's token events turned into text deltas: detokenized, stop strings applied, timed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.dispatch import Dispatcher, Event, RequestHandle
+from gateway.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    finish_reason: str | None = None  # "stop", "length", or "error" (then `error` says why)
+    error: str = ""
+
+
+KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
+
+
+class Generation:
+    def __init__(self, handle: RequestHandle, dispatcher: Dispatcher, metrics: Metrics,
+                 tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+        self.handle = handle
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.detokenizer = IncrementalDetokenizer(tokenizer, handle.task.prompt_ids)
+        self.stops = StopStringMatcher(stops)
+        self.started = time.monotonic()
+        self.last_token_at: float | None = None
+        self.completion_tokens = 0
+        self.closed = False
+        metrics.inflight.inc()
+        metrics.queued.inc()
+
+    def close(self) -> None:
+        """Always called once at the end: aborts an unfinished request and settles the gauges."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort()
+        if self.last_token_at is None:
+            self.metrics.queued.dec()
+        self.metrics.inflight.dec()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.handle.task.prompt_ids)
+
+    async def deltas(self, keepalive_s: float, timeout_s: float) -> AsyncIterator[Delta | None]:
+        """Text deltas until one carries a finish_reason; KEEPALIVE while waiting."""
+        deadline = self.started + timeout_s
+        while True:
+            wait = min(keepalive_s, deadline - time.monotonic())
+            try:
+                event = await asyncio.wait_for(self.handle.events.get(), max(wait, 0))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    self.abort()
+                    yield Delta("", "error", "the request timed out")
+                    return
+                yield KEEPALIVE
+                continue
+            delta = self._apply(event)
+            if delta.text or delta.finish_reason:
+                yield delta
+            if delta.finish_reason:
+                return
+
+    def abort(self) -> None:
+        self.dispatcher.abort(self.handle)
+
+    def _apply(self, event: Event) -> Delta:
+        if event.token_id is None:
+            return Delta("", "error", event.error)
+        self._count_token()
+        # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the text.
+        text = "" if event.finish_reason == "stop" else self.detokenizer.add(event.token_id)
+        if event.finish_reason is not None:
+            text += self.detokenizer.flush()
+        emit, hit = self.stops.feed(text)
+        if hit:
+            self.abort()
+            return self._finished(emit, "stop")
+        if event.finish_reason is not None:
+            return self._finished(emit + self.stops.flush(), event.finish_reason)
+        return Delta(emit)
+
+    def _finished(self, text: str, reason: str) -> Delta:
+        self.metrics.e2e.observe(time.monotonic() - self.started)
+        return Delta(text, reason)
+
+    def _count_token(self) -> None:
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.ttft.observe(now - self.started)
+            self.metrics.queued.dec()
+        else:
+            self.metrics.inter_token.observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.completion_tokens += 1
+        self.metrics.generation_tokens.inc()

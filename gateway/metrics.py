@@ -1,0 +1,54 @@
+"""Prometheus metrics of the gateway: requests, tokens, latencies, queue, KV blocks per worker."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+)
+
+from gateway.registry import Registry
+
+disable_created_metrics()
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("raging_requests", "Requests by route and outcome",
+                                ["route", "outcome"], registry=r)
+        self.prompt_tokens = Counter("raging_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("raging_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.ttft = Histogram("raging_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("raging_inter_token_latency_seconds", "Between tokens",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("raging_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("raging_requests_inflight", "Requests admitted, not finished",
+                              registry=r)
+        self.queued = Gauge("raging_requests_queued", "Requests waiting for their first token",
+                            registry=r)
+        self.workers = Gauge("raging_workers", "Live workers", ["role"], registry=r)
+        self.kv_used = Gauge("raging_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
+        self.kv_total = Gauge("raging_kv_blocks_total", "KV blocks", ["worker"], registry=r)
+        self.running = Gauge("raging_worker_running", "Sequences running", ["worker"], registry=r)
+        self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
+                             registry=r)
+
+    def render(self, membership: Registry, dropped: int) -> bytes:
+        """The exposition text, with the per-worker gauges refreshed from the registry."""
+        for gauge in (self.kv_used, self.kv_total, self.running):
+            gauge.clear()
+        for role in ("prefill", "decode"):
+            self.workers.labels(role).set(len(membership.alive(role)))
+        for worker in membership.workers.values():
+            name = worker.worker_id
+            if worker.load is not None:
+                self.kv_used.labels(name).set(worker.num_blocks - worker.load.free_blocks)
+                self.running.labels(name).set(worker.load.running)
+            self.kv_total.labels(name).set(worker.num_blocks)
+        self.dropped.set(dropped)
+        return generate_latest(self.registry)

@@ -1,0 +1,218 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions (streaming and not), /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from anyio import to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from core.messages import GenerationTask, Sampling
+from gateway.errors import APIError, not_found, payload_too_large, rate_limited
+from gateway.generation import KEEPALIVE, Delta, Generation
+from gateway.protocol import (
+    GenerationParams,
+    check_context,
+    generation_params,
+    parse_chat_request,
+    parse_completion_request,
+    render_chat_prompt,
+    tokenize_prompt,
+)
+from gateway.state import GatewayState
+
+
+class ChatFormat:
+    """Shapes of /v1/chat/completions responses."""
+
+    object_name = "chat.completion"
+
+    def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    def choice_full(self, text: str, reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+
+
+class CompletionFormat:
+    """Shapes of /v1/completions responses."""
+
+    object_name = "text_completion"
+
+    def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+    def choice_full(self, text: str, reason: str | None) -> dict[str, Any]:
+        return self.choice_delta(text, reason, first=False)
+
+
+Format = ChatFormat | CompletionFormat
+
+
+class OpenAIRoutes:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_chat_request(await self._read_body(request))
+        self._check_model(body.model)
+        tokenizer = self.state.tokenizer
+        prompt_ids = await to_thread.run_sync(render_chat_prompt, tokenizer, body.messages)
+        return await self._serve(request, ChatFormat(), prompt_ids, generation_params(body))
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_completion_request(await self._read_body(request))
+        self._check_model(body.model)
+        tokenizer = self.state.tokenizer
+        prompt_ids = await to_thread.run_sync(tokenize_prompt, tokenizer, body.prompt)
+        return await self._serve(request, CompletionFormat(), prompt_ids, generation_params(body))
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.state.model_name, "object": "model", "created": self.state.started,
+                "owned_by": "raging", "max_model_len": self.state.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refusing (413) anything over the limit without buffering it."""
+        limit = self.state.config.gateway.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise payload_too_large(f"request body exceeds {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.state.model_name:
+            raise not_found(f"The model '{model[:100]}' does not exist; this server serves "
+                            f"'{self.state.model_name}'.", param="model", code="model_not_found")
+
+    async def _serve(self, request: Request, fmt: Format, prompt_ids: list[int],
+                     params: GenerationParams) -> Response:
+        max_tokens = check_context(len(prompt_ids), params.max_tokens, self.state.max_model_len)
+        if len(self.state.dispatcher.requests) >= self.state.config.gateway.max_inflight_requests:
+            raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
+        task = GenerationTask(
+            prompt_ids=prompt_ids,
+            sampling=Sampling(params.temperature, params.top_p, params.top_k, params.seed),
+            max_tokens=max_tokens, stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+        )
+        handle = self.state.dispatcher.submit(task)
+        self.state.metrics.prompt_tokens.inc(len(prompt_ids))
+        generation = Generation(handle, self.state.dispatcher, self.state.metrics,
+                                self.state.tokenizer, params.stop)
+        reply = Reply(fmt, generation, self.state, params.include_usage)
+        if params.stream:
+            return StreamingResponse(reply.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(request)
+
+
+class Reply:
+    """One response, streamed as SSE chunks or returned whole."""
+
+    def __init__(self, fmt: Format, generation: Generation, state: GatewayState,
+                 include_usage: bool) -> None:
+        prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
+        self.id = f"{prefix}-{generation.handle.request_id}"
+        self.fmt = fmt
+        self.generation = generation
+        self.state = state
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    def _deltas(self) -> AsyncIterator[Delta | None]:
+        gateway = self.state.config.gateway
+        return self.generation.deltas(gateway.keepalive_s, gateway.request_timeout_s)
+
+    async def sse(self) -> AsyncIterator[str]:
+        outcome = "aborted"
+        try:
+            if isinstance(self.fmt, ChatFormat):
+                yield self._event([self.fmt.choice_delta("", None, first=True)])
+            async for delta in self._deltas():
+                if delta is KEEPALIVE:
+                    yield ": keepalive\n\n"
+                elif delta.finish_reason == "error":
+                    outcome = "error"
+                    yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
+                    return
+                else:
+                    yield self._event([self.fmt.choice_delta(delta.text, delta.finish_reason,
+                                                              first=False)])
+            outcome = "ok"
+            if self.include_usage:
+                yield self._event([], usage=self._usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._close(outcome)
+
+    async def whole(self, request: Request) -> Response:
+        watcher = asyncio.create_task(_wait_for_disconnect(request))
+        outcome = "aborted"
+        try:
+            text: list[str] = []
+            reason = None
+            async for delta in self._deltas():
+                if watcher.done():
+                    return Response(status_code=499)
+                if delta is KEEPALIVE:
+                    continue
+                if delta.finish_reason == "error":
+                    outcome = "error"
+                    return JSONResponse(_stream_error(delta.error), status_code=503)
+                text.append(delta.text)
+                reason = delta.finish_reason
+            outcome = "ok"
+            body = self._body([self.fmt.choice_full("".join(text), reason)], usage=self._usage())
+            return JSONResponse(body)
+        finally:
+            watcher.cancel()
+            self._close(outcome)
+
+    def _close(self, outcome: str) -> None:
+        self.generation.close()
+        route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
+        self.state.metrics.requests.labels(route, outcome).inc()
+
+    def _usage(self) -> dict[str, int]:
+        prompt, completion = self.generation.prompt_tokens, self.generation.completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+              chunk: bool = False) -> dict[str, Any]:
+        name = self.fmt.object_name + (".chunk" if chunk and isinstance(self.fmt, ChatFormat)
+                                       else "")
+        body: dict[str, Any] = {"id": self.id, "object": name, "created": self.created,
+                                "model": self.state.model_name, "choices": choices}
+        if usage is not None or not chunk:
+            body["usage"] = usage
+        return body
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        return f"data: {json.dumps(self._body(choices, usage, chunk=True))}\n\n"
+
+
+def _stream_error(message: str) -> dict[str, Any]:
+    return APIError(503, message, "server_error", code="generation_failed").to_body()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,407 @@
+"""The OpenAI request schema for /v1/chat/completions and /v1/completions.
+
+Request bodies are parsed into pydantic models (`parse_chat_request`, `parse_completion_request`),
+any malformed body becoming a 400 `APIError`, then reduced to the internal, frozen
+`GenerationParams`. Prompts are turned into token ids with `render_chat_prompt` or
+`tokenize_prompt`, and `check_context` fits prompt and completion into the model's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+
+from jinja2 import TemplateError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from gateway.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+_INT64_MIN = -(2**63)
+_UINT64_MAX = 2**64 - 1
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    # PydanticCustomError formats its template with str.format-style fields: no braces in messages.
+    return PydanticCustomError("invalid_value", message)
+
+
+def _unsupported(what: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"{what} is not supported yet")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Request(BaseModel):
+    # strict: no "1" -> 1 or true -> 1 coercions; OpenAI clients send extra fields, so ignore them.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Request):
+    """`stream_options`: whether the last streamed chunk carries token usage."""
+
+    include_usage: bool | None = False
+
+
+class ResponseFormat(_Request):
+    """`response_format`: only plain text is supported."""
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, value: str) -> str:
+        if value != "text":
+            raise _invalid("only response_format type 'text' is supported")
+        return value
+
+
+class ChatMessage(_Request):
+    """One chat message; list-of-parts content is normalized to a string (parts joined by \\n)."""
+
+    role: Role
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: object) -> object:
+        if value is None:
+            raise _invalid("content must be a string or a list of text parts")
+        if isinstance(value, list):
+            return "\n".join(_part_text(part) for part in value)
+        return value
+
+
+def _part_text(part: object) -> str:
+    if not isinstance(part, dict):
+        raise _invalid("each content part must be an object")
+    if part.get("type") != "text":
+        raise _invalid("only content parts of type 'text' are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise _invalid("a text content part needs a string 'text' field")
+    return text
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and text completion requests."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int | None = Field(default=1, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
+    ignore_eos: bool | None = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _invalid("only n=1 is supported for now")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        stops = [value] if isinstance(value, str) else value
+        if stops is None:
+            return None
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _invalid("stop must be a string or a list of strings")
+        _check_stops(stops)
+        return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise _invalid("stream_options is only allowed when stream is true")
+        return value
+
+
+def _check_stops(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+    if any(not s for s in stops):
+        raise _invalid("stop strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise _invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("logprobs")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise _unsupported("top_logprobs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise _unsupported("tool calling")
+        return value
+
+
+class CompletionRequest(_SamplingRequest):
+    """The body of POST /v1/completions; `prompt` is normalized to a string or token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, value: object) -> object:
+        return _normalize_prompt(value, nested=False)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported("echo")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _invalid("only best_of=1 is supported for now")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("suffix")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise _unsupported("logprobs")
+        return value
+
+
+def _normalize_prompt(value: object, nested: bool) -> str | list[int]:
+    """A string, a list of token ids, or a one-element list holding either."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _invalid("prompt must be a string or a list of token ids")
+    if not value:
+        raise _invalid("prompt must not be an empty list")
+    if all(_is_token_id(item) for item in value):
+        return value
+    if nested or not all(isinstance(item, str | list) for item in value):
+        raise _invalid("prompt must be a string or a list of token ids")
+    if len(value) != 1:
+        raise _invalid("only one prompt per request is supported for now")
+    return _normalize_prompt(value[0], nested=True)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What to generate, independent of the API the request came through.
+
+    `max_tokens` None means "up to the context limit"; `top_k` 0 disables top-k;
+    `include_usage` asks for a final usage chunk when streaming.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_usage: bool = False
+    stream: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
+    """The internal generation parameters of a validated request."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    stream = bool(req.stream)
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        seed=req.seed,
+        stop=tuple(req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+        stream=stream,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+    )
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Parse a /v1/chat/completions body; any invalid body raises a 400 `APIError`."""
+    return _parse(ChatCompletionRequest, body)
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Parse a /v1/completions body; any invalid body raises a 400 `APIError`."""
+    return _parse(CompletionRequest, body)
+
+
+def _parse(model: type[_Model], body: bytes) -> _Model:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A 400 naming the first invalid field; the offending input value is never included."""
+    first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+    param = _format_loc(first["loc"])
+    message = first["msg"]
+    if param is not None:
+        return bad_request(f"Invalid '{param}': {message}", param=param)
+    if first["type"] == "json_invalid":
+        return bad_request(message)
+    return bad_request(f"Invalid request body: {message}")
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str | None:
+    """Pydantic's error location as `messages[0].content`; None for the body itself."""
+    text = ""
+    for item in loc:
+        text += f"[{item}]" if isinstance(item, int) else (f".{item}" if text else item)
+    return text or None
+
+
+def render_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage]
+) -> list[int]:
+    """Token ids of `messages` under the model's chat template, ending in the assistant cue."""
+    conversation = [_template_message(message) for message in messages]
+    try:
+        encoded = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+    except TemplateError as exc:
+        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
+    return _token_ids(encoded)
+
+
+def _template_message(message: ChatMessage) -> dict[str, str]:
+    # Chat templates predate OpenAI's "developer" role; it means "system" to them.
+    role = "system" if message.role == "developer" else message.role
+    entry = {"role": role, "content": message.content}
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
+
+
+def _token_ids(encoded: object) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); 4.x a list.
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    if not isinstance(ids, list):
+        raise TypeError(f"unexpected chat template output {type(ids).__name__}")
+    return [int(token) for token in ids]
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
+    """Token ids of a completion prompt; given ids are checked against the vocabulary."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    vocab_size = len(tokenizer)
+    if any(not 0 <= token < vocab_size for token in prompt):
+        raise bad_request(
+            f"prompt token ids must be in the range [0, {vocab_size})", param="prompt"
+        )
+    return list(prompt)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The effective max_tokens for a prompt, or a 400 when it cannot fit the context."""
+    if prompt_len <= 0:
+        raise bad_request("The prompt is empty: it must contain at least one token.")
+    if max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your prompt is {prompt_len} tokens, which leaves no room for the completion. "
+                "Please reduce the length of the prompt.",
+                code="context_length_exceeded",
+            )
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the length of the prompt "
+            "or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens

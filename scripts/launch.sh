@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
+#   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
+# Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
+# and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
+RUN_DIR=""
+usage() { sed -n 2,5p "$0"; exit "${1:-0}"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --prefill) PREFILL="$2"; shift 2 ;;
+    --decode) DECODE="$2"; shift 2 ;;
+    --host) HOST="$2"; shift 2 ;;
+    --port) PORT="$2"; shift 2 ;;
+    --config) CONFIG="$2"; shift 2 ;;
+    --model) MODEL="$2"; shift 2 ;;
+    --control) CONTROL="$2"; shift 2 ;;   # default: a socket in the run folder
+    --run-dir) RUN_DIR="$2"; shift 2 ;;
+    -h|--help) usage 0 ;;
+    *) echo "unknown flag $1" >&2; usage 2 ;;
+  esac
+done
+[[ "$PREFILL" =~ ^[1-9][0-9]*$ && "$DECODE" =~ ^[1-9][0-9]*$ ]] || { echo "--prefill and --decode take positive counts" >&2; exit 2; }
+
+source "$ROOT/scripts/setup.sh"
+RUN_DIR="${RUN_DIR:-$ROOT/runs/$(date +%Y%m%d-%H%M%S)-$$}"
+mkdir -p "$RUN_DIR"
+CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
+COMMON=(--config "$CONFIG" --control-address "$CONTROL")
+[[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
+
+# Prepare the model once, with a progress bar, before any worker needs it.
+"$RAGING_PY" -m engine.prepare --config "$CONFIG" ${MODEL:+--model "$MODEL"} >/dev/null
+
+PIDS=()
+stop_all() {
+  trap - INT TERM EXIT
+  [[ ${#PIDS[@]} -gt 0 ]] || exit 0
+  echo "[launch] stopping ${#PIDS[@]} processes"
+  kill -TERM "${PIDS[@]}" 2>/dev/null || true
+  for _ in $(seq 50); do
+    alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [[ $alive == 0 ]] && break; sleep 0.2
+  done
+  kill -KILL "${PIDS[@]}" 2>/dev/null || true
+  wait 2>/dev/null || true
+  exit 0
+}
+trap stop_all INT TERM EXIT
+
+start() {  # start NAME ARGS...: one process, logged to its own file
+  local name="$1"; shift
+  (cd "$ROOT" && exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
+  PIDS+=($!)
+  echo "$! $name" >> "$RUN_DIR/pids"
+}
+
+start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
+  --expect-prefill "$PREFILL" --expect-decode "$DECODE"
+for i in $(seq 0 $((PREFILL - 1))); do start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i"; done
+for i in $(seq 0 $((DECODE - 1))); do start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i"; done
+
+URL="http://$HOST:$PORT"
+echo "[launch] waiting for 1 gateway + $PREFILL prefill + $DECODE decode (logs: $RUN_DIR)"
+until curl -sf -o /dev/null "$URL/health"; do
+  for pid in "${PIDS[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      name="$(awk -v p="$pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
+      echo "[launch] $name exited during start-up; its log ends:" >&2
+      tail -n 20 "$RUN_DIR/$name.log" >&2
+      exit 1
+    fi
+  done
+  sleep 0.5
+done
+echo "[launch] ready: $URL (OpenAI API at $URL/v1); Ctrl-C stops everything"
+LIVE=("${PIDS[@]}")
+while [[ ${#LIVE[@]} -gt 0 ]]; do
+  done_pid=""
+  wait -n -p done_pid "${LIVE[@]}" || true
+  [[ -n "$done_pid" ]] || continue
+  LIVE=($(printf '%s\n' "${LIVE[@]}" | grep -vx "$done_pid" || true))
+  name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
+  echo "[launch] $name exited; see $RUN_DIR/$name.log"
+  [[ "$name" == gateway ]] && exit 1
+done

@@ -1,0 +1,413 @@
+"""Request parsing, validation, prompt building and context checks of gateway.protocol."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.prepare import resolve_model
+from gateway.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    rate_limited,
+    service_unavailable,
+)
+from gateway.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatMessage,
+    GenerationParams,
+    check_context,
+    generation_params,
+    parse_chat_request,
+    parse_completion_request,
+    render_chat_prompt,
+    tokenize_prompt,
+)
+
+MESSAGES = [{"role": "user", "content": "Hello!"}]
+LONG = "Z" * 50_000
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(
+        resolve_model("SmolLM2-135M-Instruct", "~/.cache/raging/models")
+    )
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode()
+
+
+def completion(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "prompt": "Once upon a time", **fields}).encode()
+
+
+def raises_400(parse: Any, body: bytes) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body)
+    err = info.value
+    assert err.status == 400
+    body_json = err.to_body()
+    assert set(body_json) == {"error"}
+    assert set(body_json["error"]) == {"message", "type", "param", "code"}
+    assert body_json["error"]["type"] == "invalid_request_error"
+    assert body_json["error"]["message"]
+    return err
+
+
+BAD_BODIES: list[tuple[bytes, str | None]] = [
+    (b"", None),
+    (b"null", None),
+    (b"x", None),
+    (b"[]", None),
+    (b"42", None),
+    (b'"messages"', None),
+    (b'{"model": "m", "messages": [', None),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    (b"\xff\xfe\x00", None),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', None),
+    (b'{"model": "m"}', "messages"),
+    (json.dumps({"messages": MESSAGES}).encode(), "model"),
+    (chat(model=""), "model"),
+    (chat(model=7), "model"),
+    (chat(messages=[]), "messages"),
+    (chat(messages=None), "messages"),
+    (chat(messages="hi"), "messages"),
+    (chat(messages=[{"content": "hi"}]), "messages[0].role"),
+    (chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    (chat(messages=[{"role": "user"}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": None}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": ["text"]}]), "messages[0].content"),
+    (chat(messages=[MESSAGES[0], {"role": "user", "content": 1}]), "messages[1].content"),
+    (chat(max_tokens=0), "max_tokens"),
+    (chat(max_tokens=-5), "max_tokens"),
+    (chat(max_tokens=1.5), "max_tokens"),
+    (chat(max_tokens="10"), "max_tokens"),
+    (chat(max_tokens=True), "max_tokens"),
+    (chat(max_completion_tokens=0), "max_completion_tokens"),
+    (chat(temperature=-0.1), "temperature"),
+    (chat(temperature=2.5), "temperature"),
+    (chat(temperature="hot"), "temperature"),
+    (chat().replace(b'"model"', b'"temperature": NaN, "model"'), "temperature"),
+    (chat().replace(b'"model"', b'"temperature": Infinity, "model"'), "temperature"),
+    (chat().replace(b'"model"', b'"top_p": 1e400, "model"'), "top_p"),
+    (chat(top_p=0), "top_p"),
+    (chat(top_p=1.5), "top_p"),
+    (chat(top_k=-2), "top_k"),
+    (chat(n=0), "n"),
+    (chat(n=-1), "n"),
+    (chat(n=2), "n"),
+    (chat(stream="yes"), "stream"),
+    (chat(stream_options={"include_usage": True}), "stream_options"),
+    (chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+    (chat(stop=5), "stop"),
+    (chat(stop=[""]), "stop"),
+    (chat(stop=""), "stop"),
+    (chat(stop=["a", 1]), "stop"),
+    (chat(stop=[str(i) for i in range(17)]), "stop"),
+    (chat(stop="s" * 1001), "stop"),
+    (chat(stop_token_ids=[-1]), "stop_token_ids[0]"),
+    (chat(stop_token_ids=list(range(65))), "stop_token_ids"),
+    (chat(seed="x"), "seed"),
+    (chat(seed=2**70), "seed"),
+    (chat(ignore_eos=1), "ignore_eos"),
+    (chat(presence_penalty=2.5), "presence_penalty"),
+    (chat(frequency_penalty=-3), "frequency_penalty"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(top_logprobs=3), "top_logprobs"),
+    (chat(top_logprobs=21), "top_logprobs"),
+    (chat(response_format={"type": "json_object"}), "response_format.type"),
+    (chat(response_format="text"), "response_format"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(user=5), "user"),
+]
+
+BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
+    (json.dumps({"model": "m"}).encode(), "prompt"),
+    (completion(prompt=None), "prompt"),
+    (completion(prompt=5), "prompt"),
+    (completion(prompt=[]), "prompt"),
+    (completion(prompt=[[]]), "prompt"),
+    (completion(prompt=["a", "b"]), "prompt"),
+    (completion(prompt=[[1, 2], [3]]), "prompt"),
+    (completion(prompt=[[[1]]]), "prompt"),
+    (completion(prompt=[1, "a"]), "prompt"),
+    (completion(prompt=[1, True]), "prompt"),
+    (completion(prompt=[1.5]), "prompt"),
+    (completion(prompt={"text": "x"}), "prompt"),
+    (completion(max_tokens=0), "max_tokens"),
+    (completion(echo=True), "echo"),
+    (completion(best_of=2), "best_of"),
+    (completion(suffix="tail"), "suffix"),
+    (completion(logprobs=1), "logprobs"),
+    (completion(n=3), "n"),
+    (completion(temperature=3), "temperature"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_BODIES)
+def test_bad_chat_bodies_are_400(body: bytes, param: str | None) -> None:
+    err = raises_400(parse_chat_request, body)
+    assert err.param == param
+    if param is not None:
+        assert param in err.message
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_bodies_are_400(body: bytes, param: str | None) -> None:
+    err = raises_400(parse_completion_request, body)
+    assert err.param == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(model=LONG + "x" * 300),
+        chat(temperature=LONG),
+        chat(stop=[LONG]),
+        chat(messages=[{"role": LONG, "content": "hi"}]),
+        chat(messages=[{"role": "user", "content": [{"type": LONG}]}]),
+        json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": LONG}).encode(),
+        b'{"model": "' + LONG.encode(),
+    ],
+)
+def test_errors_never_echo_large_input(body: bytes) -> None:
+    err = raises_400(parse_chat_request, body)
+    text = json.dumps(err.to_body())
+    assert "ZZZZZZZZ" not in text
+    assert len(text) < 1500
+
+
+def test_unsupported_features_say_so() -> None:
+    assert "n=1" in raises_400(parse_chat_request, chat(n=4)).message
+    assert "not supported" in raises_400(parse_chat_request, chat(logprobs=True)).message
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    err = raises_400(parse_chat_request, chat(messages=[{"role": "user", "content": image}]))
+    assert "text" in err.message
+    err = raises_400(parse_completion_request, completion(prompt=["a", "b"]))
+    assert "one prompt" in err.message
+
+
+def test_minimal_chat_request_defaults() -> None:
+    req = parse_chat_request(chat())
+    assert req.messages == [ChatMessage(role="user", content="Hello!")]
+    assert generation_params(req) == GenerationParams(
+        max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(),
+        stop_token_ids=(), ignore_eos=False, include_usage=False, stream=False,
+    )  # fmt: skip
+
+
+def test_full_chat_request_converts() -> None:
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    body = chat(
+        messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+        max_tokens=50, max_completion_tokens=20, temperature=0, top_p=0.9, top_k=40, n=1,
+        stream=True, stream_options={"include_usage": True}, stop="END", stop_token_ids=[7, 9],
+        seed=1234, ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=False,
+        top_logprobs=0, response_format={"type": "text"}, user="u1", tools=[],
+        unknown_extension={"anything": [1, 2]}, metadata={"k": "v"},
+    )  # fmt: skip
+    req = parse_chat_request(body)
+    assert req.messages[1].content == "one\ntwo"
+    assert generation_params(req) == GenerationParams(
+        max_tokens=20, temperature=0.0, top_p=0.9, top_k=40, seed=1234, stop=("END",),
+        stop_token_ids=(7, 9), ignore_eos=True, include_usage=True, stream=True,
+        presence_penalty=0.5, frequency_penalty=-0.5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"top_k": -1}, {"top_k": 0}),
+        ({"top_k": 0}, {"top_k": 0}),
+        ({"temperature": None, "top_p": None}, {}),
+        ({"stop": ["a", "bc"]}, {"stop": ("a", "bc")}),
+        ({"stop": None}, {}),
+        ({"stream": True}, {"stream": True}),
+        ({"stream": True, "stream_options": {}}, {"stream": True}),
+        ({"stream": True, "stream_options": {"include_usage": False}}, {"stream": True}),
+        ({"max_tokens": 7}, {"max_tokens": 7}),
+        ({"seed": -(2**63)}, {"seed": -(2**63)}),
+        ({"temperature": 2}, {"temperature": 2.0}),
+    ],
+)
+def test_chat_params(fields: dict[str, Any], expected: dict[str, Any]) -> None:
+    params = generation_params(parse_chat_request(chat(**fields)))
+    assert params == GenerationParams(**expected)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hello", "hello"),
+        ("", ""),
+        ([1, 2, 3], [1, 2, 3]),
+        (["hello"], "hello"),
+        ([[4, 5]], [4, 5]),
+    ],
+)
+def test_completion_prompt_forms(prompt: object, expected: object) -> None:
+    req = parse_completion_request(completion(prompt=prompt))
+    assert req.prompt == expected
+
+
+def test_completion_defaults_and_params() -> None:
+    req = parse_completion_request(completion())
+    assert generation_params(req).max_tokens == DEFAULT_COMPLETION_MAX_TOKENS
+    req = parse_completion_request(
+        completion(max_tokens=None, echo=False, best_of=1, suffix="", stop=["\n"], seed=3)
+    )
+    params = generation_params(req)
+    assert (params.max_tokens, params.stop, params.seed) == (None, ("\n",), 3)
+
+
+def test_request_models_are_frozen() -> None:
+    req = parse_chat_request(chat())
+    assert isinstance(req, ChatCompletionRequest)
+    with pytest.raises(ValueError):
+        req.model = "other"  # type: ignore[misc]
+
+
+def test_render_chat_prompt_uses_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = parse_chat_request(chat()).messages
+    ids = render_chat_prompt(tokenizer, messages)
+    assert all(isinstance(token, int) for token in ids)
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_render_chat_prompt_maps_developer_and_joins_parts(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    parts = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "Rules."},
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": "Sure."},
+            {"role": "user", "content": "日本語 😀"},
+        ]
+    )
+    text = tokenizer.decode(render_chat_prompt(tokenizer, parse_chat_request(body).messages))
+    assert text == (
+        "<|im_start|>system\nRules.<|im_end|>\n<|im_start|>user\nA\nB<|im_end|>\n"
+        "<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\n日本語 😀<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+class _RejectingTemplate:
+    def apply_chat_template(self, *args: object, **kwargs: object) -> list[int]:
+        raise TemplateError("Conversation roles must alternate user/assistant")
+
+
+class _ListTemplate:
+    def apply_chat_template(self, *args: object, **kwargs: object) -> list[int]:
+        return [5, 6, 7]
+
+
+def test_render_chat_prompt_template_errors_are_400() -> None:
+    messages = parse_chat_request(chat()).messages
+    with pytest.raises(APIError) as info:
+        render_chat_prompt(_RejectingTemplate(), messages)  # type: ignore[arg-type]
+    assert info.value.status == 400
+    assert info.value.param == "messages"
+    assert "alternate" in info.value.message
+
+
+def test_render_chat_prompt_accepts_plain_list_output() -> None:
+    messages = parse_chat_request(chat()).messages
+    assert render_chat_prompt(_ListTemplate(), messages) == [5, 6, 7]  # type: ignore[arg-type]
+
+
+def test_tokenize_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert tokenize_prompt(tokenizer, "hello world") == tokenizer.encode("hello world")
+    assert tokenize_prompt(tokenizer, "hello world") == [28120, 905]
+    assert tokenize_prompt(tokenizer, "") == []
+    assert tokenize_prompt(tokenizer, [1, 2, 49151]) == [1, 2, 49151]
+
+
+@pytest.mark.parametrize("ids", [[49152], [0, -1], [10**9]])
+def test_tokenize_prompt_rejects_out_of_vocab(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int]
+) -> None:
+    with pytest.raises(APIError) as info:
+        tokenize_prompt(tokenizer, ids)
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert "49152" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "max_model_len", "expected"),
+    [
+        (10, None, 100, 90),
+        (10, 5, 100, 5),
+        (10, 90, 100, 90),
+        (99, None, 100, 1),
+        (1, 1, 2, 1),
+    ],
+)
+def test_check_context_fits(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, expected: int
+) -> None:
+    assert check_context(prompt_len, max_tokens, max_model_len) == expected
+
+
+def test_check_context_too_long_names_the_limits() -> None:
+    with pytest.raises(APIError) as info:
+        check_context(8000, 1000, 8192)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
+    for number in ("8192", "9000", "8000", "1000"):
+        assert number in err.message
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(100, None), (150, None), (91, 10)])
+def test_check_context_rejects_overflow(prompt_len: int, max_tokens: int | None) -> None:
+    with pytest.raises(APIError) as info:
+        check_context(prompt_len, max_tokens, 100)
+    assert info.value.status == 400
+    assert "100" in info.value.message and str(prompt_len) in info.value.message
+
+
+def test_check_context_rejects_empty_prompt() -> None:
+    with pytest.raises(APIError) as info:
+        check_context(0, 10, 100)
+    assert info.value.status == 400
+    assert "empty" in info.value.message
+
+
+def test_error_response_shape_and_retry_after() -> None:
+    response = error_response(bad_request("bad thing", param="temperature", code="x"))
+    assert response.status_code == 400
+    assert json.loads(response.body) == {
+        "error": {
+            "message": "bad thing",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "x",
+        }
+    }
+    assert "retry-after" not in response.headers
+    assert error_response(rate_limited("busy", retry_after=1.2)).headers["retry-after"] == "2"
+    unavailable = error_response(service_unavailable("draining", retry_after=5))
+    assert (unavailable.status_code, unavailable.headers["retry-after"]) == (503, "5")
+
+
+def test_error_messages_are_capped() -> None:
+    err = bad_request("x" * 10_000, param="p" * 10_000)
+    assert len(err.message) <= 1000
+    assert err.param is not None and len(err.param) <= 200
+    assert str(err) == err.message
