@@ -68,11 +68,13 @@ class ControlClient:
         messages: list[Message] = []
         while True:
             try:
-                data = self.socket.recv(flags=zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return messages
             try:
-                messages.append(decode(data))
+                if len(frames) != 1:
+                    raise MalformedMessage(f"expected 1 frame, got {len(frames)}")
+                messages.append(decode(frames[0]))
             except MalformedMessage as exc:
                 log.warning("dropped malformed control message: %s", exc)
                 self.dropped += 1

@@ -61,16 +61,35 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
     """Read a YAML file (or defaults), apply `section.key` overrides, and validate types."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = _parse_yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: top level must be a mapping")
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if not key:
             raise ValueError(f"override {dotted!r} must look like section.key")
-        parsed = yaml.safe_load(value) if isinstance(value, str) else value
-        raw.setdefault(section, {})[key] = parsed
+        # A str setting takes the text as is: "123", "yes" or "~" must not turn into 123/True/None.
+        as_text = _hint_of(section, key) is str or not isinstance(value, str)
+        parsed = value if as_text else _parse_yaml(value, f"override {dotted!r}")
+        section_raw = raw.setdefault(section, {})
+        if not isinstance(section_raw, dict):
+            raise ValueError(f"config.{section}: expected a mapping")
+        section_raw[key] = parsed
     return _build(Config, raw, "config")
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: not valid YAML: {exc}") from None
+
+
+def _hint_of(section: str, key: str) -> Any:
+    section_hint = typing.get_type_hints(Config).get(section)
+    if not dataclasses.is_dataclass(section_hint):
+        return None
+    return typing.get_type_hints(section_hint).get(key)
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:

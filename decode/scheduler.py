@@ -75,6 +75,8 @@ class DecodeScheduler:
     def _grow_running(self) -> None:
         """Give each running sequence room for this step's tokens; preempt the newest if full."""
         for sequence in list(self.running):
+            if sequence not in self.running:
+                continue  # preempted earlier in this loop: it must not preempt others
             extra = self._need(sequence) - len(sequence.blocks)
             while extra > 0 and not self.allocator.can_allocate(extra):
                 victim = self.running[-1]

@@ -6,7 +6,7 @@ import torch
 
 from core.cli import base_parser, config_from_args, setup_logging
 from core.config import ModelConfig, WorkerConfig
-from core.worker import Worker
+from core.worker import RegistrationRefused, Worker
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
@@ -40,4 +40,7 @@ def worker_main(role: str, worker_class: type[Worker]) -> None:
     runner = load_runner(config.model, worker_config)
     fingerprint = kv_fingerprint(runner.spec, config.model.dtype)
     worker = worker_class(args.worker_id, config, runner, fingerprint)  # type: ignore[call-arg]
-    worker.run()
+    try:
+        worker.run()
+    except RegistrationRefused as exc:
+        raise SystemExit(f"{args.worker_id}: the gateway refused this worker: {exc}") from None

@@ -1,0 +1,67 @@
+"""Shared fixtures: the real prepared model and tiny random Llama models built in seconds."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.prepare import resolve_model
+
+REAL_MODEL = "SmolLM2-135M-Instruct"
+MODEL_CACHE_DIR = "~/.cache/raging/models"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+)
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 49152,  # the real tokenizer's, so its files can be reused
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    # Large weights spread the logits, so greedy argmax is never decided by float noise.
+    "initializer_range": 0.2,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The prepared SmolLM2-135M-Instruct folder (fp32 safetensors, tokenizer, chat template)."""
+    return resolve_model(REAL_MODEL, MODEL_CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(
+    real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """Factory: a tiny random Llama folder; keyword arguments override its LlamaConfig."""
+
+    def make(**overrides: Any) -> Path:
+        folder = tmp_path_factory.mktemp("tiny-llama")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+        model.save_pretrained(folder)
+        for name in TOKENIZER_FILES:
+            if (real_model_dir / name).exists():
+                shutil.copy(real_model_dir / name, folder / name)
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with the real tokenizer."""
+    return make_tiny_model()

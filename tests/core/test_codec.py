@@ -1,0 +1,273 @@
+"""The control-plane codec: every message round-trips; anything else raises MalformedMessage."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from core.codec import Codec, MalformedMessage
+from core.messages import (
+    Abort,
+    DecodeRequest,
+    FirstToken,
+    GenerationTask,
+    Heartbeat,
+    Message,
+    PrefillRequest,
+    Register,
+    RegisterReply,
+    RequestFailed,
+    Sampling,
+    TokenBatch,
+    TokenEvent,
+    decode,
+    encode,
+)
+from kvtransfer.wire import HEADER_CODEC, KVHeader
+
+MESSAGE_TYPES = (
+    Register, RegisterReply, Heartbeat, PrefillRequest, DecodeRequest, FirstToken, TokenBatch,
+    Abort, RequestFailed,
+)
+TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
+TASK = GenerationTask(
+    prompt_ids=[1, 2, 3], sampling=Sampling(0.7, 0.9, 40, 1234), max_tokens=16,
+    stop_token_ids=[2], ignore_eos=False,
+)
+SAMPLES: list[Message] = [
+    Register("p1", "inst", "prefill", "", "fp", 16, 640),
+    Register("d1", "inst", "decode", "tcp://127.0.0.1:5555", "fp", 16, 1024),
+    RegisterReply(True, ""),
+    RegisterReply(False, "KV layout mismatch"),
+    Heartbeat("d1", "inst", 10, 500, 3, 1),
+    PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
+    PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
+    DecodeRequest("r1", 1, TASK, 42),
+    FirstToken("r1", 0, 42, None),
+    FirstToken("r1", 0, 2, "stop"),
+    TokenBatch([]),
+    TokenBatch([TokenEvent("r1", 0, 7, None), TokenEvent("r2", 1, 8, "length")]),
+    Abort("r1", 2),
+    RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
+]
+
+
+def packed(*items: Any) -> bytes:
+    """Raw msgpack, built by hand to look like (or almost like) an encoded message."""
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+def assert_malformed(data: bytes) -> None:
+    with pytest.raises(MalformedMessage):
+        decode(data)
+
+
+def test_samples_cover_every_message_type() -> None:
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES)
+    assert set(Message.__args__) == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: Message) -> None:
+    data = encode(message)
+    assert isinstance(data, bytes)
+    back = decode(data)
+    assert back == message and type(back) is type(message)
+
+
+def test_tag_is_the_index_in_the_message_union() -> None:
+    for message in SAMPLES:
+        assert msgpack.unpackb(encode(message))[0] == TAG[type(message)]
+
+
+def test_nested_values_come_back_typed() -> None:
+    back = decode(encode(PrefillRequest("r1", 0, TASK, "d1", "a")))
+    assert isinstance(back, PrefillRequest)
+    assert isinstance(back.task, GenerationTask) and isinstance(back.task.sampling, Sampling)
+    batch = decode(encode(TokenBatch([TokenEvent("r", 0, 1, None)] * 3)))
+    assert isinstance(batch, TokenBatch)
+    assert all(isinstance(e, TokenEvent) for e in batch.events) and len(batch.events) == 3
+
+
+def test_optional_fields_take_none_or_a_value() -> None:
+    for seed in (None, 0, 2**63 - 1, -5):
+        sampling = Sampling(seed=seed)
+        task = GenerationTask([1], sampling, 4, [], False)
+        back = decode(encode(DecodeRequest("r", 0, task, 9)))
+        assert isinstance(back, DecodeRequest) and back.task.sampling.seed == seed
+
+
+def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
+    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 0, 0, None], 4, [], False], 9)
+    back = decode(data)
+    assert isinstance(back, DecodeRequest)
+    assert back.task.sampling.temperature == 1.0
+    assert type(back.task.sampling.temperature) is float
+
+
+def test_kv_header_codec_round_trips_bytes() -> None:
+    header = KVHeader("r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 2**32 - 1, b"\x00\xffmeta")
+    assert HEADER_CODEC.decode(HEADER_CODEC.encode(header)) == header
+    wrong = msgpack.packb([0, "r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 1, "text"])
+    with pytest.raises(MalformedMessage):
+        HEADER_CODEC.decode(wrong)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xc1", b"\x92", b"\xdd\xff\xff\xff\xff", b"\x91" * 100_000,
+    encode(Abort("r", 0)) + b"\x00",  # trailing bytes
+    encode(Abort("r", 0))[:-1],  # truncated
+], ids=["empty", "reserved", "short-array", "huge-array", "deep", "trailing", "truncated"])
+def test_not_msgpack_is_malformed(data: bytes) -> None:
+    assert_malformed(data)
+
+
+@pytest.mark.parametrize("value", [
+    None, 0, "abort", {"tag": 7}, [], b"\x07", 1.5, msgpack.ExtType(3, b"x"),
+], ids=repr)
+def test_top_level_that_is_not_a_tagged_array_is_malformed(value: Any) -> None:
+    assert_malformed(msgpack.packb(value, use_bin_type=True))
+
+
+@pytest.mark.parametrize("tag", [len(MESSAGE_TYPES), 99, -1, -(2**63), 2**64 - 1, "7", True, 7.0,
+                                 None])
+def test_unknown_or_mistyped_tag_is_malformed(tag: Any) -> None:
+    assert_malformed(packed(tag, "r", 0))
+
+
+@pytest.mark.parametrize("fields", [[], ["r"], ["r", 0, 1], ["r", 0, "x", "y"]], ids=repr)
+def test_wrong_field_count_is_malformed(fields: list[Any]) -> None:
+    assert_malformed(packed(TAG[Abort], *fields))
+
+
+@pytest.mark.parametrize("fields", [
+    ["r", "0"],  # str where int
+    ["r", True],  # bool where int
+    ["r", 1.0],  # float where int
+    ["r", None],  # None where int is required
+    [None, 0],  # None where str is required
+    [b"r", 0],  # bytes where str
+    [1, 0],  # int where str
+    [["r"], 0],  # list where str
+    ["r", [0]],  # list where int
+    ["r", {"a": 1}],  # map where int
+    ["r", msgpack.ExtType(1, b"")],  # ext where int
+], ids=repr)
+def test_wrong_field_type_is_malformed(fields: list[Any]) -> None:
+    assert_malformed(packed(TAG[Abort], *fields))
+
+
+def test_wrong_types_in_other_messages_are_malformed() -> None:
+    assert_malformed(packed(TAG[RegisterReply], 1, ""))  # int where bool
+    assert_malformed(packed(TAG[RegisterReply], None, ""))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 3))  # int where str | None
+    assert_malformed(packed(TAG[FirstToken], "r", 0, None, None))
+    assert_malformed(packed(TAG[Heartbeat], "w", "i", 1.5, 0, 0, 0))
+    assert_malformed(packed(TAG[Register], "w", "i", "decode", "", "fp", "16", 1))
+
+
+def test_invalid_utf8_string_is_malformed() -> None:
+    good = packed(TAG[Abort], "r", 0)
+    bad = good.replace(b"\xa1r", b"\xa1\xff")
+    assert bad != good
+    assert_malformed(bad)
+
+
+def test_non_string_map_key_is_malformed() -> None:
+    assert_malformed(msgpack.packb([TAG[Abort], {1: 2}, 0]))
+
+
+def _task_fields(**changes: Any) -> list[Any]:
+    fields = {"prompt_ids": [1, 2], "sampling": [1.0, 1.0, 0, None], "max_tokens": 4,
+              "stop_token_ids": [], "ignore_eos": False}
+    return list({**fields, **changes}.values())
+
+
+@pytest.mark.parametrize("task", [
+    None,
+    "task",
+    {"prompt_ids": [1]},
+    [[1, 2], [1.0, 1.0, 0, None], 4, []],  # a field short
+    _task_fields(prompt_ids="12"),  # str where list
+    _task_fields(prompt_ids=[1, "2"]),  # wrong item type
+    _task_fields(prompt_ids=[1, None]),
+    _task_fields(prompt_ids=[[1]]),
+    _task_fields(sampling=None),  # None where a dataclass is required
+    _task_fields(sampling=[1.0, 1.0, 0]),  # nested field count
+    _task_fields(sampling=["hot", 1.0, 0, None]),  # nested field type
+    _task_fields(sampling=[1.0, 1.0, 0, "seed"]),  # Optional[int] given a str
+    _task_fields(sampling=[1.0, 1.0, 0, 1.5]),  # Optional[int] given a float
+    _task_fields(ignore_eos=0),  # int where bool
+], ids=repr)
+def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
+    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr"))
+
+
+@pytest.mark.parametrize("events", [
+    None, "events", [None], [["r", 0, 1]], [["r", 0, 1, None, 5]], [["r", 0, "1", None]],
+    [["r", 0, 1, None], "x"], {"r": 1},
+], ids=repr)
+def test_malformed_token_batches_are_malformed(events: Any) -> None:
+    assert_malformed(packed(TAG[TokenBatch], events))
+
+
+class _CreatesAFile:
+    """A pickle whose loading would create `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return open, (str(self.path), "w")
+
+
+def test_pickle_payload_is_malformed_and_never_executed(tmp_path: Path) -> None:
+    target = tmp_path / "pwned"
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        payload = pickle.dumps(_CreatesAFile(target), protocol=protocol)
+        assert_malformed(payload)
+        assert_malformed(pickle.dumps(Abort("r", 0), protocol=protocol))
+        assert not target.exists()
+    pickle.loads(payload).close()  # the payload is live: loading it does create the file
+    assert target.exists()
+
+
+def _check_decodes_or_malformed(data: bytes) -> None:
+    try:
+        message = decode(data)
+    except MalformedMessage:
+        return
+    assert isinstance(message, MESSAGE_TYPES)
+
+
+def test_fuzz_random_bytes() -> None:
+    rng = random.Random(1234)
+    for _ in range(3000):
+        _check_decodes_or_malformed(rng.randbytes(rng.randint(0, 64)))
+
+
+def test_fuzz_mutated_messages() -> None:
+    rng = random.Random(99)
+    encoded = [encode(m) for m in SAMPLES]
+    for _ in range(3000):
+        data = bytearray(rng.choice(encoded))
+        for _ in range(rng.randint(1, 4)):
+            position = rng.randrange(len(data))
+            if rng.random() < 0.2:
+                del data[position:]
+                break
+            data[position] = rng.randrange(256)
+        _check_decodes_or_malformed(bytes(data))
+
+
+def test_a_codec_with_its_own_types() -> None:
+    codec: Codec[Abort | RequestFailed] = Codec((RequestFailed, Abort))
+    assert codec.decode(codec.encode(Abort("r", 1))) == Abort("r", 1)
+    assert msgpack.unpackb(codec.encode(Abort("r", 1)))[0] == 1
+    with pytest.raises(MalformedMessage):
+        codec.decode(packed(2, "r", 1))

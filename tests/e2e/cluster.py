@@ -1,0 +1,130 @@
+"""A whole server started the way users start it (scripts/launch.sh), stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small pools so that tests start fast and leave memory for the rest of the suite.
+TEST_CONFIG: dict[str, Any] = {
+    "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0},
+    "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
+    "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, launcher: subprocess.Popen[bytes], run_dir: Path, url: str) -> None:
+        self.launcher = launcher
+        self.run_dir = run_dir
+        self.url = url
+        self.client = httpx.Client(base_url=url, timeout=120)
+        self.model = self.client.get("/v1/models").json()["data"][0]["id"]
+
+    def pids(self) -> dict[str, int]:
+        return started_pids(self.run_dir)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample's value from /metrics (`labels` like 'worker="decode-0"')."""
+        wanted = f"{name}{{{labels}}}" if labels else name
+        for line in self.client.get("/metrics").text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == wanted:
+                return float(value)
+        raise KeyError(wanted)
+
+    def log(self, name: str) -> str:
+        return (self.run_dir / f"{name}.log").read_text()
+
+
+def stop(launcher: subprocess.Popen[bytes], run_dir: Path) -> None:
+    """SIGTERM launch.sh (which stops its children); then SIGKILL anything it left behind."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+    for pid in started_pids(run_dir).values():
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def started_pids(run_dir: Path) -> dict[str, int]:
+    """Process name -> PID of everything launch.sh started."""
+    path = run_dir / "pids"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return {name: int(pid) for pid, name in (ln.split() for ln in lines if ln.strip())}
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
+    return "zombie" not in state.lower()
+
+
+@contextmanager
+def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
+           config: dict[str, Any] | None = None, timeout_s: float = 180) -> Iterator[Cluster]:
+    """Run scripts/launch.sh until it reports ready; stop everything it started afterwards."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config or TEST_CONFIG))
+    port = free_port()
+    command = [str(ROOT / "scripts/launch.sh"), "--prefill", str(prefill), "--decode", str(decode),
+               "--port", str(port), "--config", str(config_path), "--model", str(model),
+               "--run-dir", str(run_dir)]
+    log = (run_dir / "launch.log").open("wb")
+    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        _wait_ready(launcher, run_dir, timeout_s)
+        cluster = Cluster(launcher, run_dir, f"http://127.0.0.1:{port}")
+        try:
+            yield cluster
+        finally:
+            cluster.client.close()
+    finally:
+        stop(launcher, run_dir)
+        log.close()
+
+
+def _wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            raise RuntimeError(f"launch.sh exited: {(run_dir / 'launch.log').read_text()[-3000:]}")
+        if "[launch] ready" in (run_dir / "launch.log").read_text():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"not ready in {timeout_s}s: {(run_dir / 'launch.log').read_text()[-3000:]}")
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    """Parsed `data:` payloads of an SSE response ("[DONE]" stays a string)."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)

@@ -1,0 +1,208 @@
+"""End to end on a tiny random Llama: 1 gateway + 2 prefill + 2 decode real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.e2e.cluster import Cluster, alive, launch, sse_events
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "The quick brown fox", "Once upon a time", "def fibonacci(n):", "Paris is the capital of",
+    "1, 2, 3, 4,", "Hello", "In the beginning was the", "Roses are red,",
+    "Le chat est", "日本の首都は", "import numpy as np\n", "The meaning of life is",
+    "A", "Water boils at", "SELECT * FROM", "Dear Sir or Madam,",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=2, decode=2) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """Greedy continuation by transformers itself, EOS ignored."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+    @torch.inference_mode()
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        for _ in range(max_tokens):
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        return ids[0, len(prompt_ids):].tolist()
+
+    return generate
+
+
+def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict:
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    with cluster.client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = list(sse_events(response))
+    chunks = [e for e in events[:-1] if isinstance(e, dict) and e["choices"]]
+    return {"events": events, "text": "".join(c["choices"][0]["text"] for c in chunks),
+            "finish": [c["choices"][0]["finish_reason"] for c in chunks if
+                       c["choices"][0]["finish_reason"]],
+            "usage": events[-2].get("usage") if isinstance(events[-2], dict) else None}
+
+
+def test_sixteen_concurrent_streams_match_the_greedy_reference(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference
+) -> None:
+    max_tokens = 24
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: stream_completion(cluster, p, max_tokens), PROMPTS))
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        prompt_ids = tokenizer.encode(prompt)
+        expected = tokenizer.decode(reference(prompt_ids, max_tokens), skip_special_tokens=True)
+        assert result["text"] == expected, prompt
+        assert result["finish"] == ["length"]
+        assert result["events"][-1] == "[DONE]"
+        n = len(prompt_ids)
+        assert result["usage"] == {"prompt_tokens": n, "completion_tokens": max_tokens,
+                                   "total_tokens": n + max_tokens}
+    # Both pools took part.
+    assert all(f"{w} registered" in cluster.log(w) for w in ("prefill-0", "prefill-1"))
+    assert cluster.metric("raging_requests_total", 'outcome="ok",route="completions"') >= 16
+
+
+def test_chat_stream_and_whole_agree(cluster: Cluster) -> None:
+    body = {"model": cluster.model, "messages": [{"role": "user", "content": "Say something"}],
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    whole = cluster.client.post("/v1/chat/completions", json=body).json()
+    with cluster.client.stream("POST", "/v1/chat/completions",
+                               json={**body, "stream": True}) as response:
+        events = list(sse_events(response))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]].count("length") == 1
+    assert whole["object"] == "chat.completion"
+    assert whole["usage"]["completion_tokens"] == 16
+    assert events[-1] == "[DONE]"
+
+
+def test_max_tokens_one_and_two_count_exactly(cluster: Cluster) -> None:
+    for max_tokens in (1, 2):
+        result = stream_completion(cluster, "Hello there", max_tokens)
+        assert result["usage"]["completion_tokens"] == max_tokens
+        assert result["finish"] == ["length"]
+
+
+def test_stop_string_across_tokens_is_never_streamed(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference
+) -> None:
+    prompt = "Once upon a time"
+    full = tokenizer.decode(reference(tokenizer.encode(prompt), 32), skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 4]  # likely spans a token boundary
+    result = stream_completion(cluster, prompt, 32, stop=[stop])
+    assert result["text"] == full[: full.index(stop)]
+    assert result["finish"] == ["stop"]
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"null", b"x", b"[]", b'{"model": "m", "messages": [', b"\xff\xfe",
+    b'{"messages": []}', b'{"model": "MODEL", "messages": []}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "n": 0}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": 5}]}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}',
+    b'{"model": "unknown", "messages": [{"role": "user", "content": "hi"}]}',
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    cluster: Cluster, body: bytes
+) -> None:
+    response = cluster.client.post("/v1/chat/completions",
+                                   content=body.replace(b"MODEL", cluster.model.encode()))
+    assert 400 <= response.status_code < 500
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert stream_completion(cluster, "still alive?", 2)["finish"] == ["length"]
+
+
+def test_context_overflow_names_the_limits(cluster: Cluster) -> None:
+    body = {"model": cluster.model, "prompt": "hi " * 100, "max_tokens": 5000}
+    response = cluster.client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert "2048" in response.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(cluster: Cluster) -> None:
+    assert cluster.client.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert cluster.client.get("/v1/chat/completions").status_code == 405
+
+
+def test_client_disconnect_frees_every_block(cluster: Cluster) -> None:
+    body = {"model": cluster.model, "prompt": "Tell me a story", "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    for _ in range(4):
+        with httpx.Client(base_url=cluster.url, timeout=30) as client, \
+                client.stream("POST", "/v1/completions", json=body) as response:
+            for count, _line in enumerate(response.iter_lines()):
+                if count > 10:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not _idle(cluster):
+        time.sleep(0.2)
+    assert _idle(cluster)
+
+
+def _idle(cluster: Cluster) -> bool:
+    workers = ("decode-0", "decode-1")
+    return (all(cluster.metric("raging_kv_blocks_used", f'worker="{w}"') == 0 for w in workers)
+            and all(cluster.metric("raging_worker_running", f'worker="{w}"') == 0 for w in workers)
+            and cluster.metric("raging_requests_inflight") == 0)
+
+
+def test_health_and_models(cluster: Cluster) -> None:
+    assert cluster.client.get("/health").json() == {"status": "ok", "prefill": 2, "decode": 2}
+    models = cluster.client.get("/v1/models").json()
+    assert models["data"][0]["id"] == cluster.model
+
+
+def test_a_worker_with_another_kv_layout_is_refused(
+    cluster: Cluster, make_tiny_model, tmp_path: Path
+) -> None:
+    other = make_tiny_model(num_hidden_layers=3)
+    control = f"ipc://{cluster.run_dir}/control.sock"
+    worker = subprocess.run(
+        [sys.executable, "-m", "decode", "--model", str(other), "--control-address", control,
+         "--worker-id", "decode-intruder", "--set", "decode.num_kv_blocks=16"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert worker.returncode != 0
+    assert "KV layout mismatch" in worker.stderr
+    assert cluster.client.get("/health").json()["decode"] == 2
+
+
+def test_launcher_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1) as running:
+        pids = running.pids()
+        assert len(pids) == 3 and all(alive(pid) for pid in pids.values())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids.values()):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids.values())

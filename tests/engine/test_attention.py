@@ -1,0 +1,41 @@
+"""Attention planning: token layout, cache slots, decode/prefill split, masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import plan_attention
+from engine.batch import ForwardBatch
+
+
+def test_plan_lays_out_mixed_batch() -> None:
+    batch = ForwardBatch([[10, 11, 12], [20], [30, 31]], [5, 2, 0], [[3, 1], [7], [4]])
+    plan = plan_attention(batch, block_size=4)
+    assert plan.token_ids.tolist() == [10, 11, 12, 20, 30, 31]
+    assert plan.positions.tolist() == [5, 6, 7, 2, 0, 1]
+    assert plan.slots.tolist() == [5, 6, 7, 30, 16, 17]
+    assert plan.last_rows.tolist() == [2, 3, 5]
+    assert plan.decode is not None and plan.decode.rows.tolist() == [3]
+    assert plan.decode.blocks.tolist() == [[7]]
+    assert plan.decode.mask.flatten().tolist() == [True, True, True, False]
+    chunk, fresh = plan.prefills
+    assert (chunk.begin, chunk.end, chunk.context_len, chunk.blocks.tolist()) == (0, 3, 8, [3, 1])
+    assert chunk.mask is not None and chunk.mask.shape == (3, 8)
+    assert chunk.mask.sum(dim=1).tolist() == [6, 7, 8]
+    assert (fresh.begin, fresh.end, fresh.mask) == (4, 6, None)
+
+
+def test_decode_plan_pads_to_the_longest_context() -> None:
+    batch = ForwardBatch([[1], [2], [3]], [0, 9, 4], [[5], [0, 2, 6], [1, 3]])
+    plan = plan_attention(batch, block_size=4)
+    assert plan.decode is not None and not plan.prefills
+    assert plan.decode.blocks.tolist() == [[5, 0, 0], [0, 2, 6], [1, 3, 0]]
+    assert plan.decode.mask.shape == (3, 1, 1, 12)
+    assert plan.decode.mask.sum(dim=-1).flatten().tolist() == [1, 10, 5]
+    assert torch.equal(plan.slots, torch.tensor([20, 25, 12]))
+
+
+def test_table_too_short_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        plan_attention(ForwardBatch([[1, 2]], [3], [[0]]), block_size=4)
