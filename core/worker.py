@@ -78,13 +78,17 @@ class Worker(ABC):
                     self.handle(message)
             self.on_poll(ready)
             busy = self.step()
-            self._maybe_heartbeat()
+            self.maybe_heartbeat()
         self.close()
 
     def on_poll(self, ready: dict[zmq.Socket, int]) -> None:  # noqa: B027 (optional hook)
         """Hook for workers with more sockets than the control channel."""
 
-    def _maybe_heartbeat(self) -> None:
+    def between_layers(self, layer: int) -> None:
+        """Passed to the model as its layer hook: a long forward pass keeps heartbeating."""
+        self.maybe_heartbeat()
+
+    def maybe_heartbeat(self) -> None:
         now = time.monotonic()
         if now >= self.next_heartbeat:
             self.control.send(self.heartbeat())

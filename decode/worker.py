@@ -73,7 +73,7 @@ class DecodeWorker(Worker):
             token_ids=[s.tokens[s.num_cached:] for s in batch],
             start_positions=[s.num_cached for s in batch],
             block_tables=[s.blocks for s in batch],
-        ))
+        ), layer_hook=self.between_layers)
         params = [SamplingParams(**vars(s.request.task.sampling)) for s in batch]
         tokens = sample(logits, params, [s.sampler_state for s in batch])
         events = [self._advance(s, t) for s, t in zip(batch, tokens, strict=True)]

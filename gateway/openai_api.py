@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -61,20 +61,26 @@ Format = ChatFormat | CompletionFormat
 class OpenAIRoutes:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
-        tokenizer = self.state.tokenizer
-        prompt_ids = await to_thread.run_sync(render_chat_prompt, tokenizer, body.messages)
+        prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
         return await self._serve(request, ChatFormat(), prompt_ids, generation_params(body))
 
     async def completions(self, request: Request) -> Response:
         body = parse_completion_request(await self._read_body(request))
         self._check_model(body.model)
-        tokenizer = self.state.tokenizer
-        prompt_ids = await to_thread.run_sync(tokenize_prompt, tokenizer, body.prompt)
+        prompt_ids = await self._tokenize(tokenize_prompt, body.prompt)
         return await self._serve(request, CompletionFormat(), prompt_ids, generation_params(body))
+
+    async def _tokenize(self, function: Callable[[Any, Any], list[int]], text: Any) -> list[int]:
+        """Off the event loop (a huge prompt must not stall /health), on the one tokenizer thread:
+        a Hugging Face fast tokenizer must not be used by two threads at once."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, function, self.state.tokenizer,
+                                          text)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.state.model_name, "object": "model", "created": self.state.started,

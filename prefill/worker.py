@@ -63,7 +63,7 @@ class PrefillWorker(Worker):
             token_ids=[r.task.prompt_ids for r in batch],
             start_positions=[0] * len(batch),
             block_tables=tables,
-        ))
+        ), layer_hook=self.between_layers)
         tokens = self._first_tokens(batch, logits)
         for request, table, token in zip(batch, tables, tokens, strict=True):
             self._hand_off(request, table, token)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh clone: sets up .venv, prepares the model, runs pytest.
+#   scripts/test.sh [pytest args...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+"$RAGING_PY" -m engine.prepare >/dev/null
+"$RAGING_PY" -m ruff check .
+exec "$RAGING_PY" -m pytest -q -p no:cacheprovider "$@"

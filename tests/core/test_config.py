@@ -1,0 +1,134 @@
+"""Configuration: defaults, the shipped YAML, dotted overrides, and type checking."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from core.config import Config, GatewayConfig, ModelConfig, WorkerConfig, load_config
+
+DEFAULT_YAML = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_load_without_a_file() -> None:
+    config = load_config()
+    assert config == Config()
+    assert config.gateway == GatewayConfig() and config.model == ModelConfig()
+    assert config.decode == WorkerConfig() and config.prefill == WorkerConfig()
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load_config().gateway.port = 1  # type: ignore[misc]
+
+
+def test_default_yaml_loads_with_its_values() -> None:
+    config = load_config(DEFAULT_YAML)
+    assert config.model.max_model_len == 8192
+    assert config.prefill.num_kv_blocks == 640 and config.prefill.threads == 1
+    assert config.decode.num_kv_blocks == 1024 and config.decode.max_running == 64
+    assert config.gateway.heartbeat_timeout_s == 3.0
+    assert config.prefill.heartbeat_interval_s == WorkerConfig().heartbeat_interval_s
+
+
+def test_an_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "# nothing here\n")) == Config()
+
+
+def test_partial_file_keeps_other_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "gateway:\n  port: 9000\n"))
+    assert config.gateway.port == 9000
+    assert config.gateway.host == GatewayConfig().host and config.decode == WorkerConfig()
+
+
+def test_int_override() -> None:
+    config = load_config(overrides={"gateway.port": "8080", "decode.num_kv_blocks": "12"})
+    assert config.gateway.port == 8080 and type(config.gateway.port) is int
+    assert config.decode.num_kv_blocks == 12 and config.prefill.num_kv_blocks == 4096
+
+
+def test_float_override_from_an_int() -> None:
+    config = load_config(overrides={"gateway.heartbeat_timeout_s": "5"})
+    assert config.gateway.heartbeat_timeout_s == 5.0
+    assert type(config.gateway.heartbeat_timeout_s) is float
+    assert load_config(overrides={"gateway.keepalive_s": "0.25"}).gateway.keepalive_s == 0.25
+
+
+def test_str_override() -> None:
+    config = load_config(overrides={"gateway.control_address": "ipc:///tmp/ctl"})
+    assert config.gateway.control_address == "ipc:///tmp/ctl"
+
+
+@pytest.mark.parametrize("text", ["123", "yes", "true", "~", "null", "1.5", "[a"])
+def test_str_override_keeps_its_text(text: str) -> None:
+    assert load_config(overrides={"model.name": text}).model.name == text
+
+
+def test_overrides_apply_on_top_of_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "gateway:\n  port: 9000\n  host: 0.0.0.0\n")
+    config = load_config(path, {"gateway.port": "9001"})
+    assert config.gateway.port == 9001 and config.gateway.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("value", ["true", "false", "yes"])
+def test_bool_override_is_not_an_int(value: str) -> None:
+    with pytest.raises(ValueError, match="gateway.port"):
+        load_config(overrides={"gateway.port": value})
+
+
+@pytest.mark.parametrize("dotted", ["nosuchsection.port", "gateway.nosuchkey"])
+def test_unknown_override_names_it(dotted: str) -> None:
+    with pytest.raises(ValueError, match="nosuch"):
+        load_config(overrides={dotted: "1"})
+
+
+def test_override_without_a_dot_is_refused() -> None:
+    with pytest.raises(ValueError, match="port"):
+        load_config(overrides={"port": "1"})
+
+
+def test_unknown_section_or_key_in_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sidecar"):
+        load_config(write(tmp_path, "sidecar:\n  port: 1\n"))
+    with pytest.raises(ValueError, match="num_blocks"):
+        load_config(write(tmp_path, "decode:\n  num_blocks: 1\n"))
+
+
+@pytest.mark.parametrize(("dotted", "value"), [
+    ("gateway.port", "abc"),
+    ("gateway.port", "1.5"),  # float where int
+    ("gateway.port", "~"),  # None where int
+    ("gateway.heartbeat_timeout_s", "soon"),
+    ("gateway.heartbeat_timeout_s", "true"),
+    ("decode.max_running", "[1, 2]"),
+    ("decode.max_running", "{a: 1}"),
+    ("decode.max_running", "[1"),  # not even YAML
+])
+def test_wrong_type_override_raises_value_error(dotted: str, value: str) -> None:
+    with pytest.raises(ValueError, match=dotted.split(".")[1]):
+        load_config(overrides={dotted: value})
+
+
+@pytest.mark.parametrize("text", [
+    "gateway:\n  port: '8000'\n",  # str where int
+    "gateway: 5\n",  # a section that is not a mapping
+    "- gateway\n",  # top level that is not a mapping
+    "model:\n  name: 5\n",  # int where str
+    "gateway: [port\n",  # not YAML
+])
+def test_wrong_shapes_in_file_raise_value_error(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ValueError):
+        load_config(write(tmp_path, text))
+
+
+def test_override_into_a_section_that_is_not_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gateway"):
+        load_config(write(tmp_path, "gateway: 5\n"), {"gateway.port": "1"})
