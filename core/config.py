@@ -106,7 +106,7 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
+        return _build(hint, {} if value is None else value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)

@@ -49,6 +49,13 @@ class RegisterReply:
 
 
 @dataclass(frozen=True)
+class RegisterAgain:
+    """The gateway does not know the sender (it restarted, or declared the worker dead)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
     instance_id: str
@@ -114,8 +121,8 @@ class RequestFailed:
 
 
 Message = (
-    Register | RegisterReply | Heartbeat | PrefillRequest | DecodeRequest | FirstToken
-    | TokenBatch | Abort | RequestFailed
+    Register | RegisterReply | RegisterAgain | Heartbeat | PrefillRequest | DecodeRequest
+    | FirstToken | TokenBatch | Abort | RequestFailed
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))
 encode = _CODEC.encode

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import zmq
 
 from core.channels import ControlClient
-from core.messages import Heartbeat, Message, Register, RegisterReply
+from core.messages import Heartbeat, Message, Register, RegisterAgain, RegisterReply
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
@@ -75,11 +75,22 @@ class Worker(ABC):
             ready = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
             if self.control.socket in ready:
                 for message in self.control.drain():
-                    self.handle(message)
+                    self._on_control(message)
             self.on_poll(ready)
             busy = self.step()
             self.maybe_heartbeat()
         self.close()
+
+    def _on_control(self, message: Message) -> None:
+        if isinstance(message, RegisterAgain):
+            log.warning("%s registers again: %s", self.worker_id, message.reason)
+            self.control.send(self.registration())
+        elif isinstance(message, RegisterReply):
+            if not message.accepted:
+                raise RegistrationRefused(message.reason)
+            log.info("%s registered with the gateway again", self.worker_id)
+        else:
+            self.handle(message)
 
     def on_poll(self, ready: dict[zmq.Socket, int]) -> None:  # noqa: B027 (optional hook)
         """Hook for workers with more sockets than the control channel."""

@@ -8,11 +8,13 @@ each get their own causal SDPA call over cached prefix + new tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.block_allocator import blocks_needed
 from engine.kv_cache import slot_mapping
 
 
@@ -52,23 +54,23 @@ class AttentionPlan:
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks."""
     tables = _padded_tables(batch, block_size)
-    lengths = torch.tensor([len(tokens) for tokens in batch.token_ids])
-    starts = torch.tensor(batch.start_positions)
-    ends = lengths.cumsum(0)
-    seq_of_row = torch.repeat_interleave(torch.arange(batch.num_seqs), lengths)
-    positions = starts[seq_of_row] + torch.arange(int(ends[-1])) - (ends - lengths)[seq_of_row]
-    slots = slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0]
+    lengths = [len(tokens) for tokens in batch.token_ids]
+    begins = list(accumulate(lengths, initial=0))
     prefills = tuple(
-        _plan_prefill(tables[i], int(ends[i]) - len(tokens), start, len(tokens), block_size)
-        for i, (start, tokens) in enumerate(zip(batch.start_positions, batch.token_ids, strict=True))
-        if len(tokens) > 1
+        _plan_prefill(tables[i], begins[i], batch.start_positions[i], lengths[i], block_size)
+        for i in range(batch.num_seqs)
+        if lengths[i] > 1
     )
-    is_decode = torch.nonzero(lengths == 1).flatten()
+    counts, starts = torch.tensor(lengths), torch.tensor(batch.start_positions)
+    ends = torch.tensor(begins[1:])
+    seq_of_row = torch.repeat_interleave(torch.arange(batch.num_seqs), counts)
+    positions = starts[seq_of_row] + torch.arange(begins[-1]) - (ends - counts)[seq_of_row]
+    is_decode = torch.nonzero(counts == 1).flatten()
     return AttentionPlan(
         block_size=block_size,
         token_ids=torch.tensor([t for tokens in batch.token_ids for t in tokens]),
         positions=positions,
-        slots=slots,
+        slots=slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0],
         last_rows=ends - 1,
         decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size),
         prefills=prefills,
@@ -94,7 +96,7 @@ def _plan_decode(
     if len(tables) == 0:
         return None
     context = starts + 1
-    num_blocks = -(-int(context.max()) // block_size)
+    num_blocks = blocks_needed(int(context.max()), block_size)
     keys = torch.arange(num_blocks * block_size)
     mask = (keys[None, :] < context[:, None])[:, None, None, :]
     return DecodePlan(ends - 1, tables[:, :num_blocks], mask)
@@ -104,7 +106,7 @@ def _plan_prefill(
     table: torch.Tensor, begin: int, start: int, num_new: int, block_size: int
 ) -> PrefillPlan:
     context_len = start + num_new
-    blocks = table[: -(-context_len // block_size)]
+    blocks = table[: blocks_needed(context_len, block_size)]
     mask = None
     if start > 0:
         queries = torch.arange(start, context_len)

@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 def build_app(state: GatewayState) -> Starlette:
     routes = OpenAIRoutes(state)
 
+    background: list[asyncio.Task[None]] = []
+
     async def health(request: Request) -> Response:
+        if any(task.done() for task in background):
+            return JSONResponse({"status": "control plane stopped"}, status_code=503)
         ready = state.registry.ready()
         body = {"status": "ok" if ready else "starting",
                 "prefill": len(state.registry.alive("prefill")),
@@ -42,12 +46,14 @@ def build_app(state: GatewayState) -> Starlette:
         context = zmq.asyncio.Context()
         control = ControlServer(context, state.config.gateway.control_address)
         state.dispatcher = Dispatcher(control, state.registry)
-        tasks = [asyncio.create_task(state.dispatcher.serve()),
-                 asyncio.create_task(state.dispatcher.watch_liveness())]
+        background[:] = [asyncio.create_task(state.dispatcher.serve()),
+                         asyncio.create_task(state.dispatcher.watch_liveness())]
+        for task in background:
+            task.add_done_callback(_report_stopped)
         try:
             yield
         finally:
-            for task in tasks:
+            for task in background:
                 task.cancel()
             control.close()
             context.term()
@@ -64,6 +70,12 @@ def build_app(state: GatewayState) -> Starlette:
                             Exception: _unexpected_error},
         lifespan=lifespan,
     )
+
+
+def _report_stopped(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("control-plane task failed; /health now reports 503",
+                     exc_info=task.exception())
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

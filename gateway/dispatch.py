@@ -21,6 +21,7 @@ from core.messages import (
     Message,
     PrefillRequest,
     Register,
+    RegisterAgain,
     RequestFailed,
     TokenBatch,
     TokenEvent,
@@ -100,7 +101,8 @@ class Dispatcher:
             self._release(message.request_id, worker_id)
             self._on_token(message)
         elif isinstance(message, Heartbeat):
-            self.registry.heartbeat(message)
+            if not self.registry.heartbeat(message):
+                self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
         elif isinstance(message, RequestFailed):
             self._deliver(message.request_id, message.epoch, Event(None, "error", message.reason))
         elif isinstance(message, Register):

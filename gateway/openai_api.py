@@ -109,7 +109,9 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, fmt: Format, prompt_ids: list[int],
                      params: GenerationParams) -> Response:
-        max_tokens = check_context(len(prompt_ids), params.max_tokens, self.state.max_model_len)
+        capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
+        limit = min(self.state.max_model_len, capacity)
+        max_tokens = check_context(len(prompt_ids), params.max_tokens, limit)
         if len(self.state.dispatcher.requests) >= self.state.config.gateway.max_inflight_requests:
             raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
         task = GenerationTask(

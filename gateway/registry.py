@@ -56,6 +56,8 @@ class Registry:
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
         )
+        if previous is not None and previous.instance_id == message.instance_id:
+            info.active = previous.active  # the same process registering again keeps its requests
         self.workers[message.worker_id] = info
         return RegisterReply(True, ""), previous
 
@@ -85,6 +87,12 @@ class Registry:
 
     def ready(self) -> bool:
         return all(len(self.alive(role)) >= n for role, n in self.expected.items())
+
+    def capacity_tokens(self) -> int | None:
+        """The longest sequence both pools can hold (None while a pool is empty)."""
+        per_role = [max((w.num_blocks * w.block_size for w in self.alive(role)), default=0)
+                    for role in self.expected]
+        return min(per_role) or None
 
     def pick_prefill(self) -> WorkerInfo | None:
         """The prefill worker with the fewest queued tokens."""

@@ -20,6 +20,7 @@ from core.messages import (
     Message,
     PrefillRequest,
     Register,
+    RegisterAgain,
     RegisterReply,
     RequestFailed,
     Sampling,
@@ -31,8 +32,8 @@ from core.messages import (
 from kvtransfer.wire import HEADER_CODEC, KVHeader
 
 MESSAGE_TYPES = (
-    Register, RegisterReply, Heartbeat, PrefillRequest, DecodeRequest, FirstToken, TokenBatch,
-    Abort, RequestFailed,
+    Register, RegisterReply, RegisterAgain, Heartbeat, PrefillRequest, DecodeRequest, FirstToken,
+    TokenBatch, Abort, RequestFailed,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -44,6 +45,7 @@ SAMPLES: list[Message] = [
     Register("d1", "inst", "decode", "tcp://127.0.0.1:5555", "fp", 16, 1024),
     RegisterReply(True, ""),
     RegisterReply(False, "KV layout mismatch"),
+    RegisterAgain("unknown worker"),
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),

@@ -80,7 +80,7 @@ def test_overrides_apply_on_top_of_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["true", "false", "yes"])
 def test_bool_override_is_not_an_int(value: str) -> None:
-    with pytest.raises(ValueError, match="gateway.port"):
+    with pytest.raises(ValueError, match=r"gateway\.port"):
         load_config(overrides={"gateway.port": value})
 
 

@@ -47,7 +47,8 @@ def tiny(tiny_model_dir: Path) -> Fixture:
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (length,), generator=generator).tolist()
 
 
 def assert_close(logits: torch.Tensor, expected: torch.Tensor) -> None:

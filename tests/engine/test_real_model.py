@@ -37,8 +37,6 @@ PROMPTS = [
     "Describe a sunset in five words.",
     "What is the opposite of cold?",
     "Hi!",
-    "Summarize the plot of Cinderella in two sentences.",
-    "What is the square root of 81?",
 ]
 
 
@@ -56,6 +54,7 @@ def prompts(real_model_dir: Path) -> list[list[int]]:
 
 def transformers_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run all NEW_TOKENS steps, past any EOS
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -94,7 +93,6 @@ def our_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 def test_greedy_tokens_match_transformers(real_model_dir: Path, prompts: list[list[int]]) -> None:
     expected = transformers_greedy(real_model_dir, prompts)
     ours = our_greedy(real_model_dir, prompts)
+    assert all(len(tokens) == NEW_TOKENS for tokens in expected)
     for prompt_ids, theirs, mine in zip(prompts, expected, ours, strict=True):
-        # generate() stops at EOS; we keep going, so compare up to where it stopped.
-        assert len(theirs) == NEW_TOKENS or theirs[-1] == 2
-        assert mine[: len(theirs)] == theirs, prompt_ids
+        assert mine == theirs, prompt_ids

@@ -1,0 +1,255 @@
+"""Continuous batching over a real BlockAllocator: admit, grow, preempt the newest, resume."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.messages import DecodeRequest, GenerationTask, Sampling
+from decode.scheduler import DecodeScheduler, Sequence
+from engine.block_allocator import BlockAllocator, blocks_needed
+
+BLOCK = 4
+
+
+def sequence(request_id: str, num_tokens: int, epoch: int = 0) -> Sequence:
+    task = GenerationTask(list(range(num_tokens - 1)), Sampling(), 64, [], False)
+    request = DecodeRequest(request_id, epoch, task, 7)
+    return Sequence(request, tokens=[*task.prompt_ids, 7], num_generated=1,
+                    received_kv=("k", "v"), num_cached=num_tokens - 1)
+
+
+def make(num_blocks: int, max_running: int = 8) -> tuple[DecodeScheduler, BlockAllocator]:
+    allocator = BlockAllocator(num_blocks)
+    return DecodeScheduler(allocator, BLOCK, max_running), allocator
+
+
+def step(batch: list[Sequence], token: int = 1) -> None:
+    """What the decode loop does after a forward: everything is cached, one token appended."""
+    for seq in batch:
+        seq.num_cached = len(seq.tokens)
+        seq.tokens.append(token)
+        seq.num_generated += 1
+
+
+def held(scheduler: DecodeScheduler) -> list[int]:
+    return [b for s in [*scheduler.running, *scheduler.waiting] for b in s.blocks]
+
+
+def assert_accounted(scheduler: DecodeScheduler, allocator: BlockAllocator) -> None:
+    blocks = held(scheduler)
+    assert len(blocks) == len(set(blocks)), "a block is held twice"
+    assert allocator.num_free + len(blocks) == allocator.num_total
+    assert all(allocator.ref_count(b) == 1 for b in blocks)
+
+
+def test_admission_allocates_blocks_for_all_tokens() -> None:
+    scheduler, allocator = make(10)
+    seq = sequence("a", 5)
+    scheduler.add(seq)
+    admitted, batch = scheduler.schedule()
+    assert admitted == [seq] and batch == [seq]
+    assert len(seq.blocks) == 2 and allocator.num_free == 8
+    assert seq.received_kv == ("k", "v")  # kept for the loop to write at admission
+    assert_accounted(scheduler, allocator)
+
+
+def test_admission_waits_for_blocks_in_fifo_order() -> None:
+    scheduler, allocator = make(3)
+    a, b, c = sequence("a", 8), sequence("b", 8), sequence("c", 1)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    assert scheduler.schedule() == ([a], [a])
+    assert list(scheduler.waiting) == [b, c]  # c would fit, but b is older
+    assert b.blocks == [] and c.blocks == []
+    scheduler.remove(a)
+    assert scheduler.schedule() == ([b, c], [b, c])
+    assert_accounted(scheduler, allocator)
+
+
+def test_exact_fit_is_admitted() -> None:
+    scheduler, allocator = make(2)
+    seq = sequence("a", 8)
+    scheduler.add(seq)
+    assert scheduler.schedule()[0] == [seq]
+    assert allocator.num_free == 0
+
+
+def test_growth_allocates_a_block_at_each_boundary() -> None:
+    scheduler, allocator = make(10)
+    seq = sequence("a", 4)
+    scheduler.add(seq)
+    counts = []
+    for _ in range(9):
+        _, batch = scheduler.schedule()
+        assert len(seq.blocks) >= blocks_needed(len(seq.tokens), BLOCK)
+        counts.append((len(seq.tokens), len(seq.blocks)))
+        step(batch)
+    assert counts == [(4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3), (10, 3), (11, 3), (12, 3)]
+    assert allocator.num_free == 7
+    assert_accounted(scheduler, allocator)
+
+
+def test_growth_keeps_existing_blocks() -> None:
+    scheduler, _ = make(10)
+    seq = sequence("a", 4)
+    scheduler.add(seq)
+    scheduler.schedule()
+    first = list(seq.blocks)
+    step([seq])
+    scheduler.schedule()
+    assert seq.blocks[: len(first)] == first and len(seq.blocks) == 2
+
+
+def test_full_pool_preempts_the_newest_sequence() -> None:
+    scheduler, allocator = make(4)
+    old, new = sequence("old", 8), sequence("new", 8)
+    scheduler.add(old)
+    scheduler.add(new)
+    assert scheduler.schedule()[0] == [old, new]
+    assert allocator.num_free == 0
+    old.tokens.append(1)  # needs a third block; the pool is full
+    old.num_cached = 8
+    admitted, batch = scheduler.schedule()
+    assert admitted == [] and batch == [old]
+    assert len(old.blocks) == 3
+    assert new.blocks == [] and new.num_cached == 0 and new.received_kv is None
+    assert list(scheduler.waiting) == [new] and scheduler.preemptions == 1
+    assert_accounted(scheduler, allocator)
+
+
+def test_preempted_sequence_goes_to_the_front_and_resumes() -> None:
+    scheduler, allocator = make(4)
+    old, new, later = sequence("old", 8), sequence("new", 8), sequence("later", 5)
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.schedule()
+    scheduler.add(later)
+    step([old, new])  # both need a third block
+    _, batch = scheduler.schedule()
+    assert batch == [old]
+    assert list(scheduler.waiting) == [new, later]
+    scheduler.remove(old)
+    admitted, batch = scheduler.schedule()
+    assert admitted == [new] and batch == [new]  # before `later`, and with blocks for all tokens
+    assert len(new.blocks) == blocks_needed(len(new.tokens), BLOCK) == 3
+    assert new.num_cached == 0  # the loop recomputes its whole KV
+    assert list(scheduler.waiting) == [later]  # needs 2 blocks, 1 is free
+    assert_accounted(scheduler, allocator)
+
+
+def test_preemption_takes_newest_first_until_the_grower_fits() -> None:
+    scheduler, allocator = make(6)
+    a, b, c = sequence("a", 8), sequence("b", 4), sequence("c", 4)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    scheduler.schedule()  # a: 2 blocks, b: 1, c: 1; 2 free
+    a.tokens += [1] * 13  # 21 tokens: 6 blocks, 4 more
+    _, batch = scheduler.schedule()
+    assert batch == [a] and list(scheduler.waiting) == [b, c]
+    assert scheduler.preemptions == 2 and len(a.blocks) == 6
+    assert_accounted(scheduler, allocator)
+
+
+def test_a_sequence_that_cannot_grow_preempts_itself_last() -> None:
+    scheduler, allocator = make(3)
+    a, b = sequence("a", 4), sequence("b", 8)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    b.tokens += [1] * 5  # 13 tokens: 4 blocks, more than the pool
+    _, batch = scheduler.schedule()
+    assert batch == [a] and list(scheduler.waiting) == [b] and b.blocks == []
+    assert not scheduler.fits_at_all(b) and scheduler.fits_at_all(a)
+    assert_accounted(scheduler, allocator)
+
+
+def test_a_preempted_sequence_does_not_preempt_others() -> None:
+    """Once the newest is preempted for the oldest, the loop must not preempt again for it."""
+    scheduler, allocator = make(4)
+    old, new = sequence("old", 8), sequence("new", 8)
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.schedule()
+    step([old, new])
+    _, batch = scheduler.schedule()
+    assert batch == [old] and scheduler.preemptions == 1
+    assert_accounted(scheduler, allocator)
+
+
+def test_remove_frees_blocks_of_running_and_waiting_sequences() -> None:
+    scheduler, allocator = make(4)
+    a, b = sequence("a", 8), sequence("b", 12)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    assert list(scheduler.waiting) == [b]
+    scheduler.remove(a)
+    assert allocator.num_free == 4 and a.blocks == [] and a.received_kv is None
+    scheduler.remove(b)
+    assert not scheduler.running and not scheduler.waiting and allocator.num_free == 4
+    with pytest.raises(ValueError):
+        scheduler.remove(b)
+
+
+def test_max_running_is_respected() -> None:
+    scheduler, allocator = make(100, max_running=2)
+    seqs = [sequence(f"s{i}", 3) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted, batch = scheduler.schedule()
+    assert admitted == seqs[:2] and batch == seqs[:2] and len(scheduler.waiting) == 3
+    assert scheduler.schedule() == ([], seqs[:2])
+    scheduler.remove(seqs[0])
+    assert scheduler.schedule() == ([seqs[2]], [seqs[1], seqs[2]])
+    assert_accounted(scheduler, allocator)
+
+
+def test_find_by_request_id_and_epoch() -> None:
+    scheduler, _ = make(2)
+    a, b, a1 = sequence("a", 8), sequence("b", 4), sequence("a", 4, epoch=1)
+    for seq in (a, b, a1):
+        scheduler.add(seq)
+    scheduler.schedule()
+    assert scheduler.find(("a", 0)) is a and scheduler.find(("b", 0)) is b
+    assert scheduler.find(("a", 1)) is a1 and scheduler.find(("a", 2)) is None
+
+
+def test_fits_at_all() -> None:
+    scheduler, _ = make(3)
+    assert scheduler.fits_at_all(sequence("a", 12))
+    assert not scheduler.fits_at_all(sequence("b", 13))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_operations_keep_every_block_accounted_for(seed: int) -> None:
+    rng = random.Random(seed)
+    scheduler, allocator = make(rng.randint(4, 24), max_running=rng.randint(1, 6))
+    capacity = allocator.num_total * BLOCK
+    live: list[Sequence] = []
+    for op in range(300):
+        choice = rng.random()
+        if choice < 0.25:
+            seq = sequence(f"s{op}", rng.randint(1, capacity // 2 + 1))
+            scheduler.add(seq)
+            live.append(seq)
+        elif choice < 0.4 and live:
+            seq = live.pop(rng.randrange(len(live)))
+            scheduler.remove(seq)
+        else:
+            _, batch = scheduler.schedule()
+            assert len(batch) <= scheduler.max_running
+            for seq in batch:
+                assert len(seq.blocks) >= blocks_needed(len(seq.tokens), BLOCK)
+            assert all(s.blocks == [] for s in scheduler.waiting)
+            step(batch)
+            for seq in [s for s in batch if len(s.tokens) >= capacity]:  # finished
+                scheduler.remove(seq)
+                live.remove(seq)
+        assert_accounted(scheduler, allocator)
+        assert set(scheduler.running) | set(scheduler.waiting) == set(live)
+        assert len(scheduler.running) + len(scheduler.waiting) == len(live)
+    for seq in live:
+        scheduler.remove(seq)
+    assert allocator.num_free == allocator.num_total

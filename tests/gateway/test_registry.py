@@ -1,0 +1,206 @@
+"""Worker membership: layout check, re-registration, heartbeats, expiry, readiness, routing."""
+
+from __future__ import annotations
+
+import time
+
+from core.messages import Heartbeat, Register
+from gateway.registry import Registry, WorkerInfo
+
+FP = "smollm2|float32|30|3|64|16"
+
+
+def registry(timeout_s: float = 3.0, prefill: int = 1, decode: int = 1) -> Registry:
+    return Registry(FP, timeout_s, prefill, decode)
+
+
+def register(worker_id: str, role: str = "prefill", instance: str = "i0", fingerprint: str = FP,
+             num_blocks: int = 100, kv_address: str = "") -> Register:
+    return Register(worker_id, instance, role, kv_address, fingerprint, 16, num_blocks)
+
+
+def heartbeat(worker_id: str, instance: str = "i0", queued: int = 0, free: int = 100,
+              running: int = 0) -> Heartbeat:
+    return Heartbeat(worker_id, instance, queued, free, running, 0)
+
+
+def picked(worker: WorkerInfo | None) -> str | None:
+    return None if worker is None else worker.worker_id
+
+
+def test_matching_worker_is_admitted() -> None:
+    reg = registry()
+    reply, previous = reg.register(register("d1", "decode", kv_address="tcp://127.0.0.1:9"))
+    assert reply.accepted and previous is None
+    info = reg.workers["d1"]
+    assert (info.role, info.kv_address, info.block_size, info.num_blocks) == (
+        "decode", "tcp://127.0.0.1:9", 16, 100)
+    assert info.free_blocks == 100 and info.queued_tokens == 0
+
+
+def test_fingerprint_mismatch_is_refused_naming_both() -> None:
+    reg = registry()
+    other = "smollm2|bfloat16|30|3|64|16"
+    reply, previous = reg.register(register("p1", fingerprint=other))
+    assert not reply.accepted and previous is None
+    assert other in reply.reason and FP in reply.reason and "mismatch" in reply.reason
+    assert "p1" not in reg.workers and reg.refused == 1
+
+
+def test_unknown_role_is_refused() -> None:
+    reg = registry()
+    reply, _ = reg.register(register("x1", role="embed"))
+    assert not reply.accepted and "embed" in reply.reason and not reg.workers
+
+
+def test_reregistration_replaces_and_returns_the_previous() -> None:
+    reg = registry()
+    reg.register(register("p1", instance="old"))
+    first = reg.workers["p1"]
+    reply, previous = reg.register(register("p1", instance="new"))
+    assert reply.accepted and previous is first
+    assert reg.workers["p1"].instance_id == "new" and len(reg.workers) == 1
+
+
+def test_refused_reregistration_keeps_the_registered_worker() -> None:
+    reg = registry()
+    reg.register(register("p1", instance="old"))
+    reply, _ = reg.register(register("p1", instance="new", fingerprint="other"))
+    assert not reply.accepted and reg.workers["p1"].instance_id == "old"
+
+
+def test_heartbeat_records_load() -> None:
+    reg = registry()
+    reg.register(register("p1"))
+    assert reg.heartbeat(heartbeat("p1", queued=42))
+    assert reg.workers["p1"].queued_tokens == 42
+
+
+def test_heartbeat_from_a_stale_instance_is_ignored() -> None:
+    reg = registry()
+    reg.register(register("p1", instance="old"))
+    reg.register(register("p1", instance="new"))
+    assert not reg.heartbeat(heartbeat("p1", instance="old", queued=999))
+    assert reg.workers["p1"].load is None and reg.workers["p1"].queued_tokens == 0
+
+
+def test_heartbeat_from_an_unknown_worker_is_ignored() -> None:
+    reg = registry()
+    assert not reg.heartbeat(heartbeat("ghost"))
+    assert not reg.workers
+
+
+def test_expire_after_the_timeout() -> None:
+    reg = registry(timeout_s=0.2)
+    reg.register(register("p1"))
+    reg.register(register("d1", "decode"))
+    assert reg.expire() == []
+    reg.workers["p1"].last_seen -= 1.0  # its last sign of life was a second ago
+    dead = reg.expire()
+    assert [w.worker_id for w in dead] == ["p1"] and list(reg.workers) == ["d1"]
+    assert reg.expire() == []
+    time.sleep(0.25)  # and in real time
+    assert [w.worker_id for w in reg.expire()] == ["d1"] and not reg.workers
+
+
+def test_heartbeats_keep_a_worker_alive() -> None:
+    reg = registry(timeout_s=0.5)
+    reg.register(register("p1"))
+    reg.workers["p1"].last_seen -= 1.0
+    assert reg.heartbeat(heartbeat("p1"))
+    assert reg.expire() == []
+
+
+def test_stale_heartbeats_do_not_keep_a_worker_alive() -> None:
+    reg = registry(timeout_s=0.5)
+    reg.register(register("p1", instance="new"))
+    reg.workers["p1"].last_seen -= 1.0
+    assert not reg.heartbeat(heartbeat("p1", instance="old"))
+    assert [w.worker_id for w in reg.expire()] == ["p1"]
+
+
+def test_ready_by_expected_counts() -> None:
+    reg = registry(prefill=2, decode=1)
+    assert not reg.ready()
+    reg.register(register("p1"))
+    reg.register(register("d1", "decode"))
+    assert not reg.ready()
+    reg.register(register("p1", instance="again"))  # the same worker again does not count twice
+    assert not reg.ready()
+    reg.register(register("p2"))
+    assert reg.ready()
+    reg.remove("d1")
+    assert not reg.ready()
+    assert registry(prefill=0, decode=0).ready()
+
+
+def test_alive_by_role() -> None:
+    reg = registry()
+    for worker_id, role in (("p1", "prefill"), ("d1", "decode"), ("p2", "prefill")):
+        reg.register(register(worker_id, role))
+    assert [w.worker_id for w in reg.alive("prefill")] == ["p1", "p2"]
+    assert [w.worker_id for w in reg.alive("decode")] == ["d1"]
+
+
+def test_pick_prefill_by_fewest_queued_tokens() -> None:
+    reg = registry()
+    assert reg.pick_prefill() is None
+    for worker_id in ("p1", "p2", "p3"):
+        reg.register(register(worker_id))
+    reg.register(register("d1", "decode"))
+    reg.heartbeat(heartbeat("p1", queued=100))
+    reg.heartbeat(heartbeat("p2", queued=50))
+    reg.heartbeat(heartbeat("p3", queued=70))
+    assert picked(reg.pick_prefill()) == "p2"
+
+
+def test_pick_prefill_counts_tokens_assigned_since_the_last_heartbeat() -> None:
+    reg = registry()
+    reg.register(register("p1"))
+    reg.register(register("p2"))
+    reg.heartbeat(heartbeat("p1", queued=100))
+    reg.heartbeat(heartbeat("p2", queued=50))
+    reg.workers["p2"].assigned_tokens += 60
+    assert reg.workers["p2"].queued_tokens == 110
+    assert picked(reg.pick_prefill()) == "p1"
+    reg.heartbeat(heartbeat("p2", queued=50))  # the heartbeat now includes them
+    assert reg.workers["p2"].assigned_tokens == 0
+    assert picked(reg.pick_prefill()) == "p2"
+
+
+def test_pick_decode_by_most_free_blocks() -> None:
+    reg = registry()
+    assert reg.pick_decode() is None
+    reg.register(register("p1"))
+    for worker_id in ("d1", "d2", "d3"):
+        reg.register(register(worker_id, "decode"))
+    reg.heartbeat(heartbeat("d1", free=10))
+    reg.heartbeat(heartbeat("d2", free=90))
+    reg.heartbeat(heartbeat("d3", free=40))
+    assert picked(reg.pick_decode()) == "d2"
+    reg.workers["d2"].assigned_tokens = 16 * 60  # 60 blocks on their way
+    assert reg.workers["d2"].free_blocks == 30
+    assert picked(reg.pick_decode()) == "d3"
+
+
+def test_pick_decode_ties_go_to_the_fewest_running() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode"))
+    reg.register(register("d2", "decode"))
+    reg.heartbeat(heartbeat("d1", free=50, running=9))
+    reg.heartbeat(heartbeat("d2", free=50, running=2))
+    assert picked(reg.pick_decode()) == "d2"
+
+
+def test_pick_decode_before_any_heartbeat_uses_the_registered_size() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode", num_blocks=10))
+    reg.register(register("d2", "decode", num_blocks=20))
+    assert picked(reg.pick_decode()) == "d2"
+
+
+def test_removed_workers_are_not_picked() -> None:
+    reg = registry()
+    reg.register(register("p1"))
+    assert reg.remove("p1") is not None and reg.remove("p1") is None
+    assert reg.pick_prefill() is None
