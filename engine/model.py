@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionPlan, attend, plan_attention
 from engine.batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rope
 from engine.spec import ModelSpec
 from engine.weights import EMBED, LM_HEAD
 
@@ -83,38 +83,44 @@ class LlamaModel:
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
         plan = plan_attention(batch, cache.block_size)
-        if int(plan.positions.max()) >= self.spec.max_position_embeddings:
-            raise ValueError(f"positions exceed {self.spec.max_position_embeddings}")
+        self._check_inputs(plan)
+        step = _Step(plan, *self.rope.lookup(plan.positions), cache, layer_hook)
         x = F.embedding(plan.token_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, plan, cache, layer_hook)
+            x = self._layer(index, layer, x, step)
         last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
 
-    def _layer(
-        self,
-        index: int,
-        layer: LayerWeights,
-        x: torch.Tensor,
-        plan: AttentionPlan,
-        cache: PagedKVCache,
-        layer_hook: Callable[[int], None] | None,
-    ) -> torch.Tensor:
+    def _check_inputs(self, plan: AttentionPlan) -> None:
+        if int(plan.positions.max()) >= self.spec.max_position_embeddings:
+            raise ValueError(f"positions exceed {self.spec.max_position_embeddings}")
+        if not 0 <= int(plan.token_ids.min()) <= int(plan.token_ids.max()) < self.spec.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+
+    def _layer(self, index: int, layer: LayerWeights, x: torch.Tensor, step: _Step) -> torch.Tensor:
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         q, k, v = F.linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rope(
-            q.view(num_tokens, spec.num_heads, spec.head_dim),
-            k.view(num_tokens, spec.num_kv_heads, spec.head_dim),
-            plan.positions,
-        )
-        cache.store(index, plan.slots, k, v.view(num_tokens, spec.num_kv_heads, spec.head_dim))
-        if layer_hook is not None:
-            layer_hook(index)
-        attn = attend(q, cache.k[index], cache.v[index], plan)
+        q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
+        k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
+        step.cache.store(index, step.plan.slots, k, v.view_as(k))
+        if step.layer_hook is not None:
+            step.layer_hook(index)
+        attn = attend(q, step.cache.k[index], step.cache.v[index], step.plan)
         x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of one forward pass shares."""
+
+    plan: AttentionPlan
+    cos: torch.Tensor  # [N, 1, head_dim]
+    sin: torch.Tensor
+    cache: PagedKVCache
+    layer_hook: Callable[[int], None] | None

@@ -49,16 +49,13 @@ class RotaryEmbedding:
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate `q` `[N, H, D]` and `k` `[N, Hkv, D]` to their token `positions` `[N]`."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[N, 1, head_dim]` of token `positions` `[N]`, broadcastable over heads."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[N, heads, head_dim]` by the angles whose cos/sin `lookup` returned."""
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin

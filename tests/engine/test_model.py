@@ -116,6 +116,12 @@ def test_positions_beyond_the_model_are_rejected(tiny: Fixture) -> None:
         tiny.model.forward(ForwardBatch([[5]], [2048], [table]), cache)
 
 
+@pytest.mark.parametrize("token", [-1, 49152])
+def test_token_ids_outside_the_vocabulary_are_rejected(tiny: Fixture, token: int) -> None:
+    with pytest.raises(ValueError):
+        tiny.model.forward(ForwardBatch([[5, token]], [0], [tiny.blocks(2)]), tiny.cache)
+
+
 def test_block_table_too_short_is_rejected(tiny: Fixture) -> None:
     with pytest.raises(ValueError):
         tiny.model.forward(ForwardBatch([random_prompt(9, seed=4)], [0], [[0, 1]]), tiny.cache)

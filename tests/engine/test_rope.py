@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from engine.rope import RotaryEmbedding, inverse_frequencies
+from engine.rope import RotaryEmbedding, apply_rope, inverse_frequencies
 from engine.spec import load_spec
 
 SCALINGS: dict[str, dict[str, Any]] = {
@@ -49,7 +49,8 @@ def test_rotation_matches(rope_type: str, tmp_path: Path) -> None:
     positions = torch.tensor([0, 1, 5, 300, 4095])
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(5, 2, 128, generator=g), torch.randn(5, 1, 128, generator=g)
-    ours = RotaryEmbedding(load_spec(tmp_path), torch.float32)(q, k, positions)
+    cos, sin = RotaryEmbedding(load_spec(tmp_path), torch.float32).lookup(positions)
+    ours = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     theirs = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     for mine, reference in zip(ours, theirs, strict=True):
