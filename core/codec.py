@@ -66,7 +66,11 @@ def _build(cls: type, values: Any) -> Any:
     hints = _hints(cls)
     if not isinstance(values, list) or len(values) != len(hints):
         raise MalformedMessage(f"{cls.__name__}: expected {len(hints)} fields")
-    return cls(*(_typed(h, v, cls.__name__) for h, v in zip(hints, values, strict=True)))
+    fields = [_typed(h, v, cls.__name__) for h, v in zip(hints, values, strict=True)]
+    try:
+        return cls(*fields)
+    except ValueError as exc:  # the message type's own validation (__post_init__)
+        raise MalformedMessage(f"{cls.__name__}: {exc}") from None
 
 
 def _typed(hint: Any, value: Any, where: str) -> Any:

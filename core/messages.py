@@ -14,10 +14,25 @@ from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
 
 @dataclass(frozen=True)
 class Sampling:
+    """How to pick the next token; temperature 0 is greedy, top_k 0 and top_p 1 are off."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the most likely token is always taken."""
+        return self.temperature == 0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import signal
 import time
 import uuid
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import zmq
 
@@ -25,20 +26,36 @@ class RegistrationRefused(RuntimeError):
     """The gateway refused this worker (for example, a KV layout mismatch)."""
 
 
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a worker tells the gateway about itself when it registers."""
+
+    worker_id: str
+    role: str
+    fingerprint: str  # KV layout: workers exchanging KV must agree on it
+    block_size: int
+    num_blocks: int
+
+
 class Worker(ABC):
-    def __init__(self, worker_id: str, gateway_address: str, heartbeat_interval_s: float) -> None:
-        self.worker_id = worker_id
+    def __init__(self, identity: WorkerIdentity, gateway_address: str,
+                 heartbeat_interval_s: float) -> None:
+        self.identity = identity
+        self.worker_id = identity.worker_id
         self.instance_id = uuid.uuid4().hex
+        self.kv_address = ""  # where this worker receives KV, if it does
         self.context = zmq.Context()
-        self.control = ControlClient(self.context, gateway_address, worker_id)
+        self.control = ControlClient(self.context, gateway_address, self.worker_id)
         self.poller = zmq.Poller()
         self.poller.register(self.control.socket, zmq.POLLIN)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.next_heartbeat = 0.0
         self.stopping = False
 
-    @abstractmethod
-    def registration(self) -> Register: ...
+    def registration(self) -> Register:
+        i = self.identity
+        return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
+                        i.block_size, i.num_blocks)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

@@ -14,17 +14,16 @@ from core.messages import (
     DecodeRequest,
     Heartbeat,
     Message,
-    Register,
     RequestFailed,
     TokenBatch,
     TokenEvent,
     decode,
 )
-from core.worker import Worker
+from core.worker import Worker, WorkerIdentity
 from decode.scheduler import DecodeScheduler, Sequence
 from engine.batch import ForwardBatch
 from engine.runner import ModelRunner
-from engine.sampler import SamplingParams, make_generator, sample
+from engine.sampler import make_generator, sample
 from engine.stopping import finish_reason
 from kvtransfer import KVPayload, make_receiver
 
@@ -34,23 +33,18 @@ _TOMBSTONE_TTL_S = 120.0
 
 class DecodeWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner, fingerprint: str):
-        super().__init__(worker_id, config.gateway.control_address,
+        identity = WorkerIdentity(worker_id, "decode", fingerprint, runner.block_size,
+                                  runner.allocator.num_total)
+        super().__init__(identity, config.gateway.control_address,
                          config.decode.heartbeat_interval_s)
         self.runner = runner
-        self.fingerprint = fingerprint
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running)
         self.receiver = make_receiver(self.context, config.decode.kv_bind)
+        self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
         self.aborted: dict[tuple[str, int], float] = {}  # aborts that may beat their KV here
         self.rejected_requests = 0
-
-    def registration(self) -> Register:
-        return Register(
-            worker_id=self.worker_id, instance_id=self.instance_id, role="decode",
-            kv_address=self.receiver.address, fingerprint=self.fingerprint,
-            block_size=self.runner.block_size, num_blocks=self.runner.allocator.num_total,
-        )
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Abort):
@@ -74,7 +68,7 @@ class DecodeWorker(Worker):
             start_positions=[s.num_cached for s in batch],
             block_tables=[s.blocks for s in batch],
         ), layer_hook=self.between_layers)
-        params = [SamplingParams(**vars(s.request.task.sampling)) for s in batch]
+        params = [s.request.task.sampling for s in batch]
         tokens = sample(logits, params, [s.sampler_state for s in batch])
         events = [self._advance(s, t) for s, t in zip(batch, tokens, strict=True)]
         self.control.send(TokenBatch(events))

@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token; temperature 0 is greedy, top_k 0 and top_p 1 are off."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        """Whether the most likely token is always taken."""
-        return self.temperature == 0
+from core.messages import Sampling
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -41,7 +18,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[Sampling], generators: list[torch.Generator]
 ) -> list[int]:
     """One token per row of `logits` `[B, V]`; a row's draw depends only on its own
     logits, params and generator, never on the other rows."""
@@ -53,7 +30,7 @@ def sample(
     ]
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def _sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[0]:
         logits, candidates = logits.topk(params.top_k)  # sorted, descending

@@ -14,15 +14,14 @@ from core.messages import (
     Heartbeat,
     Message,
     PrefillRequest,
-    Register,
     RequestFailed,
     encode,
 )
-from core.worker import Worker
+from core.worker import Worker, WorkerIdentity
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.runner import ModelRunner
-from engine.sampler import SamplingParams, make_generator, sample
+from engine.sampler import make_generator, sample
 from engine.stopping import finish_reason
 from kvtransfer import TransferError, make_sender
 from prefill.scheduler import PrefillScheduler
@@ -32,19 +31,13 @@ log = logging.getLogger(__name__)
 
 class PrefillWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner, fingerprint: str):
-        super().__init__(worker_id, config.gateway.control_address,
+        identity = WorkerIdentity(worker_id, "prefill", fingerprint, runner.block_size,
+                                  runner.allocator.num_total)
+        super().__init__(identity, config.gateway.control_address,
                          config.prefill.heartbeat_interval_s)
         self.runner = runner
-        self.fingerprint = fingerprint
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
         self.sender = make_sender(self.context)
-
-    def registration(self) -> Register:
-        return Register(
-            worker_id=self.worker_id, instance_id=self.instance_id, role="prefill", kv_address="",
-            fingerprint=self.fingerprint, block_size=self.runner.block_size,
-            num_blocks=self.runner.allocator.num_total,
-        )
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
@@ -74,7 +67,7 @@ class PrefillWorker(Worker):
         return blocks_needed(len(request.task.prompt_ids), self.runner.block_size)
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[int]:
-        params = [SamplingParams(**vars(r.task.sampling)) for r in batch]
+        params = [r.task.sampling for r in batch]
         generators = [make_generator(r.task.sampling.seed) for r in batch]
         return sample(logits, params, generators)
 

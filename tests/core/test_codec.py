@@ -105,11 +105,12 @@ def test_optional_fields_take_none_or_a_value() -> None:
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 0, 0, None], 4, [], False], 9)
+    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False], 9)
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
     assert type(back.task.sampling.temperature) is float
+    assert type(back.task.sampling.top_p) is float
 
 
 def test_kv_header_codec_round_trips_bytes() -> None:
@@ -273,3 +274,9 @@ def test_a_codec_with_its_own_types() -> None:
     assert msgpack.unpackb(codec.encode(Abort("r", 1)))[0] == 1
     with pytest.raises(MalformedMessage):
         codec.decode(packed(2, "r", 1))
+
+
+def test_a_message_failing_its_own_validation_is_malformed() -> None:
+    bad_sampling = packed(TAG[PrefillRequest], "r", 0, [[1], [-1.0, 1.0, 0, None], 4, [], False],
+                          "d", "")
+    assert_malformed(bad_sampling)

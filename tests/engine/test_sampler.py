@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import SamplingParams, make_generator, sample
+from core.messages import Sampling
+from engine.sampler import make_generator, sample
 
 VOCAB = 1000
 
@@ -16,17 +17,17 @@ def random_logits(rows: int, seed: int) -> torch.Tensor:
 
 def test_greedy_is_argmax() -> None:
     logits = random_logits(5, seed=0)
-    params = [SamplingParams(temperature=0.0)] * 5
+    params = [Sampling(temperature=0.0)] * 5
     tokens = sample(logits, params, [make_generator(None) for _ in range(5)])
     assert tokens == logits.argmax(dim=-1).tolist()
-    assert params[0].greedy and not SamplingParams().greedy
+    assert params[0].greedy and not Sampling().greedy
 
 
 def test_seeded_request_is_independent_of_its_batch() -> None:
     logits = random_logits(6, seed=1)
-    wanted = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123)
+    wanted = Sampling(temperature=0.8, top_p=0.9, top_k=50, seed=123)
     alone = [sample(logits[2:3], [wanted], [g])[0] for g in [make_generator(123)] * 20]
-    others = [SamplingParams(temperature=1.3, seed=None), SamplingParams(top_p=0.5)]
+    others = [Sampling(temperature=1.3, seed=None), Sampling(top_p=0.5)]
     generators = [make_generator(None), make_generator(123), make_generator(7)]
     batched = [
         sample(logits[1:4], [others[0], wanted, others[1]], generators)[1] for _ in range(20)
@@ -37,7 +38,7 @@ def test_seeded_request_is_independent_of_its_batch() -> None:
 
 def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     logits = random_logits(1, seed=2)
-    params = [SamplingParams(temperature=1.0)]
+    params = [Sampling(temperature=1.0)]
 
     def draw(seed: int) -> list[int]:
         g = make_generator(seed)
@@ -50,7 +51,7 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = random_logits(8, seed=3)
     argmax = logits.argmax(dim=-1).tolist()
-    for params in (SamplingParams(temperature=2.0, top_k=1), SamplingParams(top_p=1e-6)):
+    for params in (Sampling(temperature=2.0, top_k=1), Sampling(top_p=1e-6)):
         generators = [make_generator(i) for i in range(8)]
         assert sample(logits, [params] * 8, generators) == argmax
 
@@ -59,14 +60,14 @@ def test_top_k_only_draws_from_the_k_best() -> None:
     logits = random_logits(1, seed=4)
     best = set(logits[0].topk(3).indices.tolist())
     g = make_generator(0)
-    drawn = {sample(logits, [SamplingParams(temperature=5.0, top_k=3)], [g])[0] for _ in range(200)}
+    drawn = {sample(logits, [Sampling(temperature=5.0, top_k=3)], [g])[0] for _ in range(200)}
     assert drawn == best
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = make_generator(0)
-    drawn = {sample(logits, [SamplingParams(top_p=0.7)], [g])[0] for _ in range(300)}
+    drawn = {sample(logits, [Sampling(top_p=0.7)], [g])[0] for _ in range(300)}
     assert drawn == {0, 1}
 
 
@@ -75,4 +76,4 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 )
 def test_bad_params_are_value_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        Sampling(**kwargs)
