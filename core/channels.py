@@ -79,5 +79,6 @@ class ControlClient:
                 log.warning("dropped malformed control message: %s", exc)
                 self.dropped += 1
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` gives queued messages (a last Leave) that long to go out."""
+        self.socket.close(linger=linger_ms)

@@ -33,7 +33,7 @@ class GatewayConfig:
     expect_decode: int = 1
     max_inflight_requests: int = 512
     heartbeat_timeout_s: float = 3.0
-    request_timeout_s: float = 600.0
+    progress_timeout_s: float = 300.0  # a request with no new token for this long fails
     keepalive_s: float = 10.0
     max_body_bytes: int = 16 * 1024 * 1024
 

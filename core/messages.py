@@ -71,6 +71,14 @@ class RegisterAgain:
 
 
 @dataclass(frozen=True)
+class Leave:
+    """A worker stopping on purpose: the gateway stops routing to it at once."""
+
+    worker_id: str
+    instance_id: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
     instance_id: str
@@ -111,6 +119,7 @@ class FirstToken:
 class TokenEvent:
     request_id: str
     epoch: int
+    index: int  # position in the output: 0 is the first token (sent by prefill)
     token_id: int
     finish_reason: str | None
 
@@ -136,7 +145,7 @@ class RequestFailed:
 
 
 Message = (
-    Register | RegisterReply | RegisterAgain | Heartbeat | PrefillRequest | DecodeRequest
+    Register | RegisterReply | RegisterAgain | Leave | Heartbeat | PrefillRequest | DecodeRequest
     | FirstToken | TokenBatch | Abort | RequestFailed
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import zmq
 
 from core.channels import ControlClient
-from core.messages import Heartbeat, Message, Register, RegisterAgain, RegisterReply
+from core.messages import Heartbeat, Leave, Message, Register, RegisterAgain, RegisterReply
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
@@ -126,5 +126,7 @@ class Worker(ABC):
         self.stopping = True
 
     def close(self) -> None:
-        self.control.close()
+        """Tell the gateway this worker is leaving (so it stops routing here), then close."""
+        self.control.send(Leave(self.worker_id, self.instance_id))
+        self.control.close(linger_ms=1000)
         self.context.term()

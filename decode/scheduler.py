@@ -8,21 +8,24 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.messages import DecodeRequest
 from engine.block_allocator import BlockAllocator, blocks_needed
 
+if TYPE_CHECKING:
+    import torch
+
 
 @dataclass(eq=False)
-class Sequence:
+class DecodeSequence:
     request: DecodeRequest
     tokens: list[int]  # prompt + generated
     num_generated: int
-    received_kv: Any = None  # KV that arrived with the request, written at admission
+    generator: torch.Generator | None = None  # this request's own random stream
+    received_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # written at admission
     num_cached: int = 0
     blocks: list[int] = field(default_factory=list)
-    sampler_state: Any = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -34,23 +37,26 @@ class DecodeScheduler:
         self.allocator = allocator
         self.block_size = block_size
         self.max_running = max_running
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[DecodeSequence] = deque()
+        self.running: list[DecodeSequence] = []
         self.preemptions = 0
 
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: DecodeSequence) -> None:
         self.waiting.append(sequence)
 
-    def fits_at_all(self, sequence: Sequence) -> bool:
-        return self._need(sequence) <= self.allocator.num_total
+    def fits_at_all(self, sequence: DecodeSequence) -> bool:
+        """Whether the pool could hold the sequence at its longest (prompt + max_tokens)."""
+        task = sequence.request.task
+        longest = len(task.prompt_ids) + task.max_tokens
+        return blocks_needed(longest, self.block_size) <= self.allocator.num_total
 
-    def find(self, key: tuple[str, int]) -> Sequence | None:
+    def find(self, key: tuple[str, int]) -> DecodeSequence | None:
         return next((s for s in [*self.running, *self.waiting] if s.key == key), None)
 
-    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+    def schedule(self) -> tuple[list[DecodeSequence], list[DecodeSequence]]:
         """(sequences admitted now, the batch to run this step)."""
         self._grow_running()
-        admitted: list[Sequence] = []
+        admitted: list[DecodeSequence] = []
         while self.waiting and len(self.running) < self.max_running:
             sequence = self.waiting[0]
             if not self.allocator.can_allocate(self._need(sequence)):
@@ -61,7 +67,7 @@ class DecodeScheduler:
             admitted.append(sequence)
         return admitted, list(self.running)
 
-    def remove(self, sequence: Sequence) -> None:
+    def remove(self, sequence: DecodeSequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks."""
         if sequence in self.running:
             self.running.remove(sequence)
@@ -69,7 +75,7 @@ class DecodeScheduler:
             self.waiting.remove(sequence)
         self._release(sequence)
 
-    def _need(self, sequence: Sequence) -> int:
+    def _need(self, sequence: DecodeSequence) -> int:
         return blocks_needed(len(sequence.tokens), self.block_size)
 
     def _grow_running(self) -> None:
@@ -86,14 +92,14 @@ class DecodeScheduler:
             if extra > 0 and sequence in self.running:
                 sequence.blocks += self.allocator.allocate(extra)
 
-    def _preempt(self, sequence: Sequence) -> None:
+    def _preempt(self, sequence: DecodeSequence) -> None:
         self.running.remove(sequence)
         self._release(sequence)
         sequence.num_cached = 0
         self.waiting.appendleft(sequence)
         self.preemptions += 1
 
-    def _release(self, sequence: Sequence) -> None:
+    def _release(self, sequence: DecodeSequence) -> None:
         if sequence.blocks:
             self.allocator.free(sequence.blocks)
         sequence.blocks = []

@@ -20,7 +20,7 @@ from core.messages import (
     decode,
 )
 from core.worker import Worker, WorkerIdentity
-from decode.scheduler import DecodeScheduler, Sequence
+from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.sampler import make_generator, sample
@@ -56,6 +56,8 @@ class DecodeWorker(Worker):
         if self.receiver.fileno_socket() in ready:
             for payload in self.receiver.drain():
                 self._accept(payload)
+            for rejected in self.receiver.take_rejections():
+                self._fail((rejected.request_id, rejected.epoch), rejected.reason)
 
     def step(self) -> bool:
         admitted, batch = self.scheduler.schedule()
@@ -69,12 +71,12 @@ class DecodeWorker(Worker):
             block_tables=[s.blocks for s in batch],
         ), layer_hook=self.between_layers)
         params = [s.request.task.sampling for s in batch]
-        tokens = sample(logits, params, [s.sampler_state for s in batch])
+        tokens = sample(logits, params, [s.generator for s in batch])
         events = [self._advance(s, t) for s, t in zip(batch, tokens, strict=True)]
         self.control.send(TokenBatch(events))
         return True
 
-    def _advance(self, sequence: Sequence, token: int) -> TokenEvent:
+    def _advance(self, sequence: DecodeSequence, token: int) -> TokenEvent:
         sequence.num_cached = len(sequence.tokens)
         sequence.tokens.append(token)
         sequence.num_generated += 1
@@ -82,7 +84,7 @@ class DecodeWorker(Worker):
         reason = finish_reason(task, token, sequence.num_generated, self.runner.spec.eos_token_ids)
         if reason is not None:
             self.scheduler.remove(sequence)
-        return TokenEvent(*sequence.key, token, reason)
+        return TokenEvent(*sequence.key, sequence.num_generated - 1, token, reason)
 
     def _accept(self, payload: KVPayload) -> None:
         """A request arrived with its KV: queue it for admission, unless it is stale or bad."""
@@ -90,29 +92,34 @@ class DecodeWorker(Worker):
             request = decode(payload.header.meta)
         except MalformedMessage:
             request = None
+        key = (payload.header.request_id, payload.header.epoch)
         if not isinstance(request, DecodeRequest) or not self._kv_matches(request, payload):
             self.receiver.rejected += 1
+            self._fail(key, "the KV did not match its request")
             return
-        key = (request.request_id, request.epoch)
         if key in self.aborted or self.scheduler.find(key) is not None:
             return
-        sequence = Sequence(
+        sequence = DecodeSequence(
             request=request, tokens=[*request.task.prompt_ids, request.first_token],
             num_generated=1, received_kv=(payload.k, payload.v),
-            sampler_state=make_generator(request.task.sampling.seed),
+            generator=make_generator(_decode_seed(request.task.sampling.seed)),
         )
         if not self.scheduler.fits_at_all(sequence):
-            self.rejected_requests += 1
-            self.control.send(RequestFailed(*key, "prompt does not fit the decode KV pool"))
+            self._fail(key, "the request does not fit the decode KV pool")
             return
         self.scheduler.add(sequence)
+
+    def _fail(self, key: tuple[str, int], reason: str) -> None:
+        self.rejected_requests += 1
+        self.control.send(RequestFailed(*key, reason))
 
     def _kv_matches(self, request: DecodeRequest, payload: KVPayload) -> bool:
         header, spec = payload.header, self.runner.spec
         expected = [spec.num_layers, len(request.task.prompt_ids), spec.num_kv_heads, spec.head_dim]
-        return header.request_id == request.request_id and header.shape == expected
+        return ((header.request_id, header.epoch) == (request.request_id, request.epoch)
+                and header.layer_start == 0 and header.shape == expected)
 
-    def _write_received_kv(self, sequence: Sequence) -> None:
+    def _write_received_kv(self, sequence: DecodeSequence) -> None:
         if sequence.received_kv is None:
             return  # resumed after preemption: recomputed in the step
         k, v = sequence.received_kv
@@ -139,3 +146,8 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         self.receiver.close()
         super().close()
+
+
+def _decode_seed(seed: int | None) -> int | None:
+    """Decode's draws must not replay the draw prefill used for the first token."""
+    return None if seed is None else (seed + 1) % 2**63

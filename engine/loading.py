@@ -44,3 +44,5 @@ def worker_main(role: str, worker_class: type[Worker]) -> None:
         worker.run()
     except RegistrationRefused as exc:
         raise SystemExit(f"{args.worker_id}: the gateway refused this worker: {exc}") from None
+    except TimeoutError as exc:
+        raise SystemExit(f"{args.worker_id}: {exc} ({config.gateway.control_address})") from None

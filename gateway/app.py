@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -26,10 +26,8 @@ log = logging.getLogger(__name__)
 def build_app(state: GatewayState) -> Starlette:
     routes = OpenAIRoutes(state)
 
-    background: list[asyncio.Task[None]] = []
-
     async def health(request: Request) -> Response:
-        if any(task.done() for task in background):
+        if not state.control_plane_up():
             return JSONResponse({"status": "control plane stopped"}, status_code=503)
         ready = state.registry.ready()
         body = {"status": "ok" if ready else "starting",
@@ -46,14 +44,14 @@ def build_app(state: GatewayState) -> Starlette:
         context = zmq.asyncio.Context()
         control = ControlServer(context, state.config.gateway.control_address)
         state.dispatcher = Dispatcher(control, state.registry)
-        background[:] = [asyncio.create_task(state.dispatcher.serve()),
-                         asyncio.create_task(state.dispatcher.watch_liveness())]
-        for task in background:
+        state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),
+                                  asyncio.create_task(state.dispatcher.watch_liveness())]
+        for task in state.control_tasks:
             task.add_done_callback(_report_stopped)
         try:
             yield
         finally:
-            for task in background:
+            for task in state.control_tasks:
                 task.cancel()
             control.close()
             context.term()
@@ -67,7 +65,7 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                            Exception: _unexpected_error},
+                            ClientDisconnect: _client_gone, Exception: _unexpected_error},
         lifespan=lifespan,
     )
 
@@ -90,6 +88,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return error_response(not_found(f"no route {request.url.path[:200]}"))
     return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # the client left while sending its request
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from core.channels import ControlServer
@@ -18,6 +19,7 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Heartbeat,
+    Leave,
     Message,
     PrefillRequest,
     Register,
@@ -48,6 +50,11 @@ class RequestHandle:
     decode_worker: str
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     done: bool = False
+    next_index: int = 0  # the output position the client gets next
+    early: dict[int, Event] = field(default_factory=dict)  # arrived before their turn
+
+
+_REABORT_MEMORY = 4096
 
 
 class Dispatcher:
@@ -56,6 +63,7 @@ class Dispatcher:
         self.registry = registry
         self.requests: dict[str, RequestHandle] = {}
         self.aborts_sent = 0
+        self.reaborted: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def submit(self, task: GenerationTask) -> RequestHandle:
         """Pick a prefill and a decode worker and send the request; 503 when a pool is empty."""
@@ -63,12 +71,11 @@ class Dispatcher:
         if prefill is None or decode is None:
             raise service_unavailable("no prefill or decode worker is available", retry_after=1.0)
         handle = RequestHandle(uuid.uuid4().hex, 0, task, prefill.worker_id, decode.worker_id)
-        self.requests[handle.request_id] = handle
-        for worker in (prefill, decode):
-            worker.assigned_tokens += len(task.prompt_ids)
-            worker.active.add(handle.request_id)
         self.control.send(prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, decode.worker_id, decode.kv_address))
+        self.requests[handle.request_id] = handle
+        for worker in (prefill, decode):
+            worker.active[handle.request_id] = len(task.prompt_ids)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -77,14 +84,15 @@ class Dispatcher:
             return
         self._finish(handle)
         for worker_id in (handle.prefill_worker, handle.decode_worker):
-            self.control.send(worker_id, Abort(handle.request_id, handle.epoch))
-            self.aborts_sent += 1
+            self._send_abort(worker_id, handle.request_id, handle.epoch)
 
     async def serve(self) -> None:
         """Route every control message; runs for the gateway's lifetime."""
         while True:
-            worker_id, message = await self.control.recv()
-            self.on_message(worker_id, message)
+            for _ in range(64):
+                worker_id, message = await self.control.recv()
+                self.on_message(worker_id, message)
+            await asyncio.sleep(0)  # a backlog of ready messages must not starve HTTP
 
     async def watch_liveness(self, interval_s: float = 0.5) -> None:
         while True:
@@ -96,17 +104,19 @@ class Dispatcher:
     def on_message(self, worker_id: str, message: Message) -> None:
         if isinstance(message, TokenBatch):
             for event in message.events:
-                self._on_token(event)
+                self._on_token(worker_id, event)
         elif isinstance(message, FirstToken):
-            self._release(message.request_id, worker_id)
-            self._on_token(message)
+            self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
+                                                 message.token_id, message.finish_reason))
         elif isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message):
                 self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
         elif isinstance(message, RequestFailed):
-            self._deliver(message.request_id, message.epoch, Event(None, "error", message.reason))
+            self._on_failure(message)
         elif isinstance(message, Register):
             self._on_register(worker_id, message)
+        elif isinstance(message, Leave):
+            self._on_leave(message)
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
 
@@ -121,16 +131,56 @@ class Dispatcher:
         elif previous is not None and previous.instance_id != message.instance_id:
             self._fail_worker_requests(previous, f"{worker_id} restarted")
 
-    def _on_token(self, event: FirstToken | TokenEvent) -> None:
-        self._deliver(event.request_id, event.epoch, Event(event.token_id, event.finish_reason))
+    def _on_leave(self, message: Leave) -> None:
+        worker = self.registry.workers.get(message.worker_id)
+        if worker is not None and worker.instance_id == message.instance_id:
+            log.info("%s left", message.worker_id)
+            self.registry.remove(message.worker_id)
+            self._fail_worker_requests(worker, f"{message.worker_id} stopped")
 
-    def _deliver(self, request_id: str, epoch: int, event: Event) -> None:
-        handle = self.requests.get(request_id)
-        if handle is None or handle.epoch != epoch or handle.done:
-            return  # a late event for a request that already ended
-        handle.events.put_nowait(event)
-        if event.finish_reason is not None:
-            self._finish(handle)
+    def _on_failure(self, message: RequestFailed) -> None:
+        handle = self.requests.get(message.request_id)
+        if handle is not None and handle.epoch == message.epoch:
+            log.warning("request %s failed: %s", message.request_id, message.reason)
+            self.abort(handle)
+            handle.events.put_nowait(Event(None, "error", "a worker could not serve the request"))
+
+    def _on_token(self, worker_id: str, token: TokenEvent) -> None:
+        handle = self.requests.get(token.request_id)
+        if handle is None or handle.epoch != token.epoch:
+            self._reabort(worker_id, token)  # it ended here; the worker may not know yet
+            return
+        if token.index < handle.next_index:
+            return  # a duplicate
+        handle.early[token.index] = Event(token.token_id, token.finish_reason)
+        if token.index > 0:
+            self._decode_progress(handle)
+        while not handle.done and handle.next_index in handle.early:
+            event = handle.early.pop(handle.next_index)
+            handle.next_index += 1
+            handle.events.put_nowait(event)
+            if event.finish_reason is not None:
+                self._finish(handle)
+
+    def _decode_progress(self, handle: RequestHandle) -> None:
+        """The decode worker holds the request now: prefill is done with it."""
+        self._release(handle.request_id, handle.prefill_worker)
+        decode = self.registry.workers.get(handle.decode_worker)
+        if decode is not None and handle.request_id in decode.active:
+            decode.active[handle.request_id] += 1
+
+    def _reabort(self, worker_id: str, token: TokenEvent) -> None:
+        key = (worker_id, token.request_id)
+        if token.finish_reason is not None or key in self.reaborted:
+            return
+        self.reaborted[key] = None
+        if len(self.reaborted) > _REABORT_MEMORY:
+            self.reaborted.popitem(last=False)
+        self._send_abort(worker_id, token.request_id, token.epoch)
+
+    def _send_abort(self, worker_id: str, request_id: str, epoch: int) -> None:
+        self.control.send(worker_id, Abort(request_id, epoch))
+        self.aborts_sent += 1
 
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True
@@ -142,11 +192,12 @@ class Dispatcher:
         """The worker no longer holds the request."""
         worker = self.registry.workers.get(worker_id)
         if worker is not None:
-            worker.active.discard(request_id)
+            worker.active.pop(request_id, None)
 
     def _fail_worker_requests(self, worker: WorkerInfo, reason: str) -> None:
+        log.warning("failing %d requests: %s", len(worker.active), reason)
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
             if handle is not None:
                 self.abort(handle)
-                handle.events.put_nowait(Event(None, "error", reason))
+                handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))

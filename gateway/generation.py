@@ -53,9 +53,13 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.handle.task.prompt_ids)
 
-    async def deltas(self, keepalive_s: float, timeout_s: float) -> AsyncIterator[Delta | None]:
-        """Text deltas until one carries a finish_reason; KEEPALIVE while waiting."""
-        deadline = self.started + timeout_s
+    async def deltas(self, keepalive_s: float, progress_timeout_s: float
+                     ) -> AsyncIterator[Delta | None]:
+        """Text deltas until one carries a finish_reason; KEEPALIVE while waiting.
+
+        A request that gets no token for `progress_timeout_s` fails (and is aborted).
+        """
+        deadline = time.monotonic() + progress_timeout_s
         while True:
             wait = min(keepalive_s, deadline - time.monotonic())
             try:
@@ -63,10 +67,11 @@ class Generation:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     self.abort()
-                    yield Delta("", "error", "the request timed out")
+                    yield Delta("", "error", "the request made no progress in time")
                     return
                 yield KEEPALIVE
                 continue
+            deadline = time.monotonic() + progress_timeout_s
             delta = self._apply(event)
             if delta.text or delta.finish_reason:
                 yield delta

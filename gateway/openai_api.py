@@ -13,7 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Sampling
-from gateway.errors import APIError, not_found, payload_too_large, rate_limited
+from gateway.errors import (
+    APIError,
+    bad_request,
+    not_found,
+    payload_too_large,
+    rate_limited,
+    service_unavailable,
+)
 from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.protocol import (
     GenerationParams,
@@ -31,6 +38,7 @@ class ChatFormat:
     """Shapes of /v1/chat/completions responses."""
 
     object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
 
     def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
@@ -47,6 +55,7 @@ class CompletionFormat:
     """Shapes of /v1/completions responses."""
 
     object_name = "text_completion"
+    chunk_object_name = "text_completion"
 
     def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -95,7 +104,7 @@ class OpenAIRoutes:
             raise payload_too_large(f"request body exceeds {limit} bytes")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
+        async for chunk in request.stream():  # ClientDisconnect: handled by the app
             size += len(chunk)
             if size > limit:
                 raise payload_too_large(f"request body exceeds {limit} bytes")
@@ -112,6 +121,11 @@ class OpenAIRoutes:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
         max_tokens = check_context(len(prompt_ids), params.max_tokens, limit)
+        vocab = len(self.state.tokenizer)
+        if any(token >= vocab for token in params.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
+        if not self.state.control_plane_up():
+            raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         if len(self.state.dispatcher.requests) >= self.state.config.gateway.max_inflight_requests:
             raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
         task = GenerationTask(
@@ -146,7 +160,7 @@ class Reply:
 
     def _deltas(self) -> AsyncIterator[Delta | None]:
         gateway = self.state.config.gateway
-        return self.generation.deltas(gateway.keepalive_s, gateway.request_timeout_s)
+        return self.generation.deltas(gateway.keepalive_s, gateway.progress_timeout_s)
 
     async def sse(self) -> AsyncIterator[str]:
         outcome = "aborted"
@@ -171,27 +185,39 @@ class Reply:
             self._close(outcome)
 
     async def whole(self, request: Request) -> Response:
+        """The complete response; a client that disconnects first aborts the request."""
         watcher = asyncio.create_task(_wait_for_disconnect(request))
+        collector = asyncio.create_task(self._collect())
         outcome = "aborted"
         try:
-            text: list[str] = []
-            reason = None
-            async for delta in self._deltas():
-                if watcher.done():
-                    return Response(status_code=499)
-                if delta is KEEPALIVE:
-                    continue
-                if delta.finish_reason == "error":
-                    outcome = "error"
-                    return JSONResponse(_stream_error(delta.error), status_code=503)
-                text.append(delta.text)
-                reason = delta.finish_reason
+            done, _ = await asyncio.wait({watcher, collector},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if collector not in done:
+                return Response(status_code=499)  # nobody is listening
+            text, reason, error = collector.result()
+            if error:
+                outcome = "error"
+                return JSONResponse(_stream_error(error), status_code=503)
             outcome = "ok"
-            body = self._body([self.fmt.choice_full("".join(text), reason)], usage=self._usage())
+            body = self._body([self.fmt.choice_full(text, reason)], usage=self._usage())
             return JSONResponse(body)
         finally:
             watcher.cancel()
+            collector.cancel()
             self._close(outcome)
+
+    async def _collect(self) -> tuple[str, str | None, str]:
+        """(text, finish_reason, error) once the generation ends."""
+        parts: list[str] = []
+        async for delta in self._deltas():
+            if delta is KEEPALIVE:
+                continue
+            if delta.finish_reason == "error":
+                return "", None, delta.error
+            parts.append(delta.text)
+            if delta.finish_reason is not None:
+                return "".join(parts), delta.finish_reason, ""
+        raise AssertionError("a generation always ends with a finish_reason")
 
     def _close(self, outcome: str) -> None:
         self.generation.close()
@@ -203,18 +229,18 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
-              chunk: bool = False) -> dict[str, Any]:
-        name = self.fmt.object_name + (".chunk" if chunk and isinstance(self.fmt, ChatFormat)
-                                       else "")
-        body: dict[str, Any] = {"id": self.id, "object": name, "created": self.created,
-                                "model": self.state.model_name, "choices": choices}
-        if usage is not None or not chunk:
-            body["usage"] = usage
-        return body
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
+                "model": self.state.model_name, "choices": choices, "usage": usage}
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        return f"data: {json.dumps(self._body(choices, usage, chunk=True))}\n\n"
+        """One SSE chunk; `usage` only on the last one, when the client asked for it."""
+        chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
+                                 "created": self.created, "model": self.state.model_name,
+                                 "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
 
 
 def _stream_error(message: str) -> dict[str, Any]:

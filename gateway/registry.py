@@ -17,19 +17,17 @@ class WorkerInfo:
     block_size: int
     num_blocks: int
     last_seen: float
-    load: Heartbeat | None = None
-    assigned_tokens: int = 0  # routed here since the last heartbeat, not yet in its load
-    active: set[str] = field(default_factory=set)  # request ids this worker holds
+    load: Heartbeat | None = None  # as last reported; routing uses `active` instead
+    active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
 
     @property
-    def free_blocks(self) -> int:
-        reported = self.num_blocks if self.load is None else self.load.free_blocks
-        return reported - -(-self.assigned_tokens // self.block_size)
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
-    def queued_tokens(self) -> int:
-        reported = 0 if self.load is None else self.load.queued_tokens
-        return reported + self.assigned_tokens
+    def held_tokens(self) -> int:
+        """Tokens of the requests routed here and not yet released: fresh, unlike heartbeats."""
+        return sum(self.active.values())
 
 
 class Registry:
@@ -68,7 +66,6 @@ class Registry:
             return False
         info.last_seen = time.monotonic()
         info.load = message
-        info.assigned_tokens = 0
         return True
 
     def expire(self) -> list[WorkerInfo]:
@@ -89,17 +86,18 @@ class Registry:
         return all(len(self.alive(role)) >= n for role, n in self.expected.items())
 
     def capacity_tokens(self) -> int | None:
-        """The longest sequence both pools can hold (None while a pool is empty)."""
-        per_role = [max((w.num_blocks * w.block_size for w in self.alive(role)), default=0)
-                    for role in self.expected]
-        return min(per_role) or None
+        """The longest sequence every live worker can hold (None while a pool is empty)."""
+        if not all(self.alive(role) for role in self.expected):
+            return None
+        return min(w.capacity_tokens for w in self.workers.values())
 
     def pick_prefill(self) -> WorkerInfo | None:
-        """The prefill worker with the fewest queued tokens."""
-        return min(self.alive("prefill"), key=lambda w: w.queued_tokens, default=None)
+        """The prefill worker with the fewest prompt tokens waiting on it."""
+        return min(self.alive("prefill"), key=lambda w: (w.held_tokens, len(w.active)),
+                   default=None)
 
     def pick_decode(self) -> WorkerInfo | None:
-        """The decode worker with the most free KV blocks (then the fewest running)."""
-        def score(w: WorkerInfo) -> tuple[int, int]:
-            return w.free_blocks, -(0 if w.load is None else w.load.running)
-        return max(self.alive("decode"), key=score, default=None)
+        """The decode worker with the most free KV capacity, then the fewest sequences."""
+        return max(self.alive("decode"),
+                   key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
+                   default=None)

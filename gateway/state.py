@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -23,3 +24,8 @@ class GatewayState:
     metrics: Metrics
     dispatcher: Dispatcher = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
+    control_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def control_plane_up(self) -> bool:
+        """False once a control-plane task has stopped: nothing would reach the workers."""
+        return all(not task.done() for task in self.control_tasks)

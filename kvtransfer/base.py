@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kvtransfer.wire import KVPayload
+from kvtransfer.wire import KVPayload, KVRejected
 
 
 class TransferError(RuntimeError):
@@ -32,5 +32,8 @@ class KVReceiver(Protocol):
 
     def drain(self) -> list[KVPayload]:
         """Every verified chunk waiting now, without blocking."""
+
+    def take_rejections(self) -> list[KVRejected]:
+        """Chunks dropped since the last call whose header named their request."""
 
     def close(self) -> None: ...

@@ -42,6 +42,15 @@ class KVPayload:
     v: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KVRejected:
+    """A chunk whose header named a request but whose data failed verification."""
+
+    request_id: str
+    epoch: int
+    reason: str
+
+
 HEADER_CODEC: Codec[KVHeader] = Codec((KVHeader,))
 
 

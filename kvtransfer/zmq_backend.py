@@ -15,6 +15,7 @@ from kvtransfer.wire import (
     HEADER_CODEC,
     KVHeader,
     KVPayload,
+    KVRejected,
     as_bytes,
     checksum,
     dtype_name,
@@ -22,7 +23,8 @@ from kvtransfer.wire import (
 
 log = logging.getLogger(__name__)
 _MAX_PEERS = 64
-_SNDHWM = 1000
+_SNDHWM = 16  # whole prompts' KV each: bound what waits for a slow receiver
+_CONNECT_WAIT_MS = 2000
 
 
 class ZmqKVSender:
@@ -44,10 +46,12 @@ class ZmqKVSender:
             shape=list(k.shape), checksum=checksum(k_bytes, v_bytes), meta=meta,
         )
         frames = [HEADER_CODEC.encode(header), k_bytes, v_bytes]
-        try:
-            self._socket(address).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise TransferError(f"KV receiver {address} is not draining") from None
+        socket = self._socket(address)
+        # With IMMEDIATE, nothing queues for a peer that is not connected (a new socket's
+        # handshake, or a dead receiver): wait a moment for it, then give up.
+        if not socket.poll(_CONNECT_WAIT_MS, zmq.POLLOUT):
+            raise TransferError(f"KV receiver {address} is not reachable or not draining")
+        socket.send_multipart(frames, copy=False)
         self.bytes_sent += k_bytes.nbytes + v_bytes.nbytes
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -59,6 +63,7 @@ class ZmqKVSender:
             oldest.close(linger=0)
         socket = self.context.socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, _SNDHWM)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(address)
         self.sockets[address] = socket
@@ -79,6 +84,7 @@ class ZmqKVReceiver:
         self.socket.bind(bind)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rejected = 0
+        self.rejections: list[KVRejected] = []
 
     def fileno_socket(self) -> zmq.Socket:
         return self.socket
@@ -106,16 +112,25 @@ class ZmqKVReceiver:
             return None
         k_bytes, v_bytes = frames[1].buffer, frames[2].buffer
         if header.dtype not in DTYPES or checksum(k_bytes, v_bytes) != header.checksum:
-            log.warning("dropped KV chunk for %s: dtype or checksum mismatch", header.request_id)
-            return None
+            return self._reject(header, "dtype or checksum mismatch")
         dtype = DTYPES[header.dtype]
+        if any(d < 0 for d in header.shape) or header.shape[:2] != [
+                header.layer_end - header.layer_start, header.num_tokens]:
+            return self._reject(header, "shape does not match the header")
         try:
             k = torch.frombuffer(k_bytes, dtype=dtype).view(header.shape)
             v = torch.frombuffer(v_bytes, dtype=dtype).view(header.shape)
         except (RuntimeError, ValueError):
-            log.warning("dropped KV chunk for %s: shape does not fit", header.request_id)
-            return None
+            return self._reject(header, "shape does not fit the buffers")
         return KVPayload(header, k, v)
+
+    def _reject(self, header: KVHeader, reason: str) -> None:
+        log.warning("dropped KV chunk for %s: %s", header.request_id, reason)
+        self.rejections.append(KVRejected(header.request_id, header.epoch, reason))
+
+    def take_rejections(self) -> list[KVRejected]:
+        rejections, self.rejections = self.rejections, []
+        return rejections
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -4,6 +4,9 @@
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 set -euo pipefail
+if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
+  echo "launch.sh needs bash 5.1 or newer" >&2; exit 2
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR=""
@@ -36,8 +39,10 @@ COMMON=(--config "$CONFIG" --control-address "$CONTROL")
 
 PIDS=()
 stop_all() {
-  trap - INT TERM EXIT
-  [[ ${#PIDS[@]} -gt 0 ]] || exit 0
+  local rc="${1:-$?}"
+  trap '' INT TERM  # a second Ctrl-C must not cut the clean-up short and orphan processes
+  trap - EXIT
+  [[ ${#PIDS[@]} -gt 0 ]] || exit "$rc"
   echo "[launch] stopping ${#PIDS[@]} processes"
   kill -TERM "${PIDS[@]}" 2>/dev/null || true
   for _ in $(seq 50); do
@@ -46,9 +51,11 @@ stop_all() {
   done
   kill -KILL "${PIDS[@]}" 2>/dev/null || true
   wait 2>/dev/null || true
-  exit 0
+  exit "$rc"
 }
-trap stop_all INT TERM EXIT
+trap 'stop_all 130' INT
+trap 'stop_all 143' TERM
+trap stop_all EXIT
 
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
@@ -64,7 +71,7 @@ for i in $(seq 0 $((DECODE - 1))); do start "decode-$i" -m decode "${COMMON[@]}"
 
 URL="http://$HOST:$PORT"
 echo "[launch] waiting for 1 gateway + $PREFILL prefill + $DECODE decode (logs: $RUN_DIR)"
-until curl -sf -o /dev/null "$URL/health"; do
+until curl -sf --max-time 2 -o /dev/null "$URL/health"; do
   for pid in "${PIDS[@]}"; do
     if ! kill -0 "$pid" 2>/dev/null; then
       name="$(awk -v p="$pid" '$1 == p {print $2}' "$RUN_DIR/pids")"

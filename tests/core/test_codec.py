@@ -17,6 +17,7 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Heartbeat,
+    Leave,
     Message,
     PrefillRequest,
     Register,
@@ -32,8 +33,8 @@ from core.messages import (
 from kvtransfer.wire import HEADER_CODEC, KVHeader
 
 MESSAGE_TYPES = (
-    Register, RegisterReply, RegisterAgain, Heartbeat, PrefillRequest, DecodeRequest, FirstToken,
-    TokenBatch, Abort, RequestFailed,
+    Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
+    FirstToken, TokenBatch, Abort, RequestFailed,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -46,6 +47,7 @@ SAMPLES: list[Message] = [
     RegisterReply(True, ""),
     RegisterReply(False, "KV layout mismatch"),
     RegisterAgain("unknown worker"),
+    Leave("d1", "inst"),
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
@@ -53,7 +55,7 @@ SAMPLES: list[Message] = [
     FirstToken("r1", 0, 42, None),
     FirstToken("r1", 0, 2, "stop"),
     TokenBatch([]),
-    TokenBatch([TokenEvent("r1", 0, 7, None), TokenEvent("r2", 1, 8, "length")]),
+    TokenBatch([TokenEvent("r1", 0, 1, 7, None), TokenEvent("r2", 1, 5, 8, "length")]),
     Abort("r1", 2),
     RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
 ]
@@ -91,9 +93,11 @@ def test_nested_values_come_back_typed() -> None:
     back = decode(encode(PrefillRequest("r1", 0, TASK, "d1", "a")))
     assert isinstance(back, PrefillRequest)
     assert isinstance(back.task, GenerationTask) and isinstance(back.task.sampling, Sampling)
-    batch = decode(encode(TokenBatch([TokenEvent("r", 0, 1, None)] * 3)))
+    events = [TokenEvent("r", 0, index, 10 + index, None) for index in range(1, 4)]
+    batch = decode(encode(TokenBatch(events)))
     assert isinstance(batch, TokenBatch)
-    assert all(isinstance(e, TokenEvent) for e in batch.events) and len(batch.events) == 3
+    assert all(isinstance(e, TokenEvent) for e in batch.events) and batch.events == events
+    assert [(e.index, e.token_id) for e in batch.events] == [(1, 11), (2, 12), (3, 13)]
 
 
 def test_optional_fields_take_none_or_a_value() -> None:
@@ -212,8 +216,15 @@ def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
 
 
 @pytest.mark.parametrize("events", [
-    None, "events", [None], [["r", 0, 1]], [["r", 0, 1, None, 5]], [["r", 0, "1", None]],
-    [["r", 0, 1, None], "x"], {"r": 1},
+    None, "events", [None],
+    [["r", 0, 7, None]],  # the old shape, without an index
+    [["r", 0, 1, 7, None, 5]],  # a field too many
+    [["r", 0, "1", 7, None]],  # str where the index is
+    [["r", 0, 1.0, 7, None]],  # float where the index is
+    [["r", 0, None, 7, None]],  # no index
+    [["r", 0, 1, "7", None]],  # str where the token is
+    [["r", 0, 1, 7, 0]],  # int where the finish reason is
+    [["r", 0, 1, 7, None], "x"], {"r": 1},
 ], ids=repr)
 def test_malformed_token_batches_are_malformed(events: Any) -> None:
     assert_malformed(packed(TAG[TokenBatch], events))
@@ -276,7 +287,51 @@ def test_a_codec_with_its_own_types() -> None:
         codec.decode(packed(2, "r", 1))
 
 
-def test_a_message_failing_its_own_validation_is_malformed() -> None:
-    bad_sampling = packed(TAG[PrefillRequest], "r", 0, [[1], [-1.0, 1.0, 0, None], 4, [], False],
-                          "d", "")
-    assert_malformed(bad_sampling)
+def test_a_token_batch_as_decode_sends_it_decodes() -> None:
+    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None], ["r", 0, 2, 8, "stop"]])
+    assert decode(data) == TokenBatch([TokenEvent("r", 0, 1, 7, None),
+                                       TokenEvent("r", 0, 2, 8, "stop")])
+
+
+def test_leave_and_register_again_are_typed() -> None:
+    assert decode(packed(TAG[Leave], "d1", "inst")) == Leave("d1", "inst")
+    assert decode(packed(TAG[RegisterAgain], "why")) == RegisterAgain("why")
+    assert_malformed(packed(TAG[Leave], "d1"))
+    assert_malformed(packed(TAG[Leave], "d1", 7))
+    assert_malformed(packed(TAG[RegisterAgain], None))
+
+
+BAD_SAMPLINGS = [
+    [-1.0, 1.0, 0, None],  # negative temperature
+    [-1e-9, 1.0, 0, None],
+    [float("nan"), 1.0, 0, None],
+    [float("-inf"), 1.0, 0, None],
+    [1.0, 0.0, 0, None],  # top_p must be above 0
+    [1.0, -0.5, 0, None],
+    [1.0, 1.0000001, 0, None],  # and at most 1
+    [1.0, float("nan"), 0, None],
+    [1.0, 1.0, -1, None],  # negative top_k
+]
+
+
+@pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
+def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
+    bad = packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", "")
+    assert_malformed(bad)
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False], 9))
+    with pytest.raises(ValueError):
+        Sampling(*sampling)
+
+
+@pytest.mark.parametrize("sampling", [
+    [0.0, 1.0, 0, None],  # greedy
+    [0, 1, 0, None],  # ints where floats are expected
+    [2.5, 1e-6, 0, 7],
+    [2.0, 0.5, 1, None],
+    [1.0, 1.0, 50_000, -3],
+], ids=repr)
+def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
+    back = decode(packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", ""))
+    assert isinstance(back, PrefillRequest)
+    assert back.task.sampling == Sampling(*sampling)
+    assert back.task.sampling.greedy == (sampling[0] == 0)

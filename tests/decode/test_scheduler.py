@@ -7,17 +7,20 @@ import random
 import pytest
 
 from core.messages import DecodeRequest, GenerationTask, Sampling
-from decode.scheduler import DecodeScheduler, Sequence
+from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.block_allocator import BlockAllocator, blocks_needed
 
 BLOCK = 4
 
 
-def sequence(request_id: str, num_tokens: int, epoch: int = 0) -> Sequence:
-    task = GenerationTask(list(range(num_tokens - 1)), Sampling(), 64, [], False)
+def sequence(request_id: str, num_tokens: int, epoch: int = 0,
+             max_tokens: int = 64) -> DecodeSequence:
+    """As decode receives it: `num_tokens - 1` prompt tokens plus the first sampled token."""
+    task = GenerationTask(list(range(num_tokens - 1)), Sampling(), max_tokens, [], False)
     request = DecodeRequest(request_id, epoch, task, 7)
-    return Sequence(request, tokens=[*task.prompt_ids, 7], num_generated=1,
-                    received_kv=("k", "v"), num_cached=num_tokens - 1)
+    return DecodeSequence(request, tokens=[*task.prompt_ids, 7], num_generated=1,
+                          received_kv=("k", "v"),  # type: ignore[arg-type]  # stand-ins
+                          num_cached=num_tokens - 1)
 
 
 def make(num_blocks: int, max_running: int = 8) -> tuple[DecodeScheduler, BlockAllocator]:
@@ -25,7 +28,7 @@ def make(num_blocks: int, max_running: int = 8) -> tuple[DecodeScheduler, BlockA
     return DecodeScheduler(allocator, BLOCK, max_running), allocator
 
 
-def step(batch: list[Sequence], token: int = 1) -> None:
+def step(batch: list[DecodeSequence], token: int = 1) -> None:
     """What the decode loop does after a forward: everything is cached, one token appended."""
     for seq in batch:
         seq.num_cached = len(seq.tokens)
@@ -153,15 +156,18 @@ def test_preemption_takes_newest_first_until_the_grower_fits() -> None:
 
 
 def test_a_sequence_that_cannot_grow_preempts_itself_last() -> None:
+    """The scheduler itself does not refuse a sequence that outgrows the pool (the worker
+    checks `fits_at_all` on arrival): it preempts the others, then itself."""
     scheduler, allocator = make(3)
-    a, b = sequence("a", 4), sequence("b", 8)
+    a, b = sequence("a", 4, max_tokens=8), sequence("b", 8, max_tokens=64)
+    assert scheduler.fits_at_all(a) and not scheduler.fits_at_all(b)
     scheduler.add(a)
     scheduler.add(b)
-    scheduler.schedule()
+    assert scheduler.schedule()[0] == [a, b]  # both fit now: 1 + 2 of 3 blocks
     b.tokens += [1] * 5  # 13 tokens: 4 blocks, more than the pool
     _, batch = scheduler.schedule()
     assert batch == [a] and list(scheduler.waiting) == [b] and b.blocks == []
-    assert not scheduler.fits_at_all(b) and scheduler.fits_at_all(a)
+    assert scheduler.preemptions == 1
     assert_accounted(scheduler, allocator)
 
 
@@ -216,10 +222,32 @@ def test_find_by_request_id_and_epoch() -> None:
     assert scheduler.find(("a", 1)) is a1 and scheduler.find(("a", 2)) is None
 
 
-def test_fits_at_all() -> None:
+@pytest.mark.parametrize(("prompt", "max_tokens", "fits"), [
+    (4, 8, True),  # 12 tokens at the longest: exactly the 3 blocks
+    (4, 9, False),  # 13: a fourth block
+    (11, 1, True),
+    (12, 1, False),
+    (1, 11, True),
+    (1, 12, False),
+    (0, 12, True),
+])
+def test_fits_at_all_counts_the_longest_the_sequence_can_get(
+    prompt: int, max_tokens: int, fits: bool
+) -> None:
+    scheduler, allocator = make(3)  # 12 tokens
+    seq = sequence("a", prompt + 1, max_tokens=max_tokens)
+    assert len(seq.request.task.prompt_ids) == prompt
+    assert scheduler.fits_at_all(seq) is fits
+    assert allocator.num_free == 3 and not scheduler.waiting  # a question, not an admission
+
+
+def test_fits_at_all_ignores_how_far_the_sequence_has_got() -> None:
     scheduler, _ = make(3)
-    assert scheduler.fits_at_all(sequence("a", 12))
-    assert not scheduler.fits_at_all(sequence("b", 13))
+    short_now = sequence("a", 2, max_tokens=64)  # 2 tokens now, up to 65
+    assert not scheduler.fits_at_all(short_now)
+    grown = sequence("b", 5, max_tokens=8)
+    grown.tokens += [1] * 7  # 12 tokens, its longest
+    assert scheduler.fits_at_all(grown)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -227,7 +255,7 @@ def test_random_operations_keep_every_block_accounted_for(seed: int) -> None:
     rng = random.Random(seed)
     scheduler, allocator = make(rng.randint(4, 24), max_running=rng.randint(1, 6))
     capacity = allocator.num_total * BLOCK
-    live: list[Sequence] = []
+    live: list[DecodeSequence] = []
     for op in range(300):
         choice = rng.random()
         if choice < 0.25:

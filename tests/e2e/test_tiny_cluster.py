@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.cluster import Cluster, alive, launch, sse_events
+from tests.e2e.cluster import ROOT, Cluster, alive, launch, sse_events, started_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -131,6 +134,10 @@ def test_stop_string_across_tokens_is_never_streamed(
     b'{"model": "MODEL", "messages": [{"role": "user", "content": 5}]}',
     b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}',
     b'{"model": "unknown", "messages": [{"role": "user", "content": "hi"}]}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], '
+    b'"stop_token_ids": [18446744073709551616]}',
+    b'{"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], '
+    b'"stop_token_ids": [49152]}',
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     cluster: Cluster, body: bytes
@@ -206,3 +213,55 @@ def test_launcher_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> N
     while time.monotonic() < deadline and any(alive(pid) for pid in pids.values()):
         time.sleep(0.2)
     assert not any(alive(pid) for pid in pids.values())
+
+
+def test_a_killed_decode_worker_ends_its_streams_with_an_error_event(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1) as running:
+        body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
+                "ignore_eos": True, "stream": True}
+        events: list[Any] = []
+        with running.client.stream("POST", "/v1/completions", json=body) as response:
+            for event in sse_events(response):
+                events.append(event)
+                if len(events) == 5:
+                    os.kill(running.pids()["decode-0"], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert time.monotonic() - killed_at < 6
+        assert "error" in events[-1] and "[DONE]" not in events
+        assert not any(e["choices"][0]["finish_reason"] for e in events[:-1])
+        retry = running.client.post("/v1/completions", json={**body, "stream": False})
+        assert retry.status_code == 503 and retry.headers["retry-after"]
+
+
+def test_a_stopping_decode_worker_leaves_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1) as running:
+        body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
+                "ignore_eos": True, "stream": True}
+        events: list[Any] = []
+        with running.client.stream("POST", "/v1/completions", json=body) as response:
+            for event in sse_events(response):
+                events.append(event)
+                if len(events) == 5:
+                    os.kill(running.pids()["decode-0"], signal.SIGTERM)
+                    stopped_at = time.monotonic()
+        assert time.monotonic() - stopped_at < 2  # no wait for the heartbeat timeout
+        assert "error" in events[-1] and "[DONE]" not in events
+        assert running.client.get("/health").json()["decode"] == 0
+        assert "decode-0 left" in running.log("gateway")
+
+
+def test_launcher_exits_non_zero_when_a_process_fails_to_start(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        launcher = subprocess.run(
+            [str(ROOT / "scripts/launch.sh"), "--model", str(tiny_model_dir),
+             "--run-dir", str(tmp_path / "run"), "--port", str(taken.getsockname()[1])],
+            capture_output=True, text=True, timeout=120)
+    assert launcher.returncode == 1
+    assert "gateway exited during start-up" in launcher.stderr
+    assert not any(alive(pid) for pid in started_pids(tmp_path / "run").values())

@@ -18,22 +18,28 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Heartbeat,
+    Leave,
     Message,
     PrefillRequest,
     Register,
+    RegisterAgain,
     RegisterReply,
     RequestFailed,
     Sampling,
     TokenBatch,
     TokenEvent,
 )
-from gateway.dispatch import Dispatcher, Event, RequestHandle
+from gateway.dispatch import _REABORT_MEMORY, Dispatcher, Event, RequestHandle
 from gateway.errors import APIError
 from gateway.registry import Registry
 
 FP = "tiny|float32|2|2|16|16"
 WAIT_S = 5.0
 TASK = GenerationTask([1, 2, 3, 4, 5], Sampling(seed=1), 8, [2], False)
+PROMPT_LEN = len(TASK.prompt_ids)
+STOPPED = "a worker serving it stopped"
+FAILED = "a worker could not serve the request"
+_FLUSH_INSTANCE = "flush"
 
 
 async def until(condition: Callable[[], bool], what: str = "condition") -> None:
@@ -47,21 +53,26 @@ class FakeWorker:
     """A worker's control side only: a real ControlClient driven from the test."""
 
     def __init__(self, context: zmq.Context, address: str, worker_id: str, role: str,
-                 kv_address: str, instance_id: str = "i0") -> None:
+                 kv_address: str, instance_id: str = "i0", num_blocks: int = 100) -> None:
         self.worker_id, self.role, self.instance_id = worker_id, role, instance_id
-        self.kv_address = kv_address
+        self.kv_address, self.num_blocks = kv_address, num_blocks
         self.client = ControlClient(context, address, worker_id)
         self.inbox: list[Message] = []
 
     def registration(self, fingerprint: str = FP) -> Register:
         return Register(self.worker_id, self.instance_id, self.role, self.kv_address,
-                        fingerprint, 16, 100)
+                        fingerprint, 16, self.num_blocks)
 
     def heartbeat(self, queued: int = 0, free: int = 100, running: int = 0) -> Heartbeat:
         return Heartbeat(self.worker_id, self.instance_id, queued, free, running, 0)
 
     def send(self, message: Message) -> None:
         self.client.send(message)
+
+    def tokens(self, request_id: str, *events: tuple[int, int, str | None],
+               epoch: int = 0) -> None:
+        """One TokenBatch of (index, token, finish_reason) events, as a decode step sends."""
+        self.send(TokenBatch([TokenEvent(request_id, epoch, *e) for e in events]))
 
     async def expect(self, count: int) -> list[Message]:
         """The next `count` messages from the gateway."""
@@ -71,6 +82,23 @@ class FakeWorker:
 
         await until(arrived, f"{count} messages for {self.worker_id}")
         got, self.inbox = self.inbox[:count], self.inbox[count:]
+        return got
+
+    async def flush(self) -> list[Message]:
+        """What the gateway sent here in answer to everything this worker sent before now.
+
+        A heartbeat from an instance the gateway does not know is answered with RegisterAgain,
+        after every message this worker sent earlier has been handled: a marker on the pipe.
+        """
+        self.send(Heartbeat(self.worker_id, _FLUSH_INSTANCE, 0, 0, 0, 0))
+
+        def marked() -> bool:
+            self.inbox += self.client.drain()
+            return any(isinstance(m, RegisterAgain) for m in self.inbox)
+
+        await until(marked, f"the flush marker for {self.worker_id}")
+        at = next(i for i, m in enumerate(self.inbox) if isinstance(m, RegisterAgain))
+        got, self.inbox = self.inbox[:at], self.inbox[at + 1:]
         return got
 
     async def quiet(self) -> list[Message]:
@@ -95,13 +123,15 @@ class Gateway:
         self.tasks = [asyncio.create_task(self.dispatcher.serve()),
                       asyncio.create_task(self._beat())]
 
-    async def worker(self, worker_id: str, role: str, queued: int = 0, free: int = 100,
-                     kv_address: str = "", instance_id: str = "i0") -> FakeWorker:
+    async def worker(self, worker_id: str, role: str, kv_address: str = "",
+                     instance_id: str = "i0", num_blocks: int = 100,
+                     queued: int = 0, free: int = 100, running: int = 0) -> FakeWorker:
         """A registered worker whose first heartbeat the registry has recorded."""
-        worker = FakeWorker(self.context, self.address, worker_id, role, kv_address, instance_id)
+        worker = FakeWorker(self.context, self.address, worker_id, role, kv_address,
+                            instance_id, num_blocks)
         worker.send(worker.registration())
         assert await worker.expect(1) == [RegisterReply(True, "")]
-        beat = worker.heartbeat(queued, free)
+        beat = worker.heartbeat(queued, free, running)
         worker.send(beat)
         await until(lambda: self.registry.workers[worker_id].load == beat, "a heartbeat")
         return worker
@@ -114,6 +144,9 @@ class Gateway:
                 if load is not None and load.load is not None:
                     worker.send(load.load)
             await asyncio.sleep(0.03)
+
+    def active(self, worker_id: str) -> dict[str, int]:
+        return self.registry.workers[worker_id].active
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -140,9 +173,10 @@ async def pair(gw: Gateway) -> tuple[FakeWorker, FakeWorker]:
     return prefill, decode
 
 
-async def submitted(gw: Gateway, prefill: FakeWorker) -> RequestHandle:
+async def submitted(gw: Gateway, prefill: FakeWorker,
+                    task: GenerationTask = TASK) -> RequestHandle:
     """A submitted request whose PrefillRequest the prefill worker has received."""
-    handle = gw.dispatcher.submit(TASK)
+    handle = gw.dispatcher.submit(task)
     (message,) = await prefill.expect(1)
     assert isinstance(message, PrefillRequest) and message.request_id == handle.request_id
     return handle
@@ -152,9 +186,20 @@ async def next_event(handle: RequestHandle) -> Event:
     return await asyncio.wait_for(handle.events.get(), WAIT_S)
 
 
+def pending(handle: RequestHandle) -> list[Event]:
+    """The events queued on the handle now (taken off it)."""
+    events = []
+    while not handle.events.empty():
+        events.append(handle.events.get_nowait())
+    return events
+
+
 async def no_more_events(handle: RequestHandle) -> None:
     await asyncio.sleep(0.1)
     assert handle.events.empty(), f"unexpected {handle.events.get_nowait()}"
+
+
+# -- submit and routing ------------------------------------------------------------------------
 
 
 def test_submit_sends_a_prefill_request_naming_the_decode_worker(tmp_path: Path) -> None:
@@ -163,13 +208,31 @@ def test_submit_sends_a_prefill_request_naming_the_decode_worker(tmp_path: Path)
             prefill, decode = await pair(gw)
             handle = gw.dispatcher.submit(TASK)
             assert (handle.prefill_worker, handle.decode_worker, handle.epoch) == ("p1", "d1", 0)
+            assert handle.next_index == 0 and handle.early == {} and not handle.done
             assert await prefill.expect(1) == [
                 PrefillRequest(handle.request_id, 0, TASK, "d1", "tcp://127.0.0.1:7001")]
             assert await decode.quiet() == []
             for worker_id in ("p1", "d1"):
-                info = gw.registry.workers[worker_id]
-                assert info.active == {handle.request_id} and info.assigned_tokens == 5
+                assert gw.active(worker_id) == {handle.request_id: PROMPT_LEN}
             assert gw.dispatcher.requests == {handle.request_id: handle}
+
+    asyncio.run(body())
+
+
+def test_a_submit_whose_send_fails_leaves_no_trace(tmp_path: Path) -> None:
+    """The request is recorded only once its PrefillRequest went out."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            await pair(gw)
+
+            def refuse(worker_id: str, message: Message) -> None:
+                raise zmq.Again()
+
+            gw.server.send = refuse  # type: ignore[method-assign]
+            with pytest.raises(zmq.Again):
+                gw.dispatcher.submit(TASK)
+            assert gw.dispatcher.requests == {}
+            assert gw.active("p1") == {} and gw.active("d1") == {}
 
     asyncio.run(body())
 
@@ -177,20 +240,72 @@ def test_submit_sends_a_prefill_request_naming_the_decode_worker(tmp_path: Path)
 def test_submit_picks_the_least_loaded_workers(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path) as gw:
-            busy = await gw.worker("p1", "prefill", queued=100)
-            idle = await gw.worker("p2", "prefill", queued=0)
-            await gw.worker("d1", "decode", free=10, kv_address="tcp://127.0.0.1:7001")
-            await gw.worker("d2", "decode", free=90, kv_address="tcp://127.0.0.1:7002")
-            first = gw.dispatcher.submit(GenerationTask(list(range(150)), Sampling(), 4, [], False))
-            assert await idle.expect(1) == [
-                PrefillRequest(first.request_id, 0, first.task, "d2", "tcp://127.0.0.1:7002")]
-            second = gw.dispatcher.submit(TASK)  # p2 now has 150 tokens assigned, p1 100 queued
-            (message,) = await busy.expect(1)
-            assert isinstance(message, PrefillRequest)
-            assert message.request_id == second.request_id and message.decode_worker == "d2"
-            assert await idle.quiet() == []
+            # What the heartbeats claim is stale by design and must not steer routing.
+            p1 = await gw.worker("p1", "prefill", queued=0)
+            p2 = await gw.worker("p2", "prefill", queued=100_000)
+            await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001",
+                            num_blocks=100, free=0, running=99)  # 1600 tokens
+            await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002",
+                            num_blocks=20, free=20)  # 320 tokens
+            workers = {"p1": p1, "p2": p2}
+
+            async def route(prompt_len: int) -> tuple[str, str]:
+                handle = gw.dispatcher.submit(
+                    GenerationTask(list(range(prompt_len)), Sampling(), 4, [], False))
+                (message,) = await workers[handle.prefill_worker].expect(1)
+                assert isinstance(message, PrefillRequest)
+                assert message.request_id == handle.request_id
+                assert message.decode_worker == handle.decode_worker
+                return handle.prefill_worker, handle.decode_worker
+
+            first_prefill, first_decode = await route(150)
+            assert first_decode == "d1"  # 1600 free against 320
+            other = "p2" if first_prefill == "p1" else "p1"
+            assert await route(5) == (other, "d1")  # 0 held against 150; 1450 free against 320
+            assert await route(1300) == (other, "d1")  # 5 against 150; 1445 against 320
+            assert gw.registry.workers["d1"].held_tokens == 1455
+            assert await route(5) == (first_prefill, "d2")  # 150 against 1305; 145 against 320
+            assert await p1.quiet() == [] and await p2.quiet() == []
 
     asyncio.run(body())
+
+
+def test_ended_requests_no_longer_count_for_routing(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            p1 = await gw.worker("p1", "prefill")
+            p2 = await gw.worker("p2", "prefill")
+            await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001")
+            big = gw.dispatcher.submit(GenerationTask(list(range(50)), Sampling(), 4, [], False))
+            busy, idle = (p1, p2) if big.prefill_worker == "p1" else (p2, p1)
+            assert (await busy.expect(1))[0] == PrefillRequest(
+                big.request_id, 0, big.task, "d1", "tcp://127.0.0.1:7001")
+            assert gw.dispatcher.submit(TASK).prefill_worker == idle.worker_id
+            busy.send(FirstToken(big.request_id, 0, 2, "stop"))
+            assert await next_event(big) == Event(2, "stop")
+            assert gw.registry.workers[busy.worker_id].held_tokens == 0
+            assert gw.dispatcher.submit(TASK).prefill_worker == busy.worker_id
+
+    asyncio.run(body())
+
+
+def test_submit_with_an_empty_pool_raises_503(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            with pytest.raises(APIError) as caught:
+                gw.dispatcher.submit(TASK)
+            assert caught.value.status == 503
+            prefill = await gw.worker("p1", "prefill")
+            with pytest.raises(APIError) as caught:
+                gw.dispatcher.submit(TASK)  # still no decode worker
+            assert caught.value.status == 503
+            assert not gw.dispatcher.requests and await prefill.quiet() == []
+            assert gw.active("p1") == {}
+
+    asyncio.run(body())
+
+
+# -- tokens ------------------------------------------------------------------------------------
 
 
 def test_events_reach_the_handle_in_order_and_it_ends_once(tmp_path: Path) -> None:
@@ -201,19 +316,110 @@ def test_events_reach_the_handle_in_order_and_it_ends_once(tmp_path: Path) -> No
             rid = handle.request_id
             prefill.send(FirstToken(rid, 0, 5, None))
             assert await next_event(handle) == Event(5, None)
-            assert gw.registry.workers["p1"].active == set()  # prefill is done with it
-            decode.send(TokenBatch([TokenEvent(rid, 0, 6, None), TokenEvent(rid, 0, 7, None)]))
-            decode.send(TokenBatch([TokenEvent(rid, 0, 8, "length")]))
-            decode.send(TokenBatch([TokenEvent(rid, 0, 9, None)]))  # late: after the end
-            decode.send(RequestFailed(rid, 0, "late failure"))
-            got = [await next_event(handle) for _ in range(3)]
-            assert got == [Event(6, None), Event(7, None), Event(8, "length")]
+            decode.tokens(rid, (1, 6, None), (2, 7, None))
+            assert [await next_event(handle) for _ in range(2)] == [Event(6, None), Event(7, None)]
+            assert gw.active("d1") == {rid: PROMPT_LEN + 2}  # one more token held per token
+            decode.tokens(rid, (3, 8, "length"))
+            assert await next_event(handle) == Event(8, "length")
             assert handle.done and rid not in gw.dispatcher.requests
-            await no_more_events(handle)
-            assert gw.registry.workers["d1"].active == set()
+            assert gw.active("p1") == {} and gw.active("d1") == {}
+            decode.tokens(rid, (3, 8, "length"))  # the final token again
+            decode.send(RequestFailed(rid, 0, "late failure"))
+            assert await decode.flush() == [] and await prefill.flush() == []
+            assert pending(handle) == []
             gw.dispatcher.abort(handle)  # after the end: nothing to stop
             assert await prefill.quiet() == [] and await decode.quiet() == []
-            assert gw.dispatcher.aborts_sent == 0
+            assert gw.dispatcher.aborts_sent == 0  # a normal end aborts nothing
+
+    asyncio.run(body())
+
+
+def test_prefill_is_released_only_at_the_first_decode_token(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            prefill.send(FirstToken(rid, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            # The KV may still be on its way: prefill still holds the request.
+            assert gw.active("p1") == {rid: PROMPT_LEN}
+            assert gw.active("d1") == {rid: PROMPT_LEN}
+            decode.tokens(rid, (1, 6, None))
+            assert await next_event(handle) == Event(6, None)
+            assert gw.active("p1") == {}
+            assert gw.active("d1") == {rid: PROMPT_LEN + 1}
+
+    asyncio.run(body())
+
+
+def test_tokens_that_arrive_early_wait_for_their_turn(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            decode.tokens(rid, (3, 9, None))
+            decode.tokens(rid, (1, 7, None), (2, 8, None))  # decode's first step, late
+            assert await decode.flush() == []
+            assert pending(handle) == [] and handle.next_index == 0
+            assert sorted(handle.early) == [1, 2, 3]
+            assert gw.active("p1") == {}  # decode has it: prefill is done with it
+            prefill.send(FirstToken(rid, 0, 6, None))
+            got = [await next_event(handle) for _ in range(4)]
+            assert got == [Event(6, None), Event(7, None), Event(8, None), Event(9, None)]
+            assert handle.next_index == 4 and handle.early == {} and not handle.done
+            decode.tokens(rid, (4, 10, "stop"))
+            assert await next_event(handle) == Event(10, "stop")
+            assert handle.done
+
+    asyncio.run(body())
+
+
+def test_an_early_final_token_ends_the_request_only_in_its_turn(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            decode.tokens(rid, (2, 8, "length"))
+            assert await decode.flush() == []
+            assert pending(handle) == [] and not handle.done
+            assert rid in gw.dispatcher.requests
+            prefill.send(FirstToken(rid, 0, 6, None))
+            assert await next_event(handle) == Event(6, None)
+            assert await prefill.flush() == []
+            assert pending(handle) == [] and not handle.done  # index 1 is still missing
+            decode.tokens(rid, (1, 7, None))
+            assert [await next_event(handle) for _ in range(2)] == [
+                Event(7, None), Event(8, "length")]
+            assert handle.done and rid not in gw.dispatcher.requests
+            assert gw.active("p1") == {} and gw.active("d1") == {}
+            assert await decode.flush() == [] and gw.dispatcher.aborts_sent == 0
+
+    asyncio.run(body())
+
+
+def test_duplicate_tokens_are_dropped(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            decode.tokens(rid, (2, 8, None), (2, 80, None))  # early, twice
+            prefill.send(FirstToken(rid, 0, 6, None))
+            prefill.send(FirstToken(rid, 0, 60, None))
+            assert await prefill.flush() == []
+            assert pending(handle) == [Event(6, None)]
+            decode.tokens(rid, (1, 7, None), (1, 70, None))
+            decode.tokens(rid, (1, 71, None), (0, 61, None), (2, 81, None))
+            assert await decode.flush() == []
+            assert pending(handle) == [Event(7, None), Event(80, None)]
+            assert handle.next_index == 3 and handle.early == {} and not handle.done
+            decode.tokens(rid, (3, 9, "stop"), (3, 90, "stop"))
+            assert await decode.flush() == []
+            assert pending(handle) == [Event(9, "stop")] and handle.done
+            assert gw.dispatcher.aborts_sent == 0  # duplicates are not strays
 
     asyncio.run(body())
 
@@ -225,14 +431,16 @@ def test_a_first_token_that_finishes_ends_the_request(tmp_path: Path) -> None:
             handle = await submitted(gw, prefill)
             prefill.send(FirstToken(handle.request_id, 0, 2, "stop"))
             assert await next_event(handle) == Event(2, "stop")
-            assert handle.done and gw.registry.workers["d1"].active == set()
+            assert handle.done and gw.active("d1") == {} and gw.active("p1") == {}
             await no_more_events(handle)
-            assert await decode.quiet() == []
+            assert await prefill.flush() == [] and await decode.quiet() == []
+            assert gw.dispatcher.aborts_sent == 0
 
     asyncio.run(body())
 
 
-def test_events_for_unknown_or_old_requests_are_ignored(tmp_path: Path) -> None:
+def test_events_for_unknown_or_old_requests_are_not_delivered(tmp_path: Path) -> None:
+    """Each is aborted back at the worker that sent it, unless it was that request's last."""
     async def body() -> None:
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
@@ -240,18 +448,101 @@ def test_events_for_unknown_or_old_requests_are_ignored(tmp_path: Path) -> None:
             rid = handle.request_id
             prefill.send(FirstToken("unknown", 0, 1, None))
             prefill.send(FirstToken(rid, 1, 1, None))  # a later epoch than this request's
-            decode.send(TokenBatch([TokenEvent("unknown", 0, 2, "stop"),
-                                    TokenEvent(rid, 3, 2, "stop"),
-                                    TokenEvent(rid, 0, 3, None)]))
+            decode.tokens("unknown", (1, 2, "stop"))
+            decode.tokens(rid, (1, 2, "stop"), epoch=3)
             decode.send(RequestFailed("unknown", 0, "x"))
             decode.send(RequestFailed(rid, 2, "x"))
-            decode.send(TokenBatch([TokenEvent(rid, 0, 4, None)]))
+            assert await prefill.flush() == [Abort("unknown", 0), Abort(rid, 1)]
+            assert await decode.flush() == []
+            assert pending(handle) == [] and handle.next_index == 0
+            prefill.send(FirstToken(rid, 0, 3, None))
+            decode.tokens(rid, (1, 4, None))
             assert await next_event(handle) == Event(3, None)
             assert await next_event(handle) == Event(4, None)
             await no_more_events(handle)
             assert not handle.done and rid in gw.dispatcher.requests
+            assert gw.dispatcher.aborts_sent == 2
 
     asyncio.run(body())
+
+
+def test_a_worker_still_sending_for_an_ended_request_is_aborted_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            prefill.send(FirstToken(rid, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            decode.tokens(rid, (1, 6, None))
+            assert await next_event(handle) == Event(6, None)
+            gw.dispatcher.abort(handle)  # the client went away
+            assert await prefill.expect(1) == [Abort(rid, 0)]
+            assert await decode.expect(1) == [Abort(rid, 0)]
+            # The abort crossed decode's next steps: it may not have seen it, so say it again.
+            decode.tokens(rid, (2, 7, None))
+            decode.tokens(rid, (3, 8, None), (4, 9, None))
+            assert await decode.flush() == [Abort(rid, 0)]
+            decode.tokens(rid, (5, 10, None))
+            assert await decode.flush() == []  # once per worker and request
+            prefill.send(FirstToken(rid, 0, 5, None))  # another worker gets its own once
+            prefill.send(FirstToken(rid, 0, 5, None))
+            assert await prefill.flush() == [Abort(rid, 0)]
+            assert gw.dispatcher.aborts_sent == 4
+            assert pending(handle) == []
+
+    asyncio.run(body())
+
+
+def test_a_final_token_for_an_ended_request_is_not_aborted(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            gw.dispatcher.abort(handle)
+            assert await prefill.expect(1) == [Abort(rid, 0)]
+            assert await decode.expect(1) == [Abort(rid, 0)]
+            decode.tokens(rid, (1, 7, "length"))  # the worker is done with it by itself
+            prefill.send(FirstToken(rid, 0, 2, "stop"))
+            decode.tokens("never-seen", (4, 7, "stop"))
+            assert await decode.flush() == [] and await prefill.flush() == []
+            assert gw.dispatcher.aborts_sent == 2
+            decode.tokens(rid, (2, 7, None))  # but it still sends: one abort
+            assert await decode.flush() == [Abort(rid, 0)]
+
+    asyncio.run(body())
+
+
+class RecordingControl:
+    """A ControlServer stand-in: records what the dispatcher sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Message]] = []
+
+    def send(self, worker_id: str, message: Message) -> None:
+        self.sent.append((worker_id, message))
+
+
+def test_the_memory_of_re_aborts_is_bounded() -> None:
+    control = RecordingControl()
+    dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+    extra = 10
+    for i in range(_REABORT_MEMORY + extra):
+        dispatcher.on_message("d1", TokenBatch([TokenEvent(f"r{i}", 0, 1, 1, None)]))
+    assert len(dispatcher.reaborted) == _REABORT_MEMORY
+    assert control.sent == [("d1", Abort(f"r{i}", 0)) for i in range(_REABORT_MEMORY + extra)]
+    control.sent.clear()
+    newest = _REABORT_MEMORY + extra - 1
+    dispatcher.on_message("d1", TokenBatch([TokenEvent(f"r{newest}", 0, 2, 1, None)]))
+    assert control.sent == []  # still remembered
+    dispatcher.on_message("d1", TokenBatch([TokenEvent("r0", 0, 2, 1, None)]))
+    assert control.sent == [("d1", Abort("r0", 0))]  # the oldest was forgotten
+    assert len(dispatcher.reaborted) == _REABORT_MEMORY
+    assert dispatcher.aborts_sent == _REABORT_MEMORY + extra + 1
+
+
+# -- failures ----------------------------------------------------------------------------------
 
 
 def test_request_failed_ends_the_handle_with_an_error(tmp_path: Path) -> None:
@@ -259,9 +550,15 @@ def test_request_failed_ends_the_handle_with_an_error(tmp_path: Path) -> None:
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
-            decode.send(RequestFailed(handle.request_id, 0, "KV never arrived"))
-            assert await next_event(handle) == Event(None, "error", "KV never arrived")
+            decode.send(RequestFailed(handle.request_id, 0, "KV never arrived at 10.0.0.7"))
+            event = await next_event(handle)
+            assert event == Event(None, "error", FAILED)  # the worker's reason stays inside
             assert handle.done and not gw.dispatcher.requests
+            abort = Abort(handle.request_id, 0)
+            assert await decode.flush() == [abort]
+            assert await prefill.expect(1) == [abort] and await prefill.quiet() == []
+            assert gw.dispatcher.aborts_sent == 2
+            assert gw.active("p1") == {} and gw.active("d1") == {}
             await no_more_events(handle)
 
     asyncio.run(body())
@@ -280,7 +577,8 @@ def test_abort_tells_both_workers_once(tmp_path: Path) -> None:
             assert gw.dispatcher.aborts_sent == 2 and handle.done
             assert not gw.dispatcher.requests
             assert all(not w.active for w in gw.registry.workers.values())
-            decode.send(TokenBatch([TokenEvent(handle.request_id, 0, 1, None)]))
+            decode.tokens(handle.request_id, (1, 1, None))  # crossed the abort
+            assert await decode.flush() == [abort]
             await no_more_events(handle)
 
     asyncio.run(body())
@@ -294,14 +592,16 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
             past_prefill = await submitted(gw, prefill)
             prefill.send(FirstToken(past_prefill.request_id, 0, 5, None))
             assert await next_event(past_prefill) == Event(5, None)
+            decode.tokens(past_prefill.request_id, (1, 6, None))
+            assert await next_event(past_prefill) == Event(6, None)
             stuck = await submitted(gw, prefill)
             del gw.beating["p1"]
             gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))
-            assert await next_event(stuck) == Event(None, "error", "p1 died")
+            assert await next_event(stuck) == Event(None, "error", STOPPED)
             assert stuck.done and "p1" not in gw.registry.workers
             assert await decode.expect(1) == [Abort(stuck.request_id, 0)]
             assert not past_prefill.done  # it no longer needs the prefill worker
-            assert gw.registry.workers["d1"].active == {past_prefill.request_id}
+            assert gw.active("d1") == {past_prefill.request_id: PROMPT_LEN + 1}
             await no_more_events(stuck)
             with pytest.raises(APIError):
                 gw.dispatcher.submit(TASK)  # no prefill worker left
@@ -312,12 +612,103 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
 def test_a_restarted_worker_fails_the_requests_of_its_old_instance(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path) as gw:
-            prefill, _ = await pair(gw)
+            prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             prefill.client.close()
-            await gw.worker("p1", "prefill", instance_id="i1")
-            assert await next_event(handle) == Event(None, "error", "p1 restarted")
+            restarted = await gw.worker("p1", "prefill", instance_id="i1")
+            assert await next_event(handle) == Event(None, "error", STOPPED)
             assert handle.done and gw.registry.workers["p1"].instance_id == "i1"
+            assert gw.active("p1") == {} and gw.active("d1") == {}
+            assert await decode.expect(1) == [Abort(handle.request_id, 0)]
+            assert await restarted.flush() == [Abort(handle.request_id, 0)]
+
+    asyncio.run(body())
+
+
+def test_a_registering_again_instance_keeps_its_requests(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, _ = await pair(gw)
+            handle = await submitted(gw, prefill)
+            prefill.send(prefill.registration())  # as after a RegisterAgain
+            assert await prefill.expect(1) == [RegisterReply(True, "")]
+            assert gw.active("p1") == {handle.request_id: PROMPT_LEN}
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            assert not handle.done and gw.dispatcher.aborts_sent == 0
+
+    asyncio.run(body())
+
+
+# -- membership --------------------------------------------------------------------------------
+
+
+def test_leave_removes_the_worker_and_fails_its_requests(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            on_decode = await submitted(gw, prefill)
+            prefill.send(FirstToken(on_decode.request_id, 0, 5, None))
+            decode.tokens(on_decode.request_id, (1, 6, None))
+            assert [await next_event(on_decode) for _ in range(2)] == [
+                Event(5, None), Event(6, None)]
+            on_prefill = await submitted(gw, prefill)
+            prefill.send(Leave("p1", "i0"))
+            assert await next_event(on_prefill) == Event(None, "error", STOPPED)
+            assert on_prefill.done and "p1" not in gw.registry.workers
+            assert await decode.expect(1) == [Abort(on_prefill.request_id, 0)]
+            assert not on_decode.done  # prefill had finished with it
+            with pytest.raises(APIError):
+                gw.dispatcher.submit(TASK)  # routed nowhere near the leaver
+            prefill.send(prefill.heartbeat())  # a beat that was already on its way
+            abort, reply = await prefill.expect(2)
+            assert abort == Abort(on_prefill.request_id, 0) and isinstance(reply, RegisterAgain)
+            assert await prefill.quiet() == []
+            assert "p1" not in gw.registry.workers
+            decode.send(Leave("d1", "i0"))
+            assert await next_event(on_decode) == Event(None, "error", STOPPED)
+            assert gw.registry.workers == {} and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+def test_a_leave_naming_another_instance_is_ignored(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            prefill.send(Leave("p1", "an-old-instance"))
+            decode.send(Leave("d9", "i0"))  # a worker that is not registered
+            assert await prefill.flush() == [] and await decode.flush() == []
+            assert set(gw.registry.workers) == {"p1", "d1"}
+            assert not handle.done and pending(handle) == []
+            assert gw.active("p1") == {handle.request_id: PROMPT_LEN}
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            assert gw.dispatcher.aborts_sent == 0
+
+    asyncio.run(body())
+
+
+def test_a_heartbeat_from_an_unknown_worker_or_instance_gets_register_again(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, _ = await pair(gw)
+            ghost = FakeWorker(gw.context, gw.address, "g1", "decode", "")
+            ghost.send(ghost.heartbeat())
+            (reply,) = await ghost.expect(1)
+            assert isinstance(reply, RegisterAgain)
+            assert "g1" not in gw.registry.workers
+            stale = Heartbeat("p1", "old-instance", 0, 100, 0, 0)
+            prefill.send(stale)
+            (reply,) = await prefill.expect(1)
+            assert isinstance(reply, RegisterAgain)
+            assert gw.registry.workers["p1"].load != stale
+            prefill.send(prefill.heartbeat(queued=3))  # the registered instance: no reply
+            assert await prefill.quiet() == [] and await ghost.quiet() == []
+            assert gw.registry.workers["p1"].load == prefill.heartbeat(queued=3)
 
     asyncio.run(body())
 
@@ -346,17 +737,37 @@ def test_a_registration_for_another_id_is_ignored(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
-def test_submit_with_an_empty_pool_raises_503(tmp_path: Path) -> None:
+class EndlessControl(RecordingControl):
+    """A control plane with a backlog that never runs dry: `recv` never has to wait."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.received, self.limit = 0, limit
+
+    async def recv(self) -> tuple[str, Message]:
+        self.received += 1
+        if self.received > self.limit:
+            raise RuntimeError("the backlog starved everything else")
+        return "ghost", Heartbeat("ghost", "i0", 0, 0, 0, 0)
+
+
+def test_serve_yields_to_the_event_loop_under_a_backlog() -> None:
     async def body() -> None:
-        async with gateway(tmp_path) as gw:
-            with pytest.raises(APIError) as caught:
-                gw.dispatcher.submit(TASK)
-            assert caught.value.status == 503
-            prefill = await gw.worker("p1", "prefill")
-            with pytest.raises(APIError) as caught:
-                gw.dispatcher.submit(TASK)  # still no decode worker
-            assert caught.value.status == 503
-            assert not gw.dispatcher.requests and await prefill.quiet() == []
-            assert gw.registry.workers["p1"].active == set()
+        control = EndlessControl(limit=10_000)
+        dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+        task = asyncio.create_task(dispatcher.serve())
+        seen = []
+        for _ in range(5):
+            await asyncio.sleep(0)
+            seen.append(control.received)
+        assert not task.done(), "serve() ran the whole backlog without yielding"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+        assert all(0 < step <= 64 for step in steps), steps
+        assert len(control.sent) == control.received  # every one was handled
+        assert all(m == ("ghost", RegisterAgain("unknown worker or instance"))
+                   for m in control.sent)
 
     asyncio.run(body())

@@ -35,7 +35,8 @@ def test_matching_worker_is_admitted() -> None:
     info = reg.workers["d1"]
     assert (info.role, info.kv_address, info.block_size, info.num_blocks) == (
         "decode", "tcp://127.0.0.1:9", 16, 100)
-    assert info.free_blocks == 100 and info.queued_tokens == 0
+    assert info.capacity_tokens == 1600 and info.held_tokens == 0 and info.active == {}
+    assert info.load is None
 
 
 def test_fingerprint_mismatch_is_refused_naming_both() -> None:
@@ -69,11 +70,18 @@ def test_refused_reregistration_keeps_the_registered_worker() -> None:
     assert not reply.accepted and reg.workers["p1"].instance_id == "old"
 
 
-def test_heartbeat_records_load() -> None:
+def test_heartbeat_records_load_and_nothing_else() -> None:
     reg = registry()
     reg.register(register("p1"))
-    assert reg.heartbeat(heartbeat("p1", queued=42))
-    assert reg.workers["p1"].queued_tokens == 42
+    info = reg.workers["p1"]
+    info.active["r1"] = 30
+    info.last_seen -= 5.0
+    before = time.monotonic()
+    beat = heartbeat("p1", queued=42, free=3, running=7)
+    assert reg.heartbeat(beat)
+    assert info.load == beat and info.last_seen >= before
+    assert info.active == {"r1": 30} and info.held_tokens == 30  # routing state untouched
+    assert info.capacity_tokens == 1600 and info.num_blocks == 100
 
 
 def test_heartbeat_from_a_stale_instance_is_ignored() -> None:
@@ -81,7 +89,7 @@ def test_heartbeat_from_a_stale_instance_is_ignored() -> None:
     reg.register(register("p1", instance="old"))
     reg.register(register("p1", instance="new"))
     assert not reg.heartbeat(heartbeat("p1", instance="old", queued=999))
-    assert reg.workers["p1"].load is None and reg.workers["p1"].queued_tokens == 0
+    assert reg.workers["p1"].load is None
 
 
 def test_heartbeat_from_an_unknown_worker_is_ignored() -> None:
@@ -142,54 +150,141 @@ def test_alive_by_role() -> None:
     assert [w.worker_id for w in reg.alive("decode")] == ["d1"]
 
 
-def test_pick_prefill_by_fewest_queued_tokens() -> None:
+def test_held_tokens_sum_the_active_requests() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode", num_blocks=10))
+    info = reg.workers["d1"]
+    assert info.capacity_tokens == 160 and info.held_tokens == 0
+    info.active.update(a=5, b=20)
+    assert info.held_tokens == 25
+    info.active["a"] += 1
+    del info.active["b"]
+    assert info.held_tokens == 6
+
+
+def test_pick_prefill_by_fewest_held_tokens() -> None:
     reg = registry()
     assert reg.pick_prefill() is None
     for worker_id in ("p1", "p2", "p3"):
         reg.register(register(worker_id))
     reg.register(register("d1", "decode"))
-    reg.heartbeat(heartbeat("p1", queued=100))
-    reg.heartbeat(heartbeat("p2", queued=50))
-    reg.heartbeat(heartbeat("p3", queued=70))
+    reg.workers["p1"].active.update(a=100)
+    reg.workers["p2"].active.update(b=30, c=20)
+    reg.workers["p3"].active.update(d=70)
+    assert picked(reg.pick_prefill()) == "p2"  # 50 tokens, though it holds the most requests
+    reg.workers["p2"].active["e"] = 21
+    assert picked(reg.pick_prefill()) == "p3"  # 71 against 70
+    reg.workers["p3"].active.clear()
+    assert picked(reg.pick_prefill()) == "p3"
+
+
+def test_pick_prefill_ties_go_to_the_fewest_active() -> None:
+    reg = registry()
+    for worker_id in ("p1", "p2", "p3"):
+        reg.register(register(worker_id))
+    reg.workers["p1"].active.update(a=10, b=10)
+    reg.workers["p2"].active.update(c=20)
+    reg.workers["p3"].active.update(d=5, e=5, f=10)
     assert picked(reg.pick_prefill()) == "p2"
 
 
-def test_pick_prefill_counts_tokens_assigned_since_the_last_heartbeat() -> None:
+def test_pick_prefill_ignores_heartbeat_load() -> None:
     reg = registry()
     reg.register(register("p1"))
     reg.register(register("p2"))
-    reg.heartbeat(heartbeat("p1", queued=100))
-    reg.heartbeat(heartbeat("p2", queued=50))
-    reg.workers["p2"].assigned_tokens += 60
-    assert reg.workers["p2"].queued_tokens == 110
-    assert picked(reg.pick_prefill()) == "p1"
-    reg.heartbeat(heartbeat("p2", queued=50))  # the heartbeat now includes them
-    assert reg.workers["p2"].assigned_tokens == 0
+    reg.heartbeat(heartbeat("p1", queued=0, running=0))
+    reg.heartbeat(heartbeat("p2", queued=10_000, running=50))
+    reg.workers["p1"].active["a"] = 1
     assert picked(reg.pick_prefill()) == "p2"
 
 
-def test_pick_decode_by_most_free_blocks() -> None:
+def test_pick_decode_by_most_free_capacity() -> None:
     reg = registry()
     assert reg.pick_decode() is None
     reg.register(register("p1"))
-    for worker_id in ("d1", "d2", "d3"):
-        reg.register(register(worker_id, "decode"))
-    reg.heartbeat(heartbeat("d1", free=10))
-    reg.heartbeat(heartbeat("d2", free=90))
-    reg.heartbeat(heartbeat("d3", free=40))
+    reg.register(register("d1", "decode", num_blocks=10))  # 160 tokens
+    reg.register(register("d2", "decode", num_blocks=100))  # 1600
+    reg.register(register("d3", "decode", num_blocks=40))  # 640
     assert picked(reg.pick_decode()) == "d2"
-    reg.workers["d2"].assigned_tokens = 16 * 60  # 60 blocks on their way
-    assert reg.workers["d2"].free_blocks == 30
+    reg.workers["d2"].active.update(a=900, b=100)  # 600 free
     assert picked(reg.pick_decode()) == "d3"
+    reg.workers["d3"].active["c"] = 41  # 599 free
+    assert picked(reg.pick_decode()) == "d2"
+    reg.workers["d2"].active.clear()
+    reg.workers["d3"].active.clear()
+    reg.workers["d1"].active["x"] = 1
+    assert picked(reg.pick_decode()) == "d2"
 
 
-def test_pick_decode_ties_go_to_the_fewest_running() -> None:
+def test_pick_decode_ignores_heartbeat_load() -> None:
     reg = registry()
     reg.register(register("d1", "decode"))
     reg.register(register("d2", "decode"))
-    reg.heartbeat(heartbeat("d1", free=50, running=9))
-    reg.heartbeat(heartbeat("d2", free=50, running=2))
+    reg.heartbeat(heartbeat("d1", free=100, running=0))
+    reg.heartbeat(heartbeat("d2", free=0, running=90))
+    reg.workers["d1"].active["a"] = 16
     assert picked(reg.pick_decode()) == "d2"
+
+
+def test_pick_decode_ties_go_to_the_fewest_active() -> None:
+    reg = registry()
+    for worker_id in ("d1", "d2", "d3"):
+        reg.register(register(worker_id, "decode"))
+    reg.workers["d1"].active.update(a=10, b=10, c=10)
+    reg.workers["d2"].active.update(d=30)
+    reg.workers["d3"].active.update(e=15, f=15)
+    assert picked(reg.pick_decode()) == "d2"
+
+
+def test_capacity_tokens_is_none_until_both_pools_have_a_worker() -> None:
+    reg = registry()
+    assert reg.capacity_tokens() is None
+    reg.register(register("p1", num_blocks=50))
+    assert reg.capacity_tokens() is None
+    reg.register(register("d1", "decode", num_blocks=100))
+    assert reg.capacity_tokens() == 50 * 16
+    reg.remove("p1")
+    assert reg.capacity_tokens() is None
+
+
+def test_capacity_tokens_is_the_smallest_live_worker() -> None:
+    reg = registry()
+    reg.register(register("p1", num_blocks=200))
+    reg.register(register("p2", num_blocks=80))
+    reg.register(register("d1", "decode", num_blocks=300))
+    reg.register(register("d2", "decode", num_blocks=90))
+    assert reg.capacity_tokens() == 80 * 16  # a prefill worker is the smallest
+    reg.remove("p2")
+    assert reg.capacity_tokens() == 90 * 16  # now a decode worker
+    reg.workers["d2"].active["a"] = 500  # what is held does not shrink it
+    assert reg.capacity_tokens() == 90 * 16
+    reg.register(register("d2", "decode", instance="new", num_blocks=10))
+    assert reg.capacity_tokens() == 10 * 16  # the re-registered size counts
+    reg.workers["d2"].last_seen -= 10.0
+    assert [w.worker_id for w in reg.expire()] == ["d2"]
+    assert reg.capacity_tokens() == 200 * 16
+
+
+def test_reregistration_by_the_same_instance_keeps_its_requests() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode", num_blocks=10))
+    reg.workers["d1"].active.update(a=5, b=7)
+    reply, previous = reg.register(register("d1", "decode", num_blocks=20))
+    assert reply.accepted and previous is not None and previous.active == {"a": 5, "b": 7}
+    info = reg.workers["d1"]
+    assert info.active == {"a": 5, "b": 7} and info.held_tokens == 12
+    assert info.num_blocks == 20
+    info.active.pop("a")  # what the dispatcher releases is released for the registered worker
+    assert reg.workers["d1"].held_tokens == 7
+
+
+def test_reregistration_by_a_new_instance_starts_empty() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode"))
+    reg.workers["d1"].active.update(a=5)
+    reply, previous = reg.register(register("d1", "decode", instance="i1"))
+    assert reply.accepted and previous is not None and previous.active == {"a": 5}
+    assert reg.workers["d1"].active == {} and reg.workers["d1"].held_tokens == 0
 
 
 def test_pick_decode_before_any_heartbeat_uses_the_registered_size() -> None:
