@@ -85,6 +85,7 @@ class Dispatcher:
         self._finish(handle)
         for worker_id in (handle.prefill_worker, handle.decode_worker):
             self._send_abort(worker_id, handle.request_id, handle.epoch)
+            self._remember_abort(worker_id, handle.request_id)
 
     async def serve(self) -> None:
         """Route every control message; runs for the gateway's lifetime."""
@@ -116,7 +117,7 @@ class Dispatcher:
         elif isinstance(message, Register):
             self._on_register(worker_id, message)
         elif isinstance(message, Leave):
-            self._on_leave(message)
+            self._on_leave(worker_id, message)
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
 
@@ -131,9 +132,10 @@ class Dispatcher:
         elif previous is not None and previous.instance_id != message.instance_id:
             self._fail_worker_requests(previous, f"{worker_id} restarted")
 
-    def _on_leave(self, message: Leave) -> None:
+    def _on_leave(self, worker_id: str, message: Leave) -> None:
         worker = self.registry.workers.get(message.worker_id)
-        if worker is not None and worker.instance_id == message.instance_id:
+        if worker_id == message.worker_id and worker is not None \
+                and worker.instance_id == message.instance_id:
             log.info("%s left", message.worker_id)
             self.registry.remove(message.worker_id)
             self._fail_worker_requests(worker, f"{message.worker_id} stopped")
@@ -150,7 +152,12 @@ class Dispatcher:
         if handle is None or handle.epoch != token.epoch:
             self._reabort(worker_id, token)  # it ended here; the worker may not know yet
             return
-        if token.index < handle.next_index:
+        expected = handle.prefill_worker if token.index == 0 else handle.decode_worker
+        if worker_id != expected:
+            log.warning("token for %s from %s, not its worker: dropped", handle.request_id,
+                        worker_id)
+            return
+        if token.index < handle.next_index or token.index in handle.early:
             return  # a duplicate
         handle.early[token.index] = Event(token.token_id, token.finish_reason)
         if token.index > 0:
@@ -170,13 +177,15 @@ class Dispatcher:
             decode.active[handle.request_id] += 1
 
     def _reabort(self, worker_id: str, token: TokenEvent) -> None:
-        key = (worker_id, token.request_id)
-        if token.finish_reason is not None or key in self.reaborted:
+        if token.finish_reason is not None or (worker_id, token.request_id) in self.reaborted:
             return
-        self.reaborted[key] = None
+        self._remember_abort(worker_id, token.request_id)
+        self._send_abort(worker_id, token.request_id, token.epoch)
+
+    def _remember_abort(self, worker_id: str, request_id: str) -> None:
+        self.reaborted[(worker_id, request_id)] = None
         if len(self.reaborted) > _REABORT_MEMORY:
             self.reaborted.popitem(last=False)
-        self._send_abort(worker_id, token.request_id, token.epoch)
 
     def _send_abort(self, worker_id: str, request_id: str, epoch: int) -> None:
         self.control.send(worker_id, Abort(request_id, epoch))

@@ -103,13 +103,13 @@ class ZmqKVReceiver:
                 payloads.append(payload)
 
     def _verify(self, frames: list[zmq.Frame]) -> KVPayload | None:
-        if len(frames) != 3:
-            return None
         try:
             header = HEADER_CODEC.decode(frames[0].bytes)
         except MalformedMessage as exc:
             log.warning("dropped KV chunk with a bad header: %s", exc)
             return None
+        if len(frames) != 3:
+            return self._reject(header, f"{len(frames)} frames, not 3")
         k_bytes, v_bytes = frames[1].buffer, frames[2].buffer
         if header.dtype not in DTYPES or checksum(k_bytes, v_bytes) != header.checksum:
             return self._reject(header, "dtype or checksum mismatch")

@@ -306,6 +306,7 @@ BAD_SAMPLINGS = [
     [-1e-9, 1.0, 0, None],
     [float("nan"), 1.0, 0, None],
     [float("-inf"), 1.0, 0, None],
+    [float("inf"), 1.0, 0, None],  # temperature must be finite
     [1.0, 0.0, 0, None],  # top_p must be above 0
     [1.0, -0.5, 0, None],
     [1.0, 1.0000001, 0, None],  # and at most 1
@@ -329,9 +330,17 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [2.5, 1e-6, 0, 7],
     [2.0, 0.5, 1, None],
     [1.0, 1.0, 50_000, -3],
+    [1.7976931348623157e308, 1.0, 0, None],  # the largest finite temperature
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
     back = decode(packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", ""))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), float("nan")], ids=repr)
+def test_a_non_finite_temperature_is_refused_and_says_why(temperature: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        Sampling(temperature=temperature)
+    assert Sampling(temperature=1e300).temperature == 1e300

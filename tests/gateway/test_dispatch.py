@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -406,20 +407,64 @@ def test_duplicate_tokens_are_dropped(tmp_path: Path) -> None:
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             rid = handle.request_id
-            decode.tokens(rid, (2, 8, None), (2, 80, None))  # early, twice
+            decode.tokens(rid, (2, 8, None), (2, 80, None))  # early, twice: the first stays
+            decode.tokens(rid, (2, 81, "stop"))  # a duplicate cannot end it either
+            assert await decode.flush() == []
+            assert handle.early == {2: Event(8, None)} and pending(handle) == []
+            assert gw.active("d1") == {rid: PROMPT_LEN + 1}  # held once, not once per copy
             prefill.send(FirstToken(rid, 0, 6, None))
             prefill.send(FirstToken(rid, 0, 60, None))
             assert await prefill.flush() == []
             assert pending(handle) == [Event(6, None)]
             decode.tokens(rid, (1, 7, None), (1, 70, None))
-            decode.tokens(rid, (1, 71, None), (0, 61, None), (2, 81, None))
+            decode.tokens(rid, (1, 71, None), (2, 82, None))
             assert await decode.flush() == []
-            assert pending(handle) == [Event(7, None), Event(80, None)]
+            assert pending(handle) == [Event(7, None), Event(8, None)]
             assert handle.next_index == 3 and handle.early == {} and not handle.done
+            assert gw.active("d1") == {rid: PROMPT_LEN + 2}  # indices 1 and 2, once each
             decode.tokens(rid, (3, 9, "stop"), (3, 90, "stop"))
             assert await decode.flush() == []
             assert pending(handle) == [Event(9, "stop")] and handle.done
             assert gw.dispatcher.aborts_sent == 0  # duplicates are not strays
+
+    asyncio.run(body())
+
+
+def test_tokens_from_a_worker_not_serving_the_request_are_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Index 0 only from the request's prefill worker, the rest only from its decode worker."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            other_prefill = await gw.worker("p2", "prefill")
+            other_decode = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            stranger = FakeWorker(gw.context, gw.address, "x9", "decode", "")
+            caplog.set_level(logging.WARNING, logger="gateway.dispatch")
+            decode.send(FirstToken(rid, 0, 50, "stop"))  # index 0 is the prefill worker's
+            decode.tokens(rid, (0, 51, None))
+            prefill.tokens(rid, (1, 52, "stop"))  # the rest are the decode worker's
+            other_prefill.send(FirstToken(rid, 0, 53, "stop"))
+            other_decode.tokens(rid, (1, 54, None), (2, 55, "length"))
+            stranger.tokens(rid, (1, 56, None))
+            for worker in (prefill, decode, other_prefill, other_decode, stranger):
+                assert await worker.flush() == []  # dropped: neither delivered nor aborted
+            assert pending(handle) == [] and handle.early == {}
+            assert handle.next_index == 0 and not handle.done
+            assert gw.active("p1") == {rid: PROMPT_LEN}  # not released by a false decode token
+            assert gw.active("d1") == {rid: PROMPT_LEN}  # nor counted as held
+            assert gw.active("p2") == {} and gw.active("d2") == {}
+            assert gw.dispatcher.aborts_sent == 0
+            dropped = [r for r in caplog.records
+                       if r.name == "gateway.dispatch" and rid in r.getMessage()]
+            assert len(dropped) == 7 and all(r.levelno == logging.WARNING for r in dropped)
+            prefill.send(FirstToken(rid, 0, 5, None))
+            decode.tokens(rid, (1, 6, None), (2, 7, "stop"))
+            assert [await next_event(handle) for _ in range(3)] == [
+                Event(5, None), Event(6, None), Event(7, "stop")]
+            assert handle.done and gw.dispatcher.aborts_sent == 0
 
     asyncio.run(body())
 
@@ -466,7 +511,7 @@ def test_events_for_unknown_or_old_requests_are_not_delivered(tmp_path: Path) ->
     asyncio.run(body())
 
 
-def test_a_worker_still_sending_for_an_ended_request_is_aborted_once(tmp_path: Path) -> None:
+def test_tokens_that_crossed_an_abort_are_not_aborted_again(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
@@ -479,7 +524,30 @@ def test_a_worker_still_sending_for_an_ended_request_is_aborted_once(tmp_path: P
             gw.dispatcher.abort(handle)  # the client went away
             assert await prefill.expect(1) == [Abort(rid, 0)]
             assert await decode.expect(1) == [Abort(rid, 0)]
-            # The abort crossed decode's next steps: it may not have seen it, so say it again.
+            assert {("p1", rid), ("d1", rid)} <= set(gw.dispatcher.reaborted)
+            # Decode's next steps crossed the abort: it has been told already.
+            decode.tokens(rid, (2, 7, None))
+            decode.tokens(rid, (3, 8, None), (4, 9, None))
+            prefill.send(FirstToken(rid, 0, 5, None))
+            assert await decode.flush() == [] and await prefill.flush() == []
+            assert gw.dispatcher.aborts_sent == 2
+            assert pending(handle) == []
+
+    asyncio.run(body())
+
+
+def test_a_worker_still_sending_for_an_ended_request_is_aborted_once(tmp_path: Path) -> None:
+    """The gateway never aborted it: the request ended by itself, yet a worker goes on."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            rid = handle.request_id
+            prefill.send(FirstToken(rid, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            decode.tokens(rid, (1, 6, "length"))
+            assert await next_event(handle) == Event(6, "length")
+            assert handle.done and gw.dispatcher.aborts_sent == 0
             decode.tokens(rid, (2, 7, None))
             decode.tokens(rid, (3, 8, None), (4, 9, None))
             assert await decode.flush() == [Abort(rid, 0)]
@@ -488,7 +556,7 @@ def test_a_worker_still_sending_for_an_ended_request_is_aborted_once(tmp_path: P
             prefill.send(FirstToken(rid, 0, 5, None))  # another worker gets its own once
             prefill.send(FirstToken(rid, 0, 5, None))
             assert await prefill.flush() == [Abort(rid, 0)]
-            assert gw.dispatcher.aborts_sent == 4
+            assert gw.dispatcher.aborts_sent == 2
             assert pending(handle) == []
 
     asyncio.run(body())
@@ -500,14 +568,13 @@ def test_a_final_token_for_an_ended_request_is_not_aborted(tmp_path: Path) -> No
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             rid = handle.request_id
-            gw.dispatcher.abort(handle)
-            assert await prefill.expect(1) == [Abort(rid, 0)]
-            assert await decode.expect(1) == [Abort(rid, 0)]
+            prefill.send(FirstToken(rid, 0, 2, "stop"))  # it ends by itself, not aborted
+            assert await next_event(handle) == Event(2, "stop")
             decode.tokens(rid, (1, 7, "length"))  # the worker is done with it by itself
             prefill.send(FirstToken(rid, 0, 2, "stop"))
             decode.tokens("never-seen", (4, 7, "stop"))
             assert await decode.flush() == [] and await prefill.flush() == []
-            assert gw.dispatcher.aborts_sent == 2
+            assert gw.dispatcher.aborts_sent == 0
             decode.tokens(rid, (2, 7, None))  # but it still sends: one abort
             assert await decode.flush() == [Abort(rid, 0)]
 
@@ -542,6 +609,30 @@ def test_the_memory_of_re_aborts_is_bounded() -> None:
     assert dispatcher.aborts_sent == _REABORT_MEMORY + extra + 1
 
 
+def test_the_gateways_own_aborts_share_that_bounded_memory() -> None:
+    control = RecordingControl()
+    dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+    handle = RequestHandle("r", 0, TASK, "p1", "d1")
+    dispatcher.requests["r"] = handle
+    dispatcher.abort(handle)
+    assert control.sent == [("p1", Abort("r", 0)), ("d1", Abort("r", 0))]
+    assert list(dispatcher.reaborted) == [("p1", "r"), ("d1", "r")]
+    control.sent.clear()
+    dispatcher.on_message("d1", TokenBatch([TokenEvent("r", 0, 1, 1, None)]))
+    dispatcher.on_message("p1", FirstToken("r", 0, 1, None))
+    assert control.sent == []  # both were told already
+    for i in range(_REABORT_MEMORY - 1):  # strays nobody aborted: one Abort each
+        dispatcher.on_message("d9", TokenBatch([TokenEvent(f"s{i}", 0, 1, 1, None)]))
+    assert len(control.sent) == _REABORT_MEMORY - 1
+    assert len(dispatcher.reaborted) == _REABORT_MEMORY
+    control.sent.clear()
+    dispatcher.on_message("d1", TokenBatch([TokenEvent("r", 0, 2, 1, None)]))
+    assert control.sent == []  # still remembered
+    dispatcher.on_message("p1", FirstToken("r", 0, 1, None))
+    assert control.sent == [("p1", Abort("r", 0))]  # the oldest was forgotten
+    assert dispatcher.aborts_sent == 2 + _REABORT_MEMORY - 1 + 1
+
+
 # -- failures ----------------------------------------------------------------------------------
 
 
@@ -559,7 +650,10 @@ def test_request_failed_ends_the_handle_with_an_error(tmp_path: Path) -> None:
             assert await prefill.expect(1) == [abort] and await prefill.quiet() == []
             assert gw.dispatcher.aborts_sent == 2
             assert gw.active("p1") == {} and gw.active("d1") == {}
+            decode.tokens(handle.request_id, (1, 1, None))  # sent before it failed
+            assert await decode.flush() == []  # the failure's abort said it all
             await no_more_events(handle)
+            assert gw.dispatcher.aborts_sent == 2
 
     asyncio.run(body())
 
@@ -578,7 +672,9 @@ def test_abort_tells_both_workers_once(tmp_path: Path) -> None:
             assert not gw.dispatcher.requests
             assert all(not w.active for w in gw.registry.workers.values())
             decode.tokens(handle.request_id, (1, 1, None))  # crossed the abort
-            assert await decode.flush() == [abort]
+            prefill.send(FirstToken(handle.request_id, 0, 1, None))
+            assert await decode.flush() == [] and await prefill.flush() == []  # told already
+            assert gw.dispatcher.aborts_sent == 2
             await no_more_events(handle)
 
     asyncio.run(body())
@@ -690,6 +786,30 @@ def test_a_leave_naming_another_instance_is_ignored(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_leave_from_another_workers_connection_is_ignored(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            stranger = FakeWorker(gw.context, gw.address, "x9", "prefill", "")
+            decode.send(Leave("p1", "i0"))  # the right id and instance, the wrong connection
+            stranger.send(Leave("p1", "i0"))
+            prefill.send(Leave("d1", "i0"))
+            for worker in (prefill, decode, stranger):
+                assert await worker.flush() == []
+            assert set(gw.registry.workers) == {"p1", "d1"}
+            assert not handle.done and pending(handle) == []
+            assert gw.active("p1") == {handle.request_id: PROMPT_LEN}
+            assert gw.active("d1") == {handle.request_id: PROMPT_LEN}
+            assert gw.dispatcher.aborts_sent == 0
+            prefill.send(Leave("p1", "i0"))  # from its own connection: honoured
+            assert await next_event(handle) == Event(None, "error", STOPPED)
+            assert set(gw.registry.workers) == {"d1"}
+            assert await decode.expect(1) == [Abort(handle.request_id, 0)]
+
+    asyncio.run(body())
+
+
 def test_a_heartbeat_from_an_unknown_worker_or_instance_gets_register_again(
     tmp_path: Path,
 ) -> None:
@@ -764,7 +884,7 @@ def test_serve_yields_to_the_event_loop_under_a_backlog() -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+        steps = [b - a for a, b in zip([0, *seen[:-1]], seen, strict=True)]
         assert all(0 < step <= 64 for step in steps), steps
         assert len(control.sent) == control.received  # every one was handled
         assert all(m == ("ghost", RegisterAgain("unknown worker or instance"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,8 @@ import zmq
 
 from core.messages import DecodeRequest, GenerationTask, Sampling, decode, encode
 from kvtransfer import KVPayload, KVReceiver, KVSender, make_receiver, make_sender
-from kvtransfer.wire import HEADER_CODEC, KVHeader, as_bytes, checksum, dtype_name
+from kvtransfer.base import TransferError
+from kvtransfer.wire import HEADER_CODEC, KVHeader, KVRejected, as_bytes, checksum, dtype_name
 
 WAIT_S = 5.0
 SHAPE = (2, 5, 3, 8)  # [layers, tokens, kv_heads, head_dim]
@@ -100,7 +102,7 @@ def test_round_trip_is_exact(receiver: KVReceiver, sender: KVSender, dtype: torc
     assert (header.layer_start, header.layer_end, header.num_tokens) == (4, 6, 5)
     assert header.shape == list(SHAPE) and header.dtype == dtype_name(dtype)
     assert header.meta == meta("r1") and decode(header.meta) == decode(meta("r1"))
-    assert receiver.rejected == 0
+    assert receiver.rejected == 0 and receiver.take_rejections() == []
 
 
 def test_a_large_chunk_round_trips_zero_copy(receiver: KVReceiver, sender: KVSender) -> None:
@@ -138,33 +140,50 @@ def test_many_chunks_from_two_senders_all_arrive(
         sender.close()
 
 
+BAD_ID, BAD_EPOCH = "bad", 5
+
+
 def _bad_chunks() -> dict[str, list[bytes]]:
     k, v = kv(7)
     kb, vb = bytes(as_bytes(k)), bytes(as_bytes(v))
     small_k, small_v = kv(8, shape=(1, 1, 1, 3))
     corrupted = bytearray(vb)
     corrupted[10] ^= 0x01
+
+    def bad(k: torch.Tensor, v: torch.Tensor, **changes: object) -> bytes:
+        """A header that decodes and names its request."""
+        return header_for(k, v, **{"request_id": BAD_ID, "epoch": BAD_EPOCH, **changes})
+
     return {
-        "bad checksum": [header_for(k, v, checksum=checksum(as_bytes(k), as_bytes(v)) ^ 1), kb, vb],
-        "corrupted buffer": [header_for(k, v), kb, bytes(corrupted)],
+        "bad checksum": [bad(k, v, checksum=checksum(as_bytes(k), as_bytes(v)) ^ 1), kb, vb],
+        "corrupted buffer": [bad(k, v), kb, bytes(corrupted)],
         "garbage header": [b"not a header", kb, vb],
         "empty header": [b"", kb, vb],
         "control message as header": [meta("r"), kb, vb],
-        "too few frames": [header_for(k, v), kb],
-        "too many frames": [header_for(k, v), kb, vb, vb],
-        "one frame": [header_for(k, v)],
-        "unknown dtype": [header_for(k, v, dtype="int8"), kb, vb],
-        "shape too big": [header_for(small_k, small_v, shape=[2, 2, 2, 2]),
+        "too few frames": [bad(k, v), kb],
+        "too many frames": [bad(k, v), kb, vb, vb],
+        "one frame": [bad(k, v)],
+        "unknown dtype": [bad(k, v, dtype="int8"), kb, vb],
+        "shape too big": [bad(small_k, small_v, shape=[2, 2, 2, 2]),
                           bytes(as_bytes(small_k)), bytes(as_bytes(small_v))],
-        "shape too small": [header_for(k, v, shape=[1, 5, 3, 8]), kb, vb],
-        "negative shape": [header_for(k, v, shape=[-2, 5, 3, 8]), kb, vb],
-        "buffer not a whole element": [header_for(k, v, checksum=checksum(b"abc", b"abc")),
+        "shape too small": [bad(k, v, shape=[1, 5, 3, 8]), kb, vb],
+        "layers not as the header says": [bad(k, v, layer_start=3, layer_end=4), kb, vb],
+        "tokens not as the header says": [bad(k, v, num_tokens=4), kb, vb],
+        "negative shape": [bad(k, v, shape=[-2, 5, 3, 8]), kb, vb],
+        "negative inner dims": [bad(k, v, shape=[2, 5, -3, -8]), kb, vb],  # right element count
+        "inner dims do not fit": [bad(k, v, shape=[2, 5, 3, 9]), kb, vb],
+        "inner dims too small": [bad(k, v, shape=[2, 5, 3, 4]), kb, vb],
+        "buffer not a whole element": [bad(k, v, checksum=checksum(b"abc", b"abc")),
                                        b"abc", b"abc"],
-        "empty buffers": [header_for(k, v, checksum=0), b"", b""],
+        "empty buffers": [bad(k, v, checksum=0), b"", b""],
     }
 
 
 BAD_CHUNKS = _bad_chunks()
+# Chunks whose header does not decode cannot be tied to a request: counted only. Every other
+# one, a wrong frame count included, names its request.
+UNNAMED = {"garbage header", "empty header", "control message as header"}
+NAMED = [name for name in BAD_CHUNKS if name not in UNNAMED]
 
 
 def good_chunk(seed: int, request_id: str) -> tuple[list[object], torch.Tensor, torch.Tensor]:
@@ -192,6 +211,50 @@ def test_a_bad_chunk_is_dropped_and_counted(
     assert payload.header.request_id == "good"
     assert torch.equal(payload.k, k) and torch.equal(payload.v, v)
     assert receiver.rejected == 1
+    rejections = receiver.take_rejections()
+    if name in UNNAMED:
+        assert rejections == []
+    else:
+        assert [(r.request_id, r.epoch) for r in rejections] == [(BAD_ID, BAD_EPOCH)]
+        assert isinstance(rejections[0], KVRejected) and rejections[0].reason
+    assert receiver.take_rejections() == []  # taken once
+
+
+def test_rejections_say_why(receiver: KVReceiver, raw_push: zmq.Socket) -> None:
+    expected = {
+        "bad checksum": "checksum", "unknown dtype": "dtype",
+        "too few frames": "2 frames, not 3", "too many frames": "4 frames, not 3",
+        "one frame": "1 frames, not 3",
+        "shape too small": "match the header", "negative shape": "match the header",
+        "negative inner dims": "match the header",
+        "tokens not as the header says": "match the header",
+        "inner dims do not fit": "fit the buffers", "buffer not a whole element": "fit",
+    }
+    for name in expected:
+        raw_push.send_multipart(BAD_CHUNKS[name])
+    raw_push.send_multipart(good_chunk(0, "good")[0])
+    receive(receiver, 1)
+    reasons = [r.reason for r in receiver.take_rejections()]
+    assert len(reasons) == len(expected)
+    for reason, (name, fragment) in zip(reasons, expected.items(), strict=True):
+        assert fragment in reason, (name, reason)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 5])
+def test_a_wrong_frame_count_is_rejected_for_its_request(
+    receiver: KVReceiver, raw_push: zmq.Socket, count: int
+) -> None:
+    """The header decodes, so the request it names hears why: even when its first three frames
+    are a valid chunk."""
+    frames, _, _ = good_chunk(11, BAD_ID)
+    frames[0] = header_for(*kv(11), request_id=BAD_ID, epoch=BAD_EPOCH)
+    raw_push.send_multipart((frames * 2)[:count])
+    raw_push.send_multipart([b"not a header", b"k"])  # no header: counted, nobody to tell
+    raw_push.send_multipart(good_chunk(12, "good")[0])
+    assert [p.header.request_id for p in receive(receiver, 1)] == ["good"]
+    assert receiver.rejected == 2
+    assert receiver.take_rejections() == [
+        KVRejected(BAD_ID, BAD_EPOCH, f"{count} frames, not 3")]
 
 
 def test_every_bad_chunk_is_counted_and_good_ones_still_arrive(
@@ -203,11 +266,14 @@ def test_every_bad_chunk_is_counted_and_good_ones_still_arrive(
     got = receive(receiver, len(BAD_CHUNKS))
     assert [p.header.request_id for p in got] == [f"by-hand-{i}" for i in range(len(got))]
     assert receiver.rejected == len(BAD_CHUNKS)
+    rejections = receiver.take_rejections()
+    assert [(r.request_id, r.epoch) for r in rejections] == [(BAD_ID, BAD_EPOCH)] * len(NAMED)
     k, v = kv(10)
     sender.send(receiver.address, "from-sender", 0, b"m", k, v)
     (payload,) = receive(receiver, 1)
     assert payload.header.meta == b"m" and torch.equal(payload.k, k)
     assert receive_nothing_more(receiver) == [] and receiver.rejected == len(BAD_CHUNKS)
+    assert receiver.take_rejections() == []
 
 
 def test_sender_keeps_one_socket_per_address(
@@ -220,3 +286,56 @@ def test_sender_keeps_one_socket_per_address(
     assert len(receive(receiver, 2)) == 2 and len(receive(other, 1)) == 1
     assert len(sender.sockets) == 2  # type: ignore[attr-defined]
     other.close()
+
+
+@pytest.fixture
+def dead_tcp_address() -> Iterator[str]:
+    """A tcp address where nothing listens: the port is held (bound, never listening), so no
+    other test or process can take it meanwhile, and connections to it are refused."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"tcp://127.0.0.1:{held.getsockname()[1]}"
+
+
+def test_sending_where_nothing_listens_raises_soon(
+    context: zmq.Context, sender: KVSender, tmp_path: Path, dead_tcp_address: str
+) -> None:
+    k, v = kv(12)
+    for address in (dead_tcp_address, f"ipc://{tmp_path}/nobody"):
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            sender.send(address, "r", 0, b"", k, v)
+        assert time.monotonic() - started < 3.0
+        assert sender.bytes_sent == 0  # type: ignore[attr-defined]
+    live = make_receiver(context, "tcp://127.0.0.1:*")
+    try:
+        sender.send(live.address, "kept", 0, b"", k, v)  # the failures left the sender usable
+        assert [p.header.request_id for p in receive(live, 1)] == ["kept"]
+    finally:
+        live.close()
+
+
+def test_a_dead_receiver_does_not_take_the_chunk(
+    context: zmq.Context, sender: KVSender, receiver: KVReceiver
+) -> None:
+    """Nothing queues for a receiver that went away; the next one at its address gets only
+    what was sent to it."""
+    k, v = kv(13)
+    sender.send(receiver.address, "before", 0, b"", k, v)
+    assert [p.header.request_id for p in receive(receiver, 1)] == ["before"]
+    address = receiver.address
+    receiver.close()
+    deadline = time.monotonic() + WAIT_S
+    with pytest.raises(TransferError):  # once the sender notices the peer is gone
+        while time.monotonic() < deadline:
+            sender.send(address, "lost", 0, b"", k, v)
+    if address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+    again = make_receiver(context, address)
+    try:
+        sender.send(address, "after", 0, b"", k, v)
+        got = receive(again, 1) + receive_nothing_more(again)
+        assert [p.header.request_id for p in got] == ["after"]
+    finally:
+        again.close()
+
