@@ -44,7 +44,8 @@ class WorkerConfig:
     block_size: int = 16
     max_batch_tokens: int = 2048
     max_running: int = 64
-    threads: int = 0  # 0: leave torch's default
+    threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning
     heartbeat_interval_s: float = 0.5
     kv_bind: str = "tcp://127.0.0.1:*"
 

@@ -6,6 +6,7 @@ import torch
 
 from core.cli import base_parser, config_from_args, setup_logging
 from core.config import ModelConfig, WorkerConfig
+from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
@@ -17,6 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
     if model.dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, not {model.dtype!r}")
+    pin_to(worker.cpus)
     set_threads(worker.threads or None)
     folder = resolve_model(model.name, model.cache_dir)
     return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[model.dtype])
@@ -33,8 +35,9 @@ def worker_main(role: str, worker_class: type[Worker]) -> None:
     parser = base_parser(f"raging {role} worker")
     parser.add_argument("--worker-id", default=f"{role}-0")
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--cpus", help="pin to these CPUs, e.g. 1 or 0-1")
     args = parser.parse_args()
-    config = config_from_args(args, {"threads": f"{role}.threads"})
+    config = config_from_args(args, {"threads": f"{role}.threads", "cpus": f"{role}.cpus"})
     setup_logging(args.worker_id)
     worker_config: WorkerConfig = getattr(config, role)
     runner = load_runner(config.model, worker_config)

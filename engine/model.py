@@ -18,18 +18,22 @@ from engine.weights import EMBED, LM_HEAD
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+    """One decoder layer's weights, as mapped from the file: never copied, so every worker on
+    a host shares one copy in the page cache (fusing q/k/v would make a private copy)."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
     o: torch.Tensor
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate: torch.Tensor
+    up: torch.Tensor
     down: torch.Tensor
 
 
 def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
-    """Gather (and fuse) layer `index`'s tensors from Hugging Face-named `weights`."""
+    """Gather layer `index`'s tensors from Hugging Face-named `weights`."""
     prefix = f"model.layers.{index}."
 
     def get(name: str) -> torch.Tensor:
@@ -37,14 +41,15 @@ def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
             raise ValueError(f"missing weight {prefix + name}")
         return weights[prefix + name]
 
-    attn = [get(f"self_attn.{p}_proj.weight") for p in "qkv"]
-    mlp = [get(f"mlp.{p}_proj.weight") for p in ("gate", "up")]
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
-        qkv=torch.cat(attn),
+        q=get("self_attn.q_proj.weight"),
+        k=get("self_attn.k_proj.weight"),
+        v=get("self_attn.v_proj.weight"),
         o=get("self_attn.o_proj.weight"),
         post_attention_norm=get("post_attention_layernorm.weight"),
-        gate_up=torch.cat(mlp),
+        gate=get("mlp.gate_proj.weight"),
+        up=get("mlp.up_proj.weight"),
         down=get("mlp.down_proj.weight"),
     )
 
@@ -101,8 +106,8 @@ class LlamaModel:
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = F.linear(h, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        q_size = spec.num_heads * spec.head_dim
+        q, k, v = F.linear(h, layer.q), F.linear(h, layer.k), F.linear(h, layer.v)
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         step.cache.store(index, step.plan.slots, k, v.view_as(k))
@@ -111,7 +116,7 @@ class LlamaModel:
         attn = attend(q, step.cache.k[index], step.cache.v[index], step.plan)
         x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(h, layer.gate), F.linear(h, layer.up)
         return x + F.linear(F.silu(gate) * up, layer.down)
 
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
+#                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin]
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
+# Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
+# the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
 set -euo pipefail
 if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
   echo "launch.sh needs bash 5.1 or newer" >&2; exit 2
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
-RUN_DIR=""
-usage() { sed -n 2,5p "$0"; exit "${1:-0}"; }
+RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1
+usage() { sed -n 2,9p "$0"; exit "${1:-0}"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prefill) PREFILL="$2"; shift 2 ;;
@@ -21,6 +24,9 @@ while [[ $# -gt 0 ]]; do
     --model) MODEL="$2"; shift 2 ;;
     --control) CONTROL="$2"; shift 2 ;;   # default: a socket in the run folder
     --run-dir) RUN_DIR="$2"; shift 2 ;;
+    --prefill-cpus) PREFILL_CPUS="$2"; shift 2 ;;
+    --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
+    --no-pin) PIN=0; shift ;;
     -h|--help) usage 0 ;;
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
@@ -36,6 +42,24 @@ COMMON=(--config "$CONFIG" --control-address "$CONTROL")
 
 # Prepare the model once, with a progress bar, before any worker needs it.
 "$RAGING_PY" -m engine.prepare --config "$CONFIG" ${MODEL:+--model "$MODEL"} >/dev/null
+
+expand_cpus() {  # "0,2-3" -> "0 2 3"
+  local part out=()
+  for part in ${1//,/ }; do
+    if [[ "$part" == *-* ]]; then out+=($(seq "${part%-*}" "${part#*-}")); else out+=("$part"); fi
+  done
+  echo "${out[@]}"
+}
+CPUS=($(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))'))
+HALF=$(( ${#CPUS[@]} / 2 > 0 ? ${#CPUS[@]} / 2 : 1 ))
+PREFILL_POOL=($(expand_cpus "${PREFILL_CPUS:-$(echo "${CPUS[@]:0:$HALF}" | tr ' ' ,)}"))
+DECODE_POOL=($(expand_cpus "${DECODE_CPUS:-$(echo "${CPUS[@]:$HALF}" | tr ' ' ,)}"))
+[[ ${#DECODE_POOL[@]} -gt 0 ]] || DECODE_POOL=("${PREFILL_POOL[@]}")
+pin_args() {  # pin_args POOL_NAME INDEX: the --cpus flag for worker INDEX of that pool
+  [[ $PIN == 1 ]] || return 0
+  local -n pool="$1"
+  echo "--cpus ${pool[$(( $2 % ${#pool[@]} ))]}"
+}
 
 PIDS=()
 stop_all() {
@@ -66,8 +90,12 @@ start() {  # start NAME ARGS...: one process, logged to its own file
 
 start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
   --expect-prefill "$PREFILL" --expect-decode "$DECODE"
-for i in $(seq 0 $((PREFILL - 1))); do start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i"; done
-for i in $(seq 0 $((DECODE - 1))); do start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i"; done
+for i in $(seq 0 $((PREFILL - 1))); do
+  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i")
+done
+for i in $(seq 0 $((DECODE - 1))); do
+  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i")
+done
 
 URL="http://$HOST:$PORT"
 echo "[launch] waiting for 1 gateway + $PREFILL prefill + $DECODE decode (logs: $RUN_DIR)"
