@@ -87,6 +87,7 @@ class Heartbeat:
     free_blocks: int
     running: int
     waiting: int
+    preemptions: int = 0  # since the worker started
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ class DecodeWorker(Worker):
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id, queued_tokens=0,
             free_blocks=self.runner.allocator.num_free, running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
         )
 
     def close(self) -> None:

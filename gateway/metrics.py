@@ -40,12 +40,16 @@ class Metrics:
         self.kv_used = Gauge("raging_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_total = Gauge("raging_kv_blocks_total", "KV blocks", ["worker"], registry=r)
         self.running = Gauge("raging_worker_running", "Sequences running", ["worker"], registry=r)
+        self.waiting = Gauge("raging_worker_waiting", "Sequences waiting for KV blocks",
+                             ["worker"], registry=r)
+        self.preemptions = Gauge("raging_worker_preemptions", "Sequences preempted so far",
+                                 ["worker"], registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
 
     def render(self, membership: Registry, dropped: int) -> bytes:
         """The exposition text, with the per-worker gauges refreshed from the registry."""
-        for gauge in (self.kv_used, self.kv_total, self.running):
+        for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions):
             gauge.clear()
         for role in ("prefill", "decode"):
             self.workers.labels(role).set(len(membership.alive(role)))
@@ -54,6 +58,8 @@ class Metrics:
             if worker.load is not None:
                 self.kv_used.labels(name).set(worker.num_blocks - worker.load.free_blocks)
                 self.running.labels(name).set(worker.load.running)
+                self.waiting.labels(name).set(worker.load.waiting)
+                self.preemptions.labels(name).set(worker.load.preemptions)
             self.kv_total.labels(name).set(worker.num_blocks)
         self.dropped.set(dropped)
         return generate_latest(self.registry)

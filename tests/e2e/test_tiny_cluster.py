@@ -18,7 +18,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.cluster import ROOT, Cluster, alive, launch, sse_events, started_pids
+from tests.e2e.cluster import (
+    ROOT,
+    TEST_CONFIG,
+    Cluster,
+    alive,
+    launch,
+    sse_events,
+    started_pids,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -48,11 +56,13 @@ def reference(tiny_model_dir: Path):
 
     @torch.inference_mode()
     def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        generated: list[int] = []
         for _ in range(max_tokens):
-            next_id = model(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-        return ids[0, len(prompt_ids):].tolist()
+            generated.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+        return generated
 
     return generate
 
@@ -265,3 +275,21 @@ def test_launcher_exits_non_zero_when_a_process_fails_to_start(
     assert launcher.returncode == 1
     assert "gateway exited during start-up" in launcher.stderr
     assert not any(alive(pid) for pid in started_pids(tmp_path / "run").values())
+
+
+def test_a_tiny_decode_pool_preempts_and_resumes_without_dropping(
+    tiny_model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase, reference
+) -> None:
+    config = {**TEST_CONFIG, "decode": {**TEST_CONFIG["decode"], "num_kv_blocks": 24}}
+    prompts = [f"Story {i}: once upon a time" for i in range(8)]
+    max_tokens = 150  # 8 sequences of ~170 tokens need ~88 blocks of 16; the pool has 24
+    with launch(tmp_path / "run", tiny_model_dir, config=config) as running:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda p: stream_completion(running, p, max_tokens), prompts))
+        time.sleep(1.0)  # one heartbeat
+        assert running.metric("raging_worker_preemptions", 'worker="decode-0"') > 0
+        assert running.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = reference(tokenizer.encode(prompt), max_tokens)
+        assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert result["usage"]["completion_tokens"] == max_tokens
