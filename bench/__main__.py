@@ -1,0 +1,218 @@
+"""The benchmark CLI: `python -m bench serve ...` and `python -m bench runner ...`.
+
+    python -m bench serve --url http://127.0.0.1:8000 --workload chat --concurrency 8
+    python -m bench serve --launch "p1d1=--prefill 1 --decode 1" --url vllm=http://host:8000 \\
+        --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
+    python -m bench runner --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench import runner as microbench
+from bench.launcher import ROOT
+from bench.load import Load
+from bench.plots import plot_serve
+from bench.prompts import TokenPrompts
+from bench.report import runner_json, runner_markdown, serve_json, serve_markdown, write_json
+from bench.results import ServeResults
+from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
+from bench.stats import Slo
+from bench.workloads import WORKLOADS, Workload, build
+from core.config import ModelConfig
+from engine.prepare import resolve_model
+from engine.runner import set_threads
+
+
+def numbers(kind: Callable[[str], float | int]) -> Callable[[str], tuple]:
+    """An argparse type for comma-separated numbers such as `0.5,1,2`."""
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from error
+    return parse
+
+
+def default_out(name: str) -> Path:
+    """runs/bench-<time>/<name> in the repository, beside launch.sh's logs (git-ignored)."""
+    return ROOT / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}" / name
+
+
+def _add_targets(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("servers (one or more, measured one after another)")
+    group.add_argument("--url", action="append", default=[], metavar="[LABEL=]URL",
+                       help="an OpenAI-compatible server, ours or another (repeatable)")
+    group.add_argument("--launch", action="append", default=[], metavar='"[LABEL=]FLAGS"',
+                       help='start ours with scripts/launch.sh FLAGS, e.g. "p1d2=--prefill 1 '
+                            '--decode 2", measure it with its memory, stop it (repeatable)')
+    group.add_argument("--model", help="model name to request (default: the server's first)")
+    group.add_argument("--tokenizer", type=Path,
+                       help="tokenizer folder: exact prompt lengths as token ids (default: the "
+                            "launched model's; without either, text of approximate length)")
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (same requests for every server)")
+    group.add_argument("--workload", choices=WORKLOADS, default="fixed")
+    group.add_argument("--input-len", type=int, default=200, help="fixed: prompt tokens")
+    group.add_argument("--output-len", type=int, default=64,
+                       help="fixed, humaneval: output tokens (chat, mixed: lognormal)")
+    group.add_argument("--long-share", type=float, default=0.07,
+                       help="mixed: share of long (2,000-4,000 token) prompts")
+    group.add_argument("--seed", type=int, default=0, help="seeds lengths and arrivals")
+
+
+def _add_load(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("load (default: --concurrency 1)")
+    group.add_argument("--concurrency", type=int,
+                       help="closed loop with N streams; with --rate(s), a cap on in-flight")
+    group.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    group.add_argument("--rates", type=numbers(float), metavar="R1,R2,...",
+                       help="sweep: one open-loop run per rate; reports the goodput rate")
+    group.add_argument("--num-requests", type=int, default=64, help="measured per run")
+    group.add_argument("--duration", type=float, help="seconds after which no request starts")
+    group.add_argument("--warmup", type=int, default=1, help="requests sent first, not counted")
+    group.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    group.add_argument("--slo-ttft", type=float, default=2.0, help="seconds (default 2)")
+    group.add_argument("--slo-tpot", type=float, default=0.25, help="seconds (default 0.25)")
+
+
+def serve_parser(commands: argparse._SubParsersAction) -> None:
+    """The `serve` subcommand's flags."""
+    parser = commands.add_parser("serve", help="measure OpenAI-compatible servers",
+                                 description="Stream a workload through /v1/completions of "
+                                             "each server and measure it from the SSE stream.")
+    _add_targets(parser)
+    _add_workload(parser)
+    _add_load(parser)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results JSON (the PNG goes next to it; default runs/bench-TIME/)")
+    parser.set_defaults(prepare=prepare_serve)
+
+
+def loads(args: argparse.Namespace) -> tuple[Load, ...]:
+    """The runs each server gets: one per swept rate, else one."""
+    if args.rate is not None and args.rates:
+        raise ValueError("give --rate or --rates, not both")
+    rates = args.rates or (args.rate,)
+    closed = args.concurrency is None and not any(rates)
+    concurrency = 1 if closed else args.concurrency
+    return tuple(Load(concurrency=concurrency, rate=rate, duration_s=args.duration,
+                      request_timeout_s=args.request_timeout, seed=args.seed)
+                 for rate in rates)
+
+
+def serve_plan(args: argparse.Namespace, targets: list[Target]) -> tuple[Plan, Workload, str]:
+    """The requests and loads every target gets, and how the prompts were made."""
+    if args.num_requests < 1 or args.warmup < 0:
+        raise ValueError("--num-requests must be >= 1 and --warmup >= 0")
+    workload = Workload(args.workload, args.input_len, args.output_len, args.long_share,
+                        args.seed)
+    prompts, how = prompt_maker(args.tokenizer, targets)
+    specs = build(workload, prompts, args.warmup + args.num_requests)
+    plan = Plan(tuple(specs[:args.warmup]), tuple(specs[args.warmup:]), loads(args),
+                Slo(args.slo_ttft, args.slo_tpot), args.model)
+    return plan, workload, how
+
+
+def prepare_serve(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    """Check the flags and build the requests; the returned job measures every target."""
+    targets = [Target.from_url(url) for url in args.url]
+    targets += [Target.from_launch(text) for text in args.launch]
+    if not targets:
+        raise ValueError("give at least one --url or --launch")
+    for target in targets:
+        check_reachable(target)
+    plan, workload, how = serve_plan(args, targets)
+    out = args.out or default_out("results.json")
+    return lambda: run_serve(targets, plan, ServeResults(
+        ("python -m bench", *argv), workload, how, len(plan.requests), len(plan.warmup),
+        plan.slo, bool(args.rates), ()), out)
+
+
+def run_serve(targets: list[Target], plan: Plan, settings: ServeResults, out: Path) -> int:
+    """Measure every target; write JSON and PNG; print the Markdown table.
+
+    Exit status 1 when some server completed no request at all.
+    """
+    measured = tuple(measure(target, plan) for target in targets)
+    results = dataclasses.replace(settings, targets=measured)
+    write_json(serve_json(results), out)
+    plot_serve(results, out.with_suffix(".png"))
+    print(serve_markdown(results))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    return int(any(m.summary.completed == 0 for t in measured for m in t.runs))
+
+
+def runner_parser(commands: argparse._SubParsersAction) -> None:
+    """The `runner` subcommand's flags."""
+    defaults = microbench.RunnerPlan()
+    parser = commands.add_parser("runner", help="bare forward pass: ours vs transformers",
+                                 description="Time the bare batched forward pass of our "
+                                             "runner and of transformers on the same weights.")
+    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{microbench.QUICK.repeats} prefill run and "
+                             f"{microbench.QUICK.steps} decode steps per figure")
+    parser.add_argument("--prefill-lens", type=numbers(int), default=defaults.prefill_lens,
+                        metavar="N1,N2,...", help="prompt lengths timed at batch 1")
+    parser.add_argument("--batch-sizes", type=numbers(int), default=defaults.batch_sizes,
+                        metavar="B1,B2,...", help="decode batch sizes timed")
+    parser.add_argument("--context", type=int, default=defaults.context,
+                        help="tokens cached per sequence before the timed decode steps")
+    parser.add_argument("--out", type=Path, help="results JSON (default runs/bench-TIME/)")
+    parser.set_defaults(prepare=prepare_runner)
+
+
+def prepare_runner(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    """Check the flags and set the threads; the returned job runs the microbenchmark."""
+    set_threads(args.threads)
+    base = microbench.QUICK if args.quick else microbench.RunnerPlan()
+    plan = dataclasses.replace(base, prefill_lens=args.prefill_lens,
+                               batch_sizes=args.batch_sizes, context=args.context)
+    folder = resolve_model(args.model, ModelConfig().cache_dir)
+    return lambda: run_runner(folder, plan, args.out or default_out("runner.json"))
+
+
+def run_runner(folder: Path, plan: microbench.RunnerPlan, out: Path) -> int:
+    """Time both forward passes; write JSON; print the Markdown table."""
+    prompts = TokenPrompts(folder)
+    with tqdm(total=2 * (len(plan.prefill_lens) + len(plan.batch_sizes)), desc="runner") as bar:
+        def progress(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update()
+        results = microbench.run(folder, plan, lambda n: prompts.prompt(0, n), progress)
+    write_json(runner_json(results), out)
+    print(runner_markdown(results))
+    print(f"\nwrote {out} (torch {torch.__version__})", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` (default: the command line) and run the chosen subcommand."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser(commands)
+    runner_parser(commands)
+    args = parser.parse_args(argv)
+    try:
+        job = args.prepare(args, argv)
+    except ValueError as error:  # flags that parse but do not make sense together
+        parser.error(str(error))
+    return int(job())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

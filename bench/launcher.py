@@ -1,0 +1,147 @@
+"""Our server for a benchmark: scripts/launch.sh in a temporary run folder, stopped by PID.
+
+While it runs, `memory()` reads the resident (RSS), proportional (PSS) and peak resident memory
+of every process launch.sh started, from the run folder's `pids` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from core.config import Config, load_config
+from engine.prepare import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = "[launch] ready"
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class LaunchedServer:
+    """A running server that launch.sh started, and where it keeps its logs and PIDs."""
+
+    url: str
+    run_dir: Path
+    launcher: subprocess.Popen[bytes]
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Memory of one process, in MiB."""
+
+    rss_mb: float
+    pss_mb: float
+    peak_rss_mb: float
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _flag_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in ("--model", "--config", "--port", "--host", "--run-dir"):
+        parser.add_argument(flag)
+    return parser
+
+
+def model_dir(flags: Sequence[str]) -> Path:
+    """The model folder a launch with `flags` serves (its --model, else its config's model)."""
+    known, _ = _flag_parser().parse_known_args(list(flags))
+    config = load_config(known.config) if known.config else Config()
+    return resolve_model(known.model or config.model.name, config.model.cache_dir)
+
+
+@contextmanager
+def launched(flags: Sequence[str], timeout_s: float = 600) -> Iterator[LaunchedServer]:
+    """Run launch.sh with `flags` until ready; stop everything it started afterwards."""
+    known, _ = _flag_parser().parse_known_args(list(flags))
+    if known.run_dir:
+        raise ValueError("--run-dir is chosen by the benchmark; leave it out of --launch")
+    run_dir = Path(tempfile.mkdtemp(prefix="raging-bench-"))
+    port = int(known.port) if known.port else free_port()
+    command = [str(ROOT / "scripts/launch.sh"), *flags, "--run-dir", str(run_dir)]
+    command += [] if known.port else ["--port", str(port)]
+    print(f"[bench] launching: {' '.join(command)}", file=sys.stderr)
+    with (run_dir / "launch.log").open("wb") as log:
+        launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            _wait_ready(launcher, run_dir, timeout_s)
+            host = known.host or "127.0.0.1"
+            yield LaunchedServer(f"http://{host}:{port}", run_dir, launcher)
+        finally:
+            stop(launcher, run_dir)
+
+
+def _wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
+    log = run_dir / "launch.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if READY in log.read_text(errors="replace"):
+            return
+        if launcher.poll() is not None:
+            raise RuntimeError(f"launch.sh exited ({launcher.returncode}); its log ends:\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.3)
+    raise TimeoutError(f"server not ready in {timeout_s:g}s; see {log}")
+
+
+def started_pids(run_dir: Path) -> dict[str, int]:
+    """Process name -> PID of everything launch.sh started in `run_dir`."""
+    path = run_dir / "pids"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {name: int(pid) for pid, name in (line.split() for line in lines if line.strip())}
+
+
+def stop(launcher: subprocess.Popen[bytes], run_dir: Path) -> None:
+    """SIGTERM launch.sh (it stops its children), then SIGKILL whatever is left, by PID."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait(timeout=10)
+    for pid in started_pids(run_dir).values():
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                os.kill(pid, signal.SIGKILL)
+
+
+def memory(run_dir: Path) -> dict[str, ProcessMemory]:
+    """RSS, PSS and peak RSS of every live process launch.sh started in `run_dir`."""
+    table = {}
+    for name, pid in started_pids(run_dir).items():
+        try:
+            process = psutil.Process(pid)
+            info = process.memory_full_info()
+            peak = _peak_rss(pid)
+        except (psutil.Error, OSError):
+            continue  # it exited meanwhile: nothing to measure
+        table[name] = ProcessMemory(info.rss / MB, info.pss / MB, peak / MB)
+    return table
+
+
+def _peak_rss(pid: int) -> int:
+    """Bytes of the process's peak resident set (VmHWM in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0

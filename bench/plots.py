@@ -1,0 +1,78 @@
+"""The serve report as a PNG: latency CDFs per run, and for a sweep, figures against rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
+
+from bench.results import ServeResults, TargetResults
+from bench.stats import GOODPUT_TARGET
+
+
+def cdf(axes: Axes, values: list[float], label: str) -> None:
+    """One empirical CDF line (values in seconds, drawn in ms)."""
+    ordered = sorted(v * 1000 for v in values)
+    if not ordered:
+        return
+    shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
+    axes.step([ordered[0], *ordered], [0.0, *shares], where="post", label=label)
+
+
+def _legend(axes: Axes) -> None:
+    """A small legend, when anything was drawn with a label."""
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="x-small")
+
+
+def _latency_cdfs(results: ServeResults, ttft: Axes, tpot: Axes, itl: Axes) -> None:
+    for target in results.targets:
+        for measured in target.runs:
+            done = [r for r in measured.run.results if r.ok]
+            label = measured.label(target.label)
+            cdf(ttft, [r.ttft_s for r in done if r.ttft_s is not None], label)
+            cdf(tpot, [t for r in done if (t := r.tpot_s) is not None], label)
+            cdf(itl, [gap for r in done for gap in r.itl_s], label)
+    for axes, name, limit in ((ttft, "TTFT", results.slo.ttft_s),
+                              (tpot, "TPOT", results.slo.tpot_s), (itl, "ITL", None)):
+        if limit is not None:
+            axes.axvline(limit * 1000, color="grey", linestyle=":", label="SLO")
+        axes.set(title=f"{name} CDF", xlabel=f"{name} (ms)", ylabel="share of requests",
+                 ylim=(0, 1.02))
+        _legend(axes)
+
+
+def _against_rate(targets: tuple[TargetResults, ...], throughput: Axes, latency: Axes,
+                  slo: Axes) -> None:
+    for target in targets:
+        rates = [m.load.rate for m in target.runs]
+        summaries = [m.summary for m in target.runs]
+        throughput.plot(rates, [s.output_tokens_per_s for s in summaries], "o-",
+                        label=target.label)
+        latency.plot(rates, [s.ttft_s.p99 * 1000 for s in summaries], "o-",
+                     label=f"{target.label} TTFT p99")
+        latency.plot(rates, [s.tpot_s.p99 * 1000 for s in summaries], "s--",
+                     label=f"{target.label} TPOT p99")
+        slo.plot(rates, [100 * s.slo_attainment for s in summaries], "o-", label=target.label)
+    slo.axhline(100 * GOODPUT_TARGET, color="grey", linestyle=":", label="goodput target")
+    throughput.set(title="throughput", xlabel="rate (req/s)", ylabel="output tokens/s")
+    latency.set(title="p99 latency", xlabel="rate (req/s)", ylabel="ms", yscale="log")
+    slo.set(title="SLO attainment", xlabel="rate (req/s)", ylabel="% of requests",
+            ylim=(0, 105))
+    for axes in (throughput, latency, slo):
+        _legend(axes)
+
+
+def plot_serve(results: ServeResults, path: Path) -> None:
+    """Write the PNG: TTFT, TPOT and ITL CDFs; with a sweep, a second row against rate."""
+    rows = 2 if results.sweep else 1
+    figure = Figure(figsize=(16, 4.5 * rows))
+    grid = figure.subplots(rows, 3, squeeze=False)
+    _latency_cdfs(results, *grid[0])
+    if results.sweep:
+        _against_rate(results.targets, *grid[1])
+    figure.suptitle(f"workload {results.workload.name}, {results.num_requests} requests")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)

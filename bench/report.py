@@ -1,0 +1,176 @@
+"""Results as JSON (every measure and every request) and as Markdown tables for the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.client import RequestResult
+from bench.results import Measured, ServeResults, TargetResults
+from bench.runner import RunnerResults
+from bench.stats import GOODPUT_TARGET, Distribution
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with dataclasses as dicts and NaN/inf as None, so strict JSON parsers accept it."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(document: dict[str, Any], path: Path) -> None:
+    """Write `document` as indented strict JSON, creating the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
+
+
+def _request_json(result: RequestResult) -> dict[str, Any]:
+    return {**dataclasses.asdict(result), "ok": result.ok, "tpot_s": result.tpot_s}
+
+
+def _run_json(target: str, measured: Measured) -> dict[str, Any]:
+    return {"label": measured.label(target), "load": measured.load,
+            "summary": measured.summary,
+            "requests": [_request_json(r) for r in measured.run.results]}
+
+
+def _target_json(target: TargetResults) -> dict[str, Any]:
+    return {"label": target.label, "url": target.url, "model": target.model,
+            "launch_flags": target.launch_flags, "run_dir": target.run_dir,
+            "memory_mb": target.memory, "goodput_rate": target.goodput_rate(),
+            "runs": [_run_json(target.label, m) for m in target.runs]}
+
+
+def serve_json(results: ServeResults) -> dict[str, Any]:
+    """The whole serve report: settings, then per target its memory and per run every measure."""
+    return {
+        "benchmark": "serve", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": results.command, "workload": results.workload.describe(),
+        "prompts": results.prompts, "num_requests": results.num_requests,
+        "warmup": results.warmup, "slo": results.slo, "sweep": results.sweep,
+        "goodput_target": GOODPUT_TARGET,
+        "targets": [_target_json(t) for t in results.targets],
+    }
+
+
+def runner_json(results: RunnerResults) -> dict[str, Any]:
+    """The runner microbenchmark's figures, with the speedups of ours over transformers."""
+    return {"benchmark": "runner", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": results.model, "threads": results.threads, "plan": results.plan,
+            "ours": results.ours, "transformers": results.transformers,
+            "same_next_token": results.same_next_token,
+            "speedup": {"prefill": results.prefill_speedup(),
+                        "decode": results.decode_speedup()}}
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
+
+
+def _stats_row(name: str, pick: Callable[[Measured], Distribution],
+               runs: list[Measured]) -> list[str]:
+    cells = [" / ".join(_ms(v) for v in (d.mean, d.p50, d.p90, d.p99))
+             for d in (pick(m) for m in runs)]
+    return [f"{name} mean / p50 / p90 / p99 (ms)", *cells]
+
+
+def _per_stream_rate(measured: Measured) -> str:
+    p50 = measured.summary.tpot_s.p50
+    return "-" if math.isnan(p50) or p50 <= 0 else f"{1 / p50:.1f}"
+
+
+def serve_markdown(results: ServeResults) -> str:
+    """One column per run (target and load), one row per measure; then the sweep, if any."""
+    runs = [(t, m) for t in results.targets for m in t.runs]
+    measured = [m for _, m in runs]
+    slo = results.slo
+    rows = [
+        ["requests completed / failed / unsent",
+         *(f"{m.summary.completed} / {m.summary.failed} / {m.summary.unsent}" for m in measured)],
+        ["requests/s", *(f"{m.summary.requests_per_s:.2f}" for m in measured)],
+        ["output tokens/s", *(f"{m.summary.output_tokens_per_s:.1f}" for m in measured)],
+        _stats_row("TTFT", lambda m: m.summary.ttft_s, measured),
+        _stats_row("TPOT", lambda m: m.summary.tpot_s, measured),
+        _stats_row("ITL", lambda m: m.summary.itl_s, measured),
+        _stats_row("E2E", lambda m: m.summary.e2e_s, measured),
+        ["decode tokens/s per stream (1 / TPOT p50)", *(_per_stream_rate(m) for m in measured)],
+        [f"SLO attainment (TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s:g} s)",
+         *(f"{100 * m.summary.slo_attainment:.1f} %" for m in measured)],
+        ["goodput (requests/s within SLO)",
+         *(f"{m.summary.goodput_requests_per_s:.2f}" for m in measured)],
+        *_failure_rows(measured),
+        *_memory_rows(runs),
+    ]
+    title = (f"workload {results.workload.name}, {results.num_requests} requests, "
+             f"prompts as {results.prompts.split(' (')[0]}")
+    parts = [title, table(["measure", *(m.label(t.label) for t, m in runs)], rows)]
+    return "\n\n".join(parts + ([_sweep_markdown(results)] if results.sweep else []))
+
+
+def _failure_rows(runs: list[Measured]) -> list[list[str]]:
+    """A row naming the kinds of failure, when any request failed."""
+    if not any(m.summary.errors for m in runs):
+        return []
+    cells = [", ".join(f"{kind} x{n}" for kind, n in m.summary.errors.items()) or "-"
+             for m in runs]
+    return [["failures by kind", *cells]]
+
+
+def _memory_rows(runs: list[tuple[TargetResults, Measured]]) -> list[list[str]]:
+    names = sorted({name for t, _ in runs for name in (t.memory or {})})
+    rows = []
+    for name in names:
+        cells = []
+        for target, _ in runs:
+            used = (target.memory or {}).get(name)
+            cells.append("-" if used is None else
+                         f"{used.rss_mb:.0f} / {used.pss_mb:.0f} / {used.peak_rss_mb:.0f}")
+        rows.append([f"memory {name} RSS / PSS / peak RSS (MB)", *cells])
+    return rows
+
+
+def _sweep_markdown(results: ServeResults) -> str:
+    rows = [[t.label, f"{m.load.rate:g}", f"{100 * m.summary.slo_attainment:.1f} %",
+             f"{m.summary.output_tokens_per_s:.1f}", _ms(m.summary.ttft_s.p99),
+             _ms(m.summary.tpot_s.p99)]
+            for t in results.targets for m in t.runs]
+    verdicts = [f"- {t.label}: " + ("none" if (r := t.goodput_rate()) is None else f"{r:g} req/s")
+                for t in results.targets]
+    header = ["target", "rate (req/s)", "SLO attainment", "output tokens/s",
+              "TTFT p99 (ms)", "TPOT p99 (ms)"]
+    return "\n".join([table(header, rows), "",
+                      f"Goodput rate (highest rate with >= {100 * GOODPUT_TARGET:.0f} % "
+                      "of requests within SLO):", *verdicts])
+
+
+def runner_markdown(results: RunnerResults) -> str:
+    """Ours, transformers and the speedup for every prefill length and decode batch size."""
+    ours, theirs = results.ours, results.transformers
+    rows = [[f"prefill tokens/s, {n} tokens", f"{ours.prefill_tokens_per_s[n]:.0f}",
+             f"{theirs.prefill_tokens_per_s[n]:.0f}", f"{speedup:.2f}x"]
+            for n, speedup in results.prefill_speedup().items()]
+    rows += [[f"decode step ms, batch {b} (context {results.plan.context})",
+              f"{ours.decode_step_s[b] * 1000:.1f}", f"{theirs.decode_step_s[b] * 1000:.1f}",
+              f"{speedup:.2f}x"]
+             for b, speedup in results.decode_speedup().items()]
+    same = "yes" if results.same_next_token else "NO"
+    return "\n\n".join([
+        f"model {results.model}, {results.threads} threads; same greedy next token: {same}",
+        table(["measure", "ours", "transformers", "speedup (ours/transformers)"], rows)])

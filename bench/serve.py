@@ -1,0 +1,104 @@
+"""`serve`: send one workload to every target (a URL, or ours launched here) and measure it."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from bench.client import api_root, served_model
+from bench.launcher import launched, memory, model_dir
+from bench.load import Load, run_load, warm_up
+from bench.prompts import PromptMaker, TextPrompts, TokenPrompts
+from bench.results import Measured, TargetResults, run_label
+from bench.stats import Slo
+from bench.summary import summarize
+from bench.workloads import RequestSpec
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server to measure: at `url`, or ours started with launch.sh `launch_flags`."""
+
+    label: str
+    url: str | None = None
+    launch_flags: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_url(cls, text: str) -> Target:
+        """`URL` or `LABEL=URL`; the label defaults to the URL's host:port."""
+        label, sep, url = text.partition("=")
+        if not sep or "://" in label:
+            label, url = urlsplit(text).netloc or text, text
+        return cls(label=label, url=url)
+
+    @classmethod
+    def from_launch(cls, text: str) -> Target:
+        """`FLAGS` or `LABEL=FLAGS` for launch.sh; the label defaults to "raging FLAGS"."""
+        label, sep, flags = text.partition("=")
+        if not sep or label.startswith("-") or " " in label:
+            label, flags = "", text
+        words = tuple(shlex.split(flags))
+        return cls(label=label or " ".join(["raging", *words]), launch_flags=words)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every target gets: warm-up requests, measured requests, loads and the SLO."""
+
+    warmup: tuple[RequestSpec, ...]
+    requests: tuple[RequestSpec, ...]
+    loads: tuple[Load, ...]
+    slo: Slo
+    model: str | None = None  # the model name to request; None: the server's first
+
+
+def check_reachable(target: Target, timeout_s: float = 10) -> None:
+    """Raise ValueError, before anything is measured, when a URL target does not answer."""
+    if target.url is None:
+        return
+    try:
+        httpx.get(api_root(target.url) + "/v1/models", timeout=timeout_s).raise_for_status()
+    except httpx.HTTPError as error:
+        raise ValueError(f"{target.url} does not answer GET /v1/models: {error}") from error
+
+
+def prompt_maker(tokenizer: Path | None, targets: Sequence[Target]) -> tuple[PromptMaker, str]:
+    """Token-id prompts when a tokenizer is known (given, or the launched model's), else text."""
+    launches = [t.launch_flags for t in targets if t.launch_flags is not None]
+    folder = tokenizer or (model_dir(launches[0]) if launches else None)
+    if folder is None:
+        return TextPrompts(), "text (approximate lengths; no tokenizer)"
+    return TokenPrompts(folder), f"token ids (exact lengths; tokenizer {folder})"
+
+
+def measure(target: Target, plan: Plan) -> TargetResults:
+    """Every load of `plan` against `target`, launching and stopping it if it is ours."""
+    if target.launch_flags is None:
+        assert target.url is not None
+        model, runs = asyncio.run(_measure_url(target.url, target.label, plan))
+        return TargetResults(target.label, target.url, model, runs)
+    with launched(target.launch_flags) as server:
+        model, runs = asyncio.run(_measure_url(server.url, target.label, plan))
+        used = memory(server.run_dir)
+    return TargetResults(target.label, server.url, model, runs, target.launch_flags,
+                         str(server.run_dir), used)
+
+
+async def _measure_url(url: str, label: str, plan: Plan) -> tuple[str, tuple[Measured, ...]]:
+    timeout = httpx.Timeout(max(load.request_timeout_s for load in plan.loads))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=api_root(url), timeout=timeout,
+                                 limits=limits) as client:
+        model = plan.model or await served_model(client)
+        await warm_up(client, model, plan.warmup, plan.loads[0])
+        runs = []
+        for load in plan.loads:
+            run = await run_load(client, model, plan.requests, load, run_label(label, load))
+            runs.append(Measured(load, run, summarize(run, plan.slo)))
+    return model, tuple(runs)

@@ -1,0 +1,94 @@
+"""Percentiles, per-request latencies and SLO goodput over the results of a benchmark run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+QUANTILES = (50, 90, 99)
+GOODPUT_TARGET = 0.9  # a rate "keeps" the SLO when at least this share of requests meets it
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation, as numpy's default; NaN if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and p50/p90/p99 of one latency measure (seconds), over `count` samples."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        """The summary of `values` (NaN everywhere when there are none)."""
+        mean = sum(values) / len(values) if values else math.nan
+        p50, p90, p99 = (percentile(values, q) for q in QUANTILES)
+        return cls(len(values), mean, p50, p90, p99)
+
+
+def tpot(e2e_s: float, ttft_s: float, output_tokens: int) -> float | None:
+    """Time per output token after the first: (e2e - ttft) / (tokens - 1); None below 2 tokens."""
+    if output_tokens < 2:
+        return None
+    return (e2e_s - ttft_s) / (output_tokens - 1)
+
+
+def inter_token_gaps(arrivals: Sequence[float]) -> list[float]:
+    """Every gap between consecutive content-chunk arrival times."""
+    return [later - earlier for earlier, later in pairwise(arrivals)]
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency objectives: a request is good when TTFT <= ttft_s and TPOT <= tpot_s."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether one request met both objectives (failed requests have ttft None: never).
+
+        A one-token answer has no TPOT; it is judged on its TTFT alone.
+        """
+        if ttft_s is None or ttft_s > self.ttft_s:
+            return False
+        return tpot_s is None or tpot_s <= self.tpot_s
+
+
+def attainment(slo: Slo, samples: Sequence[tuple[float | None, float | None]]) -> float:
+    """Share of requests, given as (ttft, tpot) pairs with failures as (None, None), in SLO."""
+    if not samples:
+        return math.nan
+    return sum(slo.met(ttft, tpot_) for ttft, tpot_ in samples) / len(samples)
+
+
+def goodput_rate(points: Sequence[tuple[float, float]],
+                 target: float = GOODPUT_TARGET) -> float | None:
+    """Highest request rate of a sweep that keeps SLO attainment >= target.
+
+    `points` are (rate, attainment). A rate counts only when it and every lower rate measured
+    meet the target, so a lucky high rate after a failing lower one does not. None when even
+    the lowest rate misses.
+    """
+    best = None
+    for rate, share in sorted(points):
+        if not share >= target:  # NaN (no requests) misses too
+            break
+        best = rate
+    return best
