@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.kv_cache import slot_mapping
+from engine.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -115,33 +116,61 @@ def _plan_prefill(
 
 
 def attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+    q: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, workspace: Workspace,
 ) -> torch.Tensor:
     """Attention output `[N, H, D]` of queries `q` `[N, H, D]` over one layer's cache.
+
+    `new_kv` holds the batch's own new K and V `[N, Hkv, D]` (already in the cache too): a
+    prompt with nothing cached before it attends to those directly, without a gather.
 
     Padded keys are masked out but still multiplied by 0, so the cache must hold finite
     values everywhere (it starts zeroed).
     """
-    decode, block_size = plan.decode, plan.block_size
+    decode, paged = plan.decode, _Paged(k_cache, v_cache, plan.block_size, workspace)
     if decode is not None and not plan.prefills:
-        return _decode_attention(q, k_cache, v_cache, decode, block_size)
+        return _decode_attention(q, paged, decode)
     out = torch.empty_like(q)
     if decode is not None:
-        out[decode.rows] = _decode_attention(q[decode.rows], k_cache, v_cache, decode, block_size)
+        out[decode.rows] = _decode_attention(q[decode.rows], paged, decode)
     for prefill in plan.prefills:
         rows = slice(prefill.begin, prefill.end)
-        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, prefill, block_size)
+        if prefill.mask is None:  # nothing cached before this prompt
+            out[rows] = _causal_attention(q[rows], new_kv[0][rows], new_kv[1][rows])
+        else:
+            out[rows] = _prefill_attention(q[rows], paged, prefill)
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-    block_size: int,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Paged:
+    """One layer's paged K and V, and where to gather them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int
+    workspace: Workspace
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` (`[..., num_blocks]`) in order: `[..., num_blocks * bs, H, D]`.
+
+        Whole blocks copied with index_select: far faster on CPU than gathering single slots,
+        and about 8x faster than advanced indexing with a 2-D index.
+        """
+        return self._gather("k", self.k, blocks), self._gather("v", self.v, blocks)
+
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        paged = cache.view(-1, self.block_size, *cache.shape[1:])
+        shape = (blocks.numel(), *paged.shape[1:])
+        out = self.workspace.take(f"gather_{name}", shape, cache.dtype)
+        torch.index_select(paged, 0, blocks.reshape(-1), out=out)
+        return out.view(*blocks.shape, *paged.shape[1:]).flatten(-4, -3)
+
+
+def _decode_attention(q: torch.Tensor, paged: _Paged, plan: DecodePlan) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    k = _gather_blocks(k_cache, plan.blocks, block_size).transpose(1, 2)  # [B, Hkv, len, D]
-    v = _gather_blocks(v_cache, plan.blocks, block_size).transpose(1, 2)
+    num_kv_heads = paged.k.shape[1]
+    k, v = (t.transpose(1, 2) for t in paged.gather(plan.blocks))  # [B, Hkv, len, D]
     # A query head group sharing one kv head plays the role of the query length, so K/V are
     # never repeated per query head.
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -149,24 +178,21 @@ def _decode_attention(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
-    block_size: int,
-) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention of `[T, H, D]` queries over `[T, Hkv, D]` keys and values."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _prefill_attention(q: torch.Tensor, paged: _Paged, plan: PrefillPlan) -> torch.Tensor:
     context = slice(0, plan.context_len)
-    k = _gather_blocks(k_cache, plan.blocks, block_size)[context].transpose(0, 1)[None]
-    v = _gather_blocks(v_cache, plan.blocks, block_size)[context].transpose(0, 1)[None]
+    k, v = (t[context].transpose(0, 1)[None] for t in paged.gather(plan.blocks))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v,
         attn_mask=plan.mask, is_causal=plan.mask is None, enable_gqa=True,
     )
     return out[0].transpose(0, 1)
 
-
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots of `blocks` (`[..., num_blocks]`) in order: `[..., num_blocks * block_size, H, D]`.
-
-    Copying whole blocks is several times faster on CPU than gathering single slots.
-    """
-    paged = cache.view(-1, block_size, *cache.shape[1:])
-    return paged[blocks].flatten(-4, -3)

@@ -14,6 +14,7 @@ from engine.kv_cache import PagedKVCache
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.spec import ModelSpec
 from engine.weights import EMBED, LM_HEAD
+from engine.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.layers = [load_layer(weights, i) for i in range(spec.num_layers)]
         self.rope = RotaryEmbedding(spec, self.dtype)
+        self.workspace = Workspace()
 
     @torch.inference_mode()
     def forward(
@@ -110,10 +112,12 @@ class LlamaModel:
         q, k, v = F.linear(h, layer.q), F.linear(h, layer.k), F.linear(h, layer.v)
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
-        step.cache.store(index, step.plan.slots, k, v.view_as(k))
+        v = v.view_as(k)
+        step.cache.store(index, step.plan.slots, k, v)
         if step.layer_hook is not None:
             step.layer_hook(index)
-        attn = attend(q, step.cache.k[index], step.cache.v[index], step.plan)
+        cache = step.cache
+        attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
         x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = F.linear(h, layer.gate), F.linear(h, layer.up)
