@@ -25,7 +25,7 @@ class DecodePlan:
 
     rows: torch.Tensor  # [B] their rows in the flat batch
     blocks: torch.Tensor  # [B, max_blocks] their block tables, padded, covering every context
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True for keys in the context
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 for keys in context, else -inf
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class AttentionPlan:
     prefills: tuple[PrefillPlan, ...]
 
 
-def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+def plan_attention(
+    batch: ForwardBatch, block_size: int, dtype: torch.dtype = torch.float32
+) -> AttentionPlan:
     """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks."""
     tables = _padded_tables(batch, block_size)
     lengths = [len(tokens) for tokens in batch.token_ids]
@@ -73,7 +75,8 @@ def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
         positions=positions,
         slots=slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0],
         last_rows=ends - 1,
-        decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size),
+        decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size,
+                            dtype),
         prefills=prefills,
     )
 
@@ -92,14 +95,17 @@ def _padded_tables(batch: ForwardBatch, block_size: int) -> torch.Tensor:
 
 
 def _plan_decode(
-    tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int
+    tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int,
+    dtype: torch.dtype,
 ) -> DecodePlan | None:
     if len(tables) == 0:
         return None
     context = starts + 1
     num_blocks = blocks_needed(int(context.max()), block_size)
     keys = torch.arange(num_blocks * block_size)
-    mask = (keys[None, :] < context[:, None])[:, None, None, :]
+    visible = (keys[None, :] < context[:, None])[:, None, None, :]
+    # Additive and built once per step: SDPA would convert a boolean mask in every layer.
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
     return DecodePlan(ends - 1, tables[:, :num_blocks], mask)
 
 

@@ -57,6 +57,8 @@ def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalize in fp32, scale in the model dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)  # one kernel, same arithmetic
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
@@ -89,7 +91,7 @@ class LlamaModel:
         K/V are written.
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
-        plan = plan_attention(batch, cache.block_size)
+        plan = plan_attention(batch, cache.block_size, cache.dtype)
         self._check_inputs(plan)
         step = _Step(plan, *self.rope.lookup(plan.positions), cache, layer_hook)
         x = F.embedding(plan.token_ids, self.embed)

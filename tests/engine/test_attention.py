@@ -18,7 +18,7 @@ def test_plan_lays_out_mixed_batch() -> None:
     assert plan.last_rows.tolist() == [2, 3, 5]
     assert plan.decode is not None and plan.decode.rows.tolist() == [3]
     assert plan.decode.blocks.tolist() == [[7]]
-    assert plan.decode.mask.flatten().tolist() == [True, True, True, False]
+    assert plan.decode.mask.flatten().tolist() == [0.0, 0.0, 0.0, float("-inf")]
     chunk, fresh = plan.prefills
     assert (chunk.begin, chunk.end, chunk.context_len, chunk.blocks.tolist()) == (0, 3, 8, [3, 1])
     assert chunk.mask is not None and chunk.mask.shape == (3, 8)
@@ -32,7 +32,7 @@ def test_decode_plan_pads_to_the_longest_context() -> None:
     assert plan.decode is not None and not plan.prefills
     assert plan.decode.blocks.tolist() == [[5, 0, 0], [0, 2, 6], [1, 3, 0]]
     assert plan.decode.mask.shape == (3, 1, 1, 12)
-    assert plan.decode.mask.sum(dim=-1).flatten().tolist() == [1, 10, 5]
+    assert (plan.decode.mask == 0).sum(dim=-1).flatten().tolist() == [1, 10, 5]
     assert torch.equal(plan.slots, torch.tensor([20, 25, 12]))
 
 
