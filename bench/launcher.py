@@ -83,14 +83,14 @@ def launched(flags: Sequence[str], timeout_s: float = 600) -> Iterator[LaunchedS
     with (run_dir / "launch.log").open("wb") as log:
         launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            _wait_ready(launcher, run_dir, timeout_s)
+            wait_ready(launcher, run_dir, timeout_s)
             host = known.host or "127.0.0.1"
             yield LaunchedServer(f"http://{host}:{port}", run_dir, launcher)
         finally:
             stop(launcher, run_dir)
 
 
-def _wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
+def wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
     log = run_dir / "launch.log"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +11,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from bench.launcher import free_port, started_pids, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,12 +22,6 @@ TEST_CONFIG: dict[str, Any] = {
     "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
     "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cluster:
@@ -56,26 +48,6 @@ class Cluster:
         return (self.run_dir / f"{name}.log").read_text()
 
 
-def stop(launcher: subprocess.Popen[bytes], run_dir: Path) -> None:
-    """SIGTERM launch.sh (which stops its children); then SIGKILL anything it left behind."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-    for pid in started_pids(run_dir).values():
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-def started_pids(run_dir: Path) -> dict[str, int]:
-    """Process name -> PID of everything launch.sh started."""
-    path = run_dir / "pids"
-    lines = path.read_text().split("\n") if path.exists() else []
-    return {name: int(pid) for pid, name in (ln.split() for ln in lines if ln.strip())}
-
-
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
@@ -100,7 +72,7 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
     log = (run_dir / "launch.log").open("wb")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        _wait_ready(launcher, run_dir, timeout_s)
+        wait_ready(launcher, run_dir, timeout_s)
         cluster = Cluster(launcher, run_dir, f"http://127.0.0.1:{port}")
         try:
             yield cluster
@@ -109,17 +81,6 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
     finally:
         stop(launcher, run_dir)
         log.close()
-
-
-def _wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if launcher.poll() is not None:
-            raise RuntimeError(f"launch.sh exited: {(run_dir / 'launch.log').read_text()[-3000:]}")
-        if "[launch] ready" in (run_dir / "launch.log").read_text():
-            return
-        time.sleep(0.3)
-    raise TimeoutError(f"not ready in {timeout_s}s: {(run_dir / 'launch.log').read_text()[-3000:]}")
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
