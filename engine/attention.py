@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.kv_cache import slot_mapping
+from engine.paged_decode import paged_decode
 from engine.workspace import Workspace
 
 
@@ -25,6 +26,7 @@ class DecodePlan:
 
     rows: torch.Tensor  # [B] their rows in the flat batch
     blocks: torch.Tensor  # [B, max_blocks] their block tables, padded, covering every context
+    contexts: torch.Tensor  # [B] tokens each attends to (cached + itself)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 for keys in context, else -inf
 
 
@@ -106,7 +108,7 @@ def _plan_decode(
     visible = (keys[None, :] < context[:, None])[:, None, None, :]
     # Additive and built once per step: SDPA would convert a boolean mask in every layer.
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(ends - 1, tables[:, :num_blocks], mask)
+    return DecodePlan(ends - 1, tables[:, :num_blocks].contiguous(), context, mask)
 
 
 def _plan_prefill(
@@ -174,6 +176,9 @@ class _Paged:
 
 
 def _decode_attention(q: torch.Tensor, paged: _Paged, plan: DecodePlan) -> torch.Tensor:
+    direct = paged_decode(q, paged.k, paged.v, plan.blocks, plan.contexts, paged.block_size)
+    if direct is not None:
+        return direct
     batch, num_heads, head_dim = q.shape
     num_kv_heads = paged.k.shape[1]
     k, v = (t.transpose(1, 2) for t in paged.gather(plan.blocks))  # [B, Hkv, len, D]

@@ -88,12 +88,18 @@ def save_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def main() -> None:
-    """`python -m engine.prepare [--config FILE] [--model NAME_OR_PATH]`: prints the folder."""
-    from core.cli import base_parser, config_from_args
+    """`python -m engine.prepare [--config FILE] [--model NAME_OR_PATH]`: prints the folder.
 
-    args = base_parser("Prepare a model folder for raging.").parse_args()
+    Also builds the decode kernel once, so that workers starting together need not.
+    """
+    from core.cli import base_parser, config_from_args
+    from engine.paged_decode import kernel
+
+    args = base_parser("Prepare a model folder and kernels for raging.").parse_args()
     config = config_from_args(args, {})
-    print(resolve_model(config.model.name, config.model.cache_dir))
+    folder = resolve_model(config.model.name, config.model.cache_dir)
+    kernel()
+    print(folder)
 
 
 if __name__ == "__main__":
