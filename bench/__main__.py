@@ -4,6 +4,7 @@
     python -m bench serve --launch "p1d1=--prefill 1 --decode 1" --url vllm=http://host:8000 \\
         --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
     python -m bench runner --quick
+    python -m bench transfer --tokens 512,2048,8192
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from bench import runner as microbench
+from bench import transfer as kv_transfer
 from bench.launcher import ROOT
 from bench.load import Load
 from bench.plots import plot_serve
@@ -199,6 +201,26 @@ def run_runner(folder: Path, plan: microbench.RunnerPlan, out: Path) -> int:
     return 0
 
 
+def transfer_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench transfer`: KV hand-off GB/s per backend against memcpy."""
+    parser = commands.add_parser("transfer", help="KV transfer GB/s per backend vs memcpy",
+                                 description=kv_transfer.__doc__)
+    parser.add_argument("--tokens", type=numbers(int), default=(512, 2048, 8192),
+                        help="KV sizes in tokens, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.set_defaults(prepare=prepare_transfer)
+
+
+def prepare_transfer(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if args.repeats < 1 or not args.tokens or min(args.tokens) < 1:
+        raise ValueError("--repeats and every --tokens entry must be >= 1")
+
+    def job() -> int:
+        print(kv_transfer.markdown(kv_transfer.measure(args.tokens, args.repeats)))
+        return 0
+    return job
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the command line) and run the chosen subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -206,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser(commands)
     runner_parser(commands)
+    transfer_parser(commands)
     args = parser.parse_args(argv)
     try:
         job = args.prepare(args, argv)
