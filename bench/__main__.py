@@ -5,6 +5,7 @@
         --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
     python -m bench runner --quick
     python -m bench transfer --tokens 512,2048,8192
+    python -m bench handoff --input-len 512 --backends shm,zmq
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import handoff as kv_handoff
 from bench import runner as microbench
 from bench import transfer as kv_transfer
 from bench.launcher import ROOT
@@ -30,7 +32,7 @@ from bench.results import ServeResults
 from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
-from core.config import ModelConfig
+from core.config import KV_BACKENDS, ModelConfig
 from engine.prepare import resolve_model
 from engine.runner import set_threads
 
@@ -221,6 +223,28 @@ def prepare_transfer(args: argparse.Namespace, argv: Sequence[str]) -> Callable[
     return job
 
 
+def handoff_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench handoff`: TTFT of disaggregation against one process."""
+    parser = commands.add_parser("handoff", help="TTFT: prefill+decode vs one process",
+                                 description=kv_handoff.__doc__)
+    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--backends", type=lambda text: tuple(text.split(",")),
+                        default=("shm", "zmq"), help="KV backends, comma-separated")
+    parser.set_defaults(prepare=prepare_handoff)
+
+
+def prepare_handoff(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if args.repeats < 1 or args.input_len < 1:
+        raise ValueError("--repeats and --input-len must be >= 1")
+    unknown = set(args.backends) - set(KV_BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backends {sorted(unknown)}; choose from {KV_BACKENDS}")
+    folder = resolve_model(args.model, ModelConfig().cache_dir)
+    return lambda: kv_handoff.run(folder, args.input_len, args.repeats, args.backends)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the command line) and run the chosen subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -229,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser(commands)
     runner_parser(commands)
     transfer_parser(commands)
+    handoff_parser(commands)
     args = parser.parse_args(argv)
     try:
         job = args.prepare(args, argv)

@@ -1,28 +1,49 @@
-"""The receiving side of `python -m bench transfer`: prints its address, then each chunk's id."""
+"""The receiving side of `python -m bench transfer`: prints its address, then for each request
+its id and how many verified chunks came before its notice."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
+import torch
 import zmq
 
-from kvtransfer import make_receiver
+from kvtransfer import KVItem, KVNotice, KVPayload, make_receiver
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bind", required=True)
+    parser.add_argument("--cpu", type=int, help="run on this CPU, as a pinned decode worker does")
     args = parser.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    torch.set_num_threads(1)
+    # Chunks are copied where a decode worker would put them: into memory it already holds.
+    cache: dict[tuple[object, ...], torch.Tensor] = {}
     context = zmq.Context()
     receiver = make_receiver(context, args.bind)
     print(receiver.address, flush=True)
     socket = receiver.fileno_socket()
+    chunks = 0
+
+    def handle(item: KVItem) -> None:
+        nonlocal chunks
+        if isinstance(item, KVPayload):
+            for kind, tensor in (("k", item.k), ("v", item.v)):
+                key = (kind, item.header.layer_start, *tensor.shape)
+                cache.setdefault(key, torch.empty_like(tensor)).copy_(tensor)
+            chunks += 1
+        elif isinstance(item, KVNotice):
+            print(f"{item.request_id} {chunks}", flush=True)
+            chunks = 0
+        else:
+            print(f"rejected {item.request_id}: {item.reason}", flush=True)
+
     while True:
         socket.poll()
-        for payload in receiver.drain():
-            print(payload.header.request_id, flush=True)
-        for rejected in receiver.take_rejections():
-            print(f"rejected {rejected.request_id}: {rejected.reason}", flush=True)
+        receiver.drain(handle)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from core.config import Config, load_config
+from core.config import KV_BACKENDS, Config, load_config
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -14,6 +14,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML config file (configs/default.yaml)")
     parser.add_argument("--model", help="packaged model name or local Hugging Face folder")
     parser.add_argument("--control-address", help="the gateway's control address (tcp://...)")
+    parser.add_argument("--kv-backend", choices=KV_BACKENDS,
+                        help="how prefill hands KV to decode (kv_transfer.backend)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value")
     return parser
@@ -22,7 +24,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, flag_keys: dict[str, str]) -> Config:
     """Load the config file, then apply named flags (`flag_keys`: dest -> section.key) and --set."""
     overrides: dict[str, str] = {}
-    keys = {"model": "model.name", "control_address": "gateway.control_address", **flag_keys}
+    keys = {"model": "model.name", "control_address": "gateway.control_address",
+            "kv_backend": "kv_transfer.backend", **flag_keys}
     for dest, dotted in keys.items():
         value = getattr(args, dest, None)
         if value is not None:

@@ -74,13 +74,13 @@ def _build(cls: type, values: Any) -> Any:
 
 
 def _typed(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value)
     if isinstance(hint, types.UnionType):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
         hint = next(o for o in options if o is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value)
     if typing.get_origin(hint) is list:
         if not isinstance(value, list):
             raise MalformedMessage(f"{where}: expected a list")

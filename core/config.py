@@ -50,12 +50,32 @@ class WorkerConfig:
     kv_bind: str = "tcp://127.0.0.1:*"
 
 
+KV_BACKENDS = ("zmq", "shm", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How prefill workers send KV; decode workers accept every backend."""
+
+    backend: str = "shm"  # zmq (tcp/ipc, any host) | shm (same host) | cuda_ipc (same GPU)
+    buffer_mb: int = 64  # the shm / cuda_ipc staging buffer of each prefill worker
+    lease_s: float = 30.0  # a staged chunk not released by then is reclaimed
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_BACKENDS:
+            raise ValueError(f"kv_transfer.backend must be one of {KV_BACKENDS}, "
+                             f"not {self.backend!r}")
+        if self.buffer_mb <= 0 or self.lease_s <= 0:
+            raise ValueError("kv_transfer.buffer_mb and kv_transfer.lease_s must be positive")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
 
@@ -80,6 +80,26 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class TransferTotals:
+    """A worker's KV transfer totals since it started, on one side of one backend."""
+
+    backend: str
+    direction: str  # "send" | "receive"
+    chunks: int
+    bytes: int
+    seconds: float
+    failures: int
+
+
+@dataclass(frozen=True)
+class DropCount:
+    """KV chunks a worker dropped since it started, for one reason."""
+
+    reason: str
+    count: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
     instance_id: str
@@ -88,6 +108,8 @@ class Heartbeat:
     running: int
     waiting: int
     preemptions: int = 0  # since the worker started
+    transfers: list[TransferTotals] = field(default_factory=list)
+    dropped_chunks: list[DropCount] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -101,12 +123,13 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """Travels with the KV from prefill to decode: the request, plus the first sampled token."""
+    """Prefill to decode, ahead of the request's KV: what to generate, and the KV layout the
+    sender computed it in. The request's `FirstToken` follows its last layer."""
 
     request_id: str
     epoch: int
     task: GenerationTask
-    first_token: int
+    fingerprint: str
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ class DecodeSequence:
     tokens: list[int]  # prompt + generated
     num_generated: int
     generator: torch.Generator | None = None  # this request's own random stream
-    received_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # written at admission
+    # (first layer, K, V) chunks as received, written into the cache at admission
+    received_kv: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
     num_cached: int = 0
     blocks: list[int] = field(default_factory=list)
 

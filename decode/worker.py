@@ -12,20 +12,25 @@ from core.config import Config
 from core.messages import (
     Abort,
     DecodeRequest,
+    DropCount,
+    FirstToken,
     Heartbeat,
     Message,
     RequestFailed,
     TokenBatch,
     TokenEvent,
+    TransferTotals,
     decode,
 )
 from core.worker import Worker, WorkerIdentity
+from decode.incoming import IncomingKV, IncomingTable, Key
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.sampler import make_generator, sample
 from engine.stopping import finish_reason
-from kvtransfer import KVPayload, make_receiver
+from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
+from kvtransfer.wire import dtype_name
 
 log = logging.getLogger(__name__)
 _TOMBSTONE_TTL_S = 120.0
@@ -43,7 +48,11 @@ class DecodeWorker(Worker):
         self.receiver = make_receiver(self.context, config.decode.kv_bind)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
-        self.aborted: dict[tuple[str, int], float] = {}  # aborts that may beat their KV here
+        spec = runner.spec
+        self.incoming = IncomingTable(spec.num_layers, (spec.num_kv_heads, spec.head_dim),
+                                      dtype_name(runner.cache.dtype), fingerprint,
+                                      config.kv_transfer.lease_s)
+        self.aborted: dict[Key, float] = {}  # aborts that may beat their KV here
         self.rejected_requests = 0
 
     def handle(self, message: Message) -> None:
@@ -54,10 +63,7 @@ class DecodeWorker(Worker):
 
     def on_poll(self, ready: dict[zmq.Socket, int]) -> None:
         if self.receiver.fileno_socket() in ready:
-            for payload in self.receiver.drain():
-                self._accept(payload)
-            for rejected in self.receiver.take_rejections():
-                self._fail((rejected.request_id, rejected.epoch), rejected.reason)
+            self.receiver.drain(self._on_kv)
 
     def step(self) -> bool:
         admitted, batch = self.scheduler.schedule()
@@ -86,22 +92,47 @@ class DecodeWorker(Worker):
             self.scheduler.remove(sequence)
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token, reason)
 
-    def _accept(self, payload: KVPayload) -> None:
-        """A request arrived with its KV: queue it for admission, unless it is stale or bad."""
+    def _on_kv(self, item: KVItem) -> None:
+        key = item.key
+        if isinstance(item, KVNotice):
+            self._on_notice(key, item.meta)
+        elif isinstance(item, KVRejected):
+            if self.incoming.take(key) is not None:
+                self._fail(key, item.reason)
+        else:
+            failure = self.incoming.add(item)
+            if failure is not None:
+                self._fail(key, failure)
+
+    def _on_notice(self, key: Key, meta: bytes) -> None:
         try:
-            request = decode(payload.header.meta)
+            message = decode(meta)
         except MalformedMessage:
-            request = None
-        key = (payload.header.request_id, payload.header.epoch)
-        if not isinstance(request, DecodeRequest) or not self._kv_matches(request, payload):
-            self.receiver.rejected += 1
-            self._fail(key, "the KV did not match its request")
+            message = None
+        if not isinstance(message, DecodeRequest | FirstToken) or (
+                (message.request_id, message.epoch) != key):
+            self.incoming.dropped["malformed notice"] += 1
             return
-        if key in self.aborted or self.scheduler.find(key) is not None:
+        if isinstance(message, DecodeRequest):
+            if key not in self.aborted:
+                problem = self.incoming.expect(message, time.monotonic())
+                if problem is not None:
+                    self._fail(key, problem)
+            return
+        entry = self.incoming.take(key)
+        if entry is not None and message.finish_reason is None:
+            self._admit(entry, message.token_id)
+
+    def _admit(self, entry: IncomingKV, first_token: int) -> None:
+        """All layers and the first token are here: queue the sequence for a decode slot."""
+        request = entry.request
+        key = (request.request_id, request.epoch)
+        if not self.incoming.is_complete(entry):
+            self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
             return
         sequence = DecodeSequence(
-            request=request, tokens=[*request.task.prompt_ids, request.first_token],
-            num_generated=1, received_kv=(payload.k, payload.v),
+            request=request, tokens=[*request.task.prompt_ids, first_token],
+            num_generated=1, received_kv=entry.layers,
             generator=make_generator(_decode_seed(request.task.sampling.seed)),
         )
         if not self.scheduler.fits_at_all(sequence):
@@ -109,38 +140,37 @@ class DecodeWorker(Worker):
             return
         self.scheduler.add(sequence)
 
-    def _fail(self, key: tuple[str, int], reason: str) -> None:
+    def _fail(self, key: Key, reason: str) -> None:
         self.rejected_requests += 1
         self.control.send(RequestFailed(*key, reason))
-
-    def _kv_matches(self, request: DecodeRequest, payload: KVPayload) -> bool:
-        header, spec = payload.header, self.runner.spec
-        expected = [spec.num_layers, len(request.task.prompt_ids), spec.num_kv_heads, spec.head_dim]
-        return ((header.request_id, header.epoch) == (request.request_id, request.epoch)
-                and header.layer_start == 0 and header.shape == expected)
 
     def _write_received_kv(self, sequence: DecodeSequence) -> None:
         if sequence.received_kv is None:
             return  # resumed after preemption: recomputed in the step
-        k, v = sequence.received_kv
-        self.runner.cache.write(sequence.blocks, 0, k, v)
-        sequence.num_cached = k.shape[1]
+        for layer_start, k, v in sequence.received_kv:
+            self.runner.cache.write(sequence.blocks, 0, k, v, layer_start)
+        sequence.num_cached = len(sequence.request.task.prompt_ids)
         sequence.received_kv = None
 
-    def _abort(self, key: tuple[str, int]) -> None:
+    def _abort(self, key: Key) -> None:
         sequence = self.scheduler.find(key)
         if sequence is not None:
             self.scheduler.remove(sequence)
-        else:
+        elif self.incoming.take(key) is None:
             self.aborted[key] = time.monotonic() + _TOMBSTONE_TTL_S
 
     def heartbeat(self) -> Heartbeat:
         now = time.monotonic()
         self.aborted = {k: t for k, t in self.aborted.items() if t > now}
+        for key in self.incoming.expire(now):
+            self._fail(key, "the KV did not arrive in time")
+        dropped = self.receiver.dropped + self.incoming.dropped
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id, queued_tokens=0,
             free_blocks=self.runner.allocator.num_free, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
+            transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],
+            dropped_chunks=[DropCount(reason, n) for reason, n in sorted(dropped.items())],
         )
 
     def close(self) -> None:

@@ -55,12 +55,17 @@ class PagedKVCache:
         slots = self.slots(block_table, 0, num_tokens)
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
-    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store `[num_layers, T, H, D]` K and V at token positions start..start+T-1."""
-        num_tokens = self._check_incoming(k, v, (self.num_layers,))
+    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
+              layer_start: int = 0) -> None:
+        """Store `[layers, T, H, D]` K and V of layers layer_start.. at token positions
+        start..start+T-1."""
+        layers = k.shape[0] if k.dim() == 4 else -1
+        if not 0 <= layer_start <= layer_start + layers <= self.num_layers:
+            raise ValueError(f"layers {layer_start}..{layer_start + layers} are not in the cache")
+        num_tokens = self._check_incoming(k, v, (layers,))
         slots = self.slots(block_table, start, start + num_tokens)
-        self.k.index_copy_(1, slots, k)
-        self.v.index_copy_(1, slots, v)
+        self.k[layer_start:layer_start + layers].index_copy_(1, slots, k)
+        self.v[layer_start:layer_start + layers].index_copy_(1, slots, v)
 
     def write_layer(
         self, layer: int, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor

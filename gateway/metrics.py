@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -10,6 +12,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.registry import Registry
 
@@ -62,4 +66,40 @@ class Metrics:
                 self.preemptions.labels(name).set(worker.load.preemptions)
             self.kv_total.labels(name).set(worker.num_blocks)
         self.dropped.set(dropped)
-        return generate_latest(self.registry)
+        transfers = CollectorRegistry()
+        transfers.register(TransferCollector(membership))
+        return generate_latest(self.registry) + generate_latest(transfers)
+
+
+class TransferCollector(Collector):
+    """KV transfer totals per worker and backend, as the workers last reported them."""
+
+    def __init__(self, membership: Registry) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "backend", "direction"]
+        families = {
+            "bytes": CounterMetricFamily("raging_kv_transfer_bytes", "KV bytes moved",
+                                         labels=labels),
+            "seconds": CounterMetricFamily("raging_kv_transfer_seconds",
+                                           "Time spent sending or receiving KV", labels=labels),
+            "chunks": CounterMetricFamily("raging_kv_transfer_chunks", "KV chunks moved",
+                                          labels=labels),
+            "failures": CounterMetricFamily("raging_kv_transfer_failures", "KV sends that failed",
+                                            labels=labels),
+        }
+        dropped = CounterMetricFamily("raging_kv_chunks_dropped",
+                                      "KV chunks dropped (corrupt, stale epoch, unknown request)",
+                                      labels=["worker", "reason"])
+        for worker in self.membership.workers.values():
+            if worker.load is None:
+                continue
+            for totals in worker.load.transfers:
+                values = [worker.worker_id, totals.backend, totals.direction]
+                for name, family in families.items():
+                    family.add_metric(values, getattr(totals, name))
+            for count in worker.load.dropped_chunks:
+                dropped.add_metric([worker.worker_id, count.reason], count.count)
+        yield from families.values()
+        yield dropped

@@ -1,39 +1,32 @@
-"""The one interface the prefill and decode loops call, whatever the backend."""
+"""What every backend shares: the error a send raises, and the counters it keeps."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
-from kvtransfer.wire import KVPayload, KVRejected
+from dataclasses import dataclass
 
 
 class TransferError(RuntimeError):
     """A chunk could not be handed to the transport (peer gone, queue full)."""
 
 
-class KVSender(Protocol):
-    def send(
-        self, address: str, request_id: str, epoch: int, meta: bytes,
-        k: torch.Tensor, v: torch.Tensor, layer_start: int = 0,
-    ) -> None:
-        """Queue K and V ([layers, tokens, kv_heads, head_dim]) for the receiver at `address`."""
+class BadChunk(ValueError):
+    """A chunk that must be dropped: `kind` is a short label for metrics, the message says why."""
 
-    def close(self) -> None: ...
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
 
 
-class KVReceiver(Protocol):
-    address: str  # the endpoint senders connect to
-    rejected: int  # chunks dropped for a bad checksum or header
+@dataclass
+class TransferCounters:
+    """Totals since start, on one side of one backend."""
 
-    def fileno_socket(self) -> object:
-        """Something a zmq.Poller can wait on."""
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0  # sends that raised
 
-    def drain(self) -> list[KVPayload]:
-        """Every verified chunk waiting now, without blocking."""
-
-    def take_rejections(self) -> list[KVRejected]:
-        """Chunks dropped since the last call whose header named their request."""
-
-    def close(self) -> None: ...
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.chunks += 1
+        self.bytes += nbytes
+        self.seconds += seconds

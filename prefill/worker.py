@@ -9,13 +9,12 @@ import torch
 from core.config import Config
 from core.messages import (
     Abort,
-    DecodeRequest,
     FirstToken,
     Heartbeat,
     Message,
     PrefillRequest,
     RequestFailed,
-    encode,
+    TransferTotals,
 )
 from core.worker import Worker, WorkerIdentity
 from engine.batch import ForwardBatch
@@ -23,7 +22,8 @@ from engine.block_allocator import blocks_needed
 from engine.runner import ModelRunner
 from engine.sampler import make_generator, sample
 from engine.stopping import finish_reason
-from kvtransfer import TransferError, make_sender
+from kvtransfer import make_sender
+from prefill.handoff import LayerStream
 from prefill.scheduler import PrefillScheduler
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class PrefillWorker(Worker):
                          config.prefill.heartbeat_interval_s)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
-        self.sender = make_sender(self.context)
+        self.sender = make_sender(self.context, config.kv_transfer)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
@@ -52,14 +52,21 @@ class PrefillWorker(Worker):
         if not batch:
             return False
         tables = [self.runner.allocator.allocate(self._blocks_for(r)) for r in batch]
+        streamed = [(r, t) for r, t in zip(batch, tables, strict=True) if r.task.max_tokens > 1]
+        stream = LayerStream(self.sender, self.runner.cache, self.identity.fingerprint, streamed)
+
+        def after_layer(layer: int) -> None:
+            stream.send_layer(layer)
+            self.between_layers(layer)
+
         logits = self.runner.forward(ForwardBatch(
             token_ids=[r.task.prompt_ids for r in batch],
             start_positions=[0] * len(batch),
             block_tables=tables,
-        ), layer_hook=self.between_layers)
+        ), layer_hook=after_layer)
         tokens = self._first_tokens(batch, logits)
         for request, table, token in zip(batch, tables, tokens, strict=True):
-            self._hand_off(request, table, token)
+            self._hand_off(request, token, stream)
             self.runner.allocator.free(table)
         return True
 
@@ -71,19 +78,14 @@ class PrefillWorker(Worker):
         generators = [make_generator(r.task.sampling.seed) for r in batch]
         return sample(logits, params, generators)
 
-    def _hand_off(self, request: PrefillRequest, table: list[int], token: int) -> None:
-        """First token to the gateway; unless that already ends it, KV + request to decode."""
+    def _hand_off(self, request: PrefillRequest, token: int, stream: LayerStream) -> None:
+        """First token to the gateway, then to decode after the KV (unless it ends the request)."""
         reason = finish_reason(request.task, token, 1, self.runner.spec.eos_token_ids)
-        rid, epoch = request.request_id, request.epoch
-        self.control.send(FirstToken(rid, epoch, token, reason))
-        if reason is not None:
-            return
-        k, v = self.runner.cache.read(table, len(request.task.prompt_ids))
-        meta = encode(DecodeRequest(rid, epoch, request.task, token))
-        try:
-            self.sender.send(request.decode_address, rid, epoch, meta, k, v)
-        except TransferError as exc:
-            self.control.send(RequestFailed(rid, epoch, str(exc)))
+        first = FirstToken(request.request_id, request.epoch, token, reason)
+        self.control.send(first)
+        failure = stream.finish(first)
+        if failure is not None and reason is None:
+            self.control.send(RequestFailed(request.request_id, request.epoch, failure))
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -91,6 +93,7 @@ class PrefillWorker(Worker):
             queued_tokens=self.scheduler.queued_tokens,
             free_blocks=self.runner.allocator.num_free, running=0,
             waiting=len(self.scheduler.waiting),
+            transfers=[TransferTotals(self.sender.backend, "send", **vars(self.sender.counters))],
         )
 
     def close(self) -> None:

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
-#                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin]
+#                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin] [--kv-backend shm]
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
+# --kv-backend picks how prefill hands KV to decode: shm (default, one host), zmq, cuda_ipc.
 set -euo pipefail
 if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
   echo "launch.sh needs bash 5.1 or newer" >&2; exit 2
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
-RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1
-usage() { sed -n 2,9p "$0"; exit "${1:-0}"; }
+RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND=""
+usage() { sed -n 2,10p "$0"; exit "${1:-0}"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prefill) PREFILL="$2"; shift 2 ;;
@@ -27,6 +28,7 @@ while [[ $# -gt 0 ]]; do
     --prefill-cpus) PREFILL_CPUS="$2"; shift 2 ;;
     --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
     --no-pin) PIN=0; shift ;;
+    --kv-backend) KV_BACKEND="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
@@ -39,6 +41,7 @@ mkdir -p "$RUN_DIR"
 CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
 COMMON=(--config "$CONFIG" --control-address "$CONTROL")
 [[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
+[[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
 
 # Prepare the model once, with a progress bar, before any worker needs it.
 "$RAGING_PY" -m engine.prepare --config "$CONFIG" ${MODEL:+--model "$MODEL"} >/dev/null
@@ -75,6 +78,7 @@ stop_all() {
   done
   kill -KILL "${PIDS[@]}" 2>/dev/null || true
   wait 2>/dev/null || true
+  for pid in "${PIDS[@]}"; do rm -f /dev/shm/raging-kv-"$pid"-*; done  # staging left by a kill
   exit "$rc"
 }
 trap 'stop_all 130' INT

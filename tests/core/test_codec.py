@@ -30,7 +30,7 @@ from core.messages import (
     decode,
     encode,
 )
-from kvtransfer.wire import HEADER_CODEC, KVHeader
+from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, Placement
 
 MESSAGE_TYPES = (
     Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
@@ -51,7 +51,7 @@ SAMPLES: list[Message] = [
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
-    DecodeRequest("r1", 1, TASK, 42),
+    DecodeRequest("r1", 1, TASK, "model|float32"),
     FirstToken("r1", 0, 42, None),
     FirstToken("r1", 0, 2, "stop"),
     TokenBatch([]),
@@ -104,12 +104,12 @@ def test_optional_fields_take_none_or_a_value() -> None:
     for seed in (None, 0, 2**63 - 1, -5):
         sampling = Sampling(seed=seed)
         task = GenerationTask([1], sampling, 4, [], False)
-        back = decode(encode(DecodeRequest("r", 0, task, 9)))
+        back = decode(encode(DecodeRequest("r", 0, task, "fp")))
         assert isinstance(back, DecodeRequest) and back.task.sampling.seed == seed
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False], 9)
+    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False], "fp")
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
@@ -117,12 +117,18 @@ def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
     assert type(back.task.sampling.top_p) is float
 
 
-def test_kv_header_codec_round_trips_bytes() -> None:
-    header = KVHeader("r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 2**32 - 1, b"\x00\xffmeta")
-    assert HEADER_CODEC.decode(HEADER_CODEC.encode(header)) == header
-    wrong = msgpack.packb([0, "r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 1, "text"])
-    with pytest.raises(MalformedMessage):
-        HEADER_CODEC.decode(wrong)
+def test_kv_header_codec_round_trips_inline_and_placed_headers() -> None:
+    placed = Placement("cuda_ipc", "cuda-1-abc", 4096, 7, b"\x00\xffhandle")
+    for placement in (None, placed):
+        header = KVHeader("r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 2**64 - 1, placement)
+        assert FORWARD_CODEC.decode(FORWARD_CODEC.encode(header)) == header
+    notice = KVNotice("r", 3, b"\x00\xffmeta")
+    assert FORWARD_CODEC.decode(FORWARD_CODEC.encode(notice)) == notice
+    wrong_placement = msgpack.packb([0, "r", 0, 0, 2, 5, "bfloat16", [2, 5, 3, 64], 1, "text"])
+    wrong_meta = msgpack.packb([1, "r", 0, "text"])
+    for wrong in (wrong_placement, wrong_meta):
+        with pytest.raises(MalformedMessage):
+            FORWARD_CODEC.decode(wrong)
 
 
 @pytest.mark.parametrize("data", [
@@ -319,7 +325,7 @@ BAD_SAMPLINGS = [
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
     bad = packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", "")
     assert_malformed(bad)
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False], 9))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False], "fp"))
     with pytest.raises(ValueError):
         Sampling(*sampling)
 

@@ -17,7 +17,7 @@ def sequence(request_id: str, num_tokens: int, epoch: int = 0,
              max_tokens: int = 64) -> DecodeSequence:
     """As decode receives it: `num_tokens - 1` prompt tokens plus the first sampled token."""
     task = GenerationTask(list(range(num_tokens - 1)), Sampling(), max_tokens, [], False)
-    request = DecodeRequest(request_id, epoch, task, 7)
+    request = DecodeRequest(request_id, epoch, task, "fp")
     return DecodeSequence(request, tokens=[*task.prompt_ids, 7], num_generated=1,
                           received_kv=("k", "v"),  # type: ignore[arg-type]  # stand-ins
                           num_cached=num_tokens - 1)

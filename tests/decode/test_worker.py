@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,12 +11,27 @@ import torch
 import zmq
 
 from core.config import Config, load_config
-from core.messages import DecodeRequest, GenerationTask, Sampling, TokenBatch, decode, encode
+from core.messages import (
+    Abort,
+    DecodeRequest,
+    DropCount,
+    FirstToken,
+    GenerationTask,
+    Message,
+    RequestFailed,
+    Sampling,
+    TokenBatch,
+    decode,
+    encode,
+)
 from decode.worker import DecodeWorker
 from engine.runner import ModelRunner
-from kvtransfer.wire import KVHeader, KVPayload
+from kvtransfer import make_sender
+from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
 
 PROMPT_LEN = 8
+WAIT_S = 5.0
+Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing in for the gateway
 
 
 @pytest.fixture
@@ -32,15 +48,73 @@ def worker(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[DecodeWorker,
     gateway.close(linger=0)
 
 
-def arrive(worker: DecodeWorker, request_id: str, max_tokens: int) -> None:
-    """A request lands with its (random but well-formed) KV, as the receiver would hand it over."""
-    spec = worker.runner.spec
-    task = GenerationTask(list(range(10, 10 + PROMPT_LEN)), Sampling(temperature=0.0), max_tokens,
+def task(max_tokens: int = 100) -> GenerationTask:
+    return GenerationTask(list(range(10, 10 + PROMPT_LEN)), Sampling(temperature=0.0), max_tokens,
                           [], True)
-    shape = [spec.num_layers, PROMPT_LEN, spec.num_kv_heads, spec.head_dim]
-    header = KVHeader(request_id, 0, 0, spec.num_layers, PROMPT_LEN, "float32", shape, 0,
-                      encode(DecodeRequest(request_id, 0, task, 5)))
-    worker._accept(KVPayload(header, torch.randn(shape), torch.randn(shape)))
+
+
+def announce(worker: DecodeWorker, request_id: str, max_tokens: int = 100,
+             fingerprint: str = "fingerprint") -> None:
+    expect = DecodeRequest(request_id, 0, task(max_tokens), fingerprint)
+    worker._on_kv(KVNotice(request_id, 0, encode(expect)))
+
+
+def layer_kv(worker: DecodeWorker) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V of the whole prompt, [layers, PROMPT_LEN, kv_heads, head_dim] each."""
+    spec = worker.runner.spec
+    shape = (spec.num_layers, PROMPT_LEN, spec.num_kv_heads, spec.head_dim)
+    return torch.randn(shape), torch.randn(shape)
+
+
+def send_layer(worker: DecodeWorker, request_id: str, layer: int, k: torch.Tensor,
+               v: torch.Tensor, borrowed: bool = False) -> None:
+    """Layer `layer` of [layers, T, H, D] K and V, as one chunk."""
+    shape = [1, *k.shape[1:]]
+    header = KVHeader(request_id, 0, layer, layer + 1, PROMPT_LEN, "float32", shape, 0, None)
+    worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1], borrowed))
+
+
+def first_token(worker: DecodeWorker, request_id: str, finish_reason: str | None = None) -> None:
+    worker._on_kv(KVNotice(request_id, 0, encode(FirstToken(request_id, 0, 5, finish_reason))))
+
+
+def arrive(worker: DecodeWorker, request_id: str, max_tokens: int) -> None:
+    """A request lands as the receiver would hand it over: its notice, its (random but
+    well-formed) KV layer by layer, then its first token."""
+    announce(worker, request_id, max_tokens)
+    k, v = layer_kv(worker)
+    for layer in range(worker.runner.spec.num_layers):
+        send_layer(worker, request_id, layer, k, v)
+    first_token(worker, request_id)
+
+
+def sent_to_gateway(worker: DecodeWorker, gateway: zmq.Socket) -> list[Message]:
+    """Everything the worker sent the gateway so far: a marker sent last comes back last."""
+    marker = Abort("end-of-messages", -1)
+    worker.control.send(marker)
+    messages: list[Message] = []
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        assert remaining_ms > 0 and gateway.poll(remaining_ms), "the marker did not come back"
+        _, data = gateway.recv_multipart()
+        message = decode(data)
+        if message == marker:
+            return messages
+        messages.append(message)
+
+
+def failures(messages: list[Message]) -> list[RequestFailed]:
+    return [m for m in messages if isinstance(m, RequestFailed)]
+
+
+def admitted(worker: DecodeWorker) -> list[str]:
+    return [s.key[0] for s in [*worker.scheduler.waiting, *worker.scheduler.running]]
+
+
+def cache_untouched(worker: DecodeWorker) -> bool:
+    cache = worker.runner.cache
+    return not cache.k.any() and not cache.v.any()
 
 
 def events_of_next_step(worker: DecodeWorker, gateway: zmq.Socket) -> dict[str, str | None]:
@@ -72,3 +146,178 @@ def test_a_finished_sequence_leaves_the_batch_in_the_same_step(worker) -> None:
     assert events_of_next_step(decode_worker, gateway) == {"long": None}
     held = len(decode_worker.scheduler.running[0].blocks)
     assert decode_worker.runner.allocator.num_free == free - held
+
+
+def test_the_kv_written_into_the_cache_is_the_kv_received(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    k_sent, v_sent = k.clone(), v.clone()
+    announce(decode_worker, "r")
+    for layer in range(decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v, borrowed=True)
+        k[layer].fill_(-1.0)  # a borrowed chunk's buffer is reused once the drain returns
+        v[layer].fill_(-1.0)
+    first_token(decode_worker, "r")
+    assert admitted(decode_worker) == ["r"]
+    assert cache_untouched(decode_worker)  # nothing is written before a slot is given
+    assert events_of_next_step(decode_worker, gateway) == {"r": None}
+    (sequence,) = decode_worker.scheduler.running
+    k_cached, v_cached = decode_worker.runner.cache.read(sequence.blocks, PROMPT_LEN)
+    assert torch.equal(k_cached, k_sent) and torch.equal(v_cached, v_sent)
+    assert sequence.tokens[:PROMPT_LEN + 1] == [*task().prompt_ids, 5]
+
+
+def test_a_fingerprint_mismatch_fails_the_request_and_admits_nothing(worker: Served) -> None:
+    decode_worker, gateway = worker
+    announce(decode_worker, "r", fingerprint="another layout")
+    k, v = layer_kv(decode_worker)
+    for layer in range(decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+    first_token(decode_worker, "r")
+    (failed,) = failures(sent_to_gateway(decode_worker, gateway))
+    assert (failed.request_id, failed.epoch) == ("r", 0)
+    assert "another layout" in failed.reason  # the sender's layout
+    assert "fingerprint" in failed.reason  # and this worker's (the fixture's fingerprint)
+    assert admitted(decode_worker) == [] and not decode_worker.step()
+    assert cache_untouched(decode_worker)
+    assert decode_worker.incoming.dropped["unknown request"] == decode_worker.runner.spec.num_layers
+
+
+def test_a_rejected_chunk_fails_its_request(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    announce(decode_worker, "r")
+    send_layer(decode_worker, "r", 0, k, v)
+    decode_worker._on_kv(KVRejected("r", 0, "checksum mismatch"))
+    decode_worker._on_kv(KVRejected("never announced", 0, "checksum mismatch"))
+    for layer in range(1, decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+    first_token(decode_worker, "r")
+    assert failures(sent_to_gateway(decode_worker, gateway)) == [
+        RequestFailed("r", 0, "checksum mismatch")]
+    assert admitted(decode_worker) == [] and decode_worker.incoming.pending == {}
+
+
+def test_an_abort_while_kv_is_incoming_drops_the_rest(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    announce(decode_worker, "r")
+    send_layer(decode_worker, "r", 0, k, v)
+    decode_worker.handle(Abort("r", 0))
+    assert decode_worker.incoming.pending == {}
+    for layer in range(1, decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+    first_token(decode_worker, "r")
+    assert admitted(decode_worker) == [] and not decode_worker.step()
+    assert cache_untouched(decode_worker)
+    later = decode_worker.runner.spec.num_layers - 1
+    assert decode_worker.incoming.dropped == {"unknown request": later}
+    assert failures(sent_to_gateway(decode_worker, gateway)) == []  # the gateway asked for it
+    heartbeat = decode_worker.heartbeat()
+    assert DropCount("unknown request", later) in heartbeat.dropped_chunks
+
+
+def test_an_abort_that_beats_the_notice_keeps_the_request_out(worker: Served) -> None:
+    decode_worker, gateway = worker
+    decode_worker.handle(Abort("r", 0))
+    arrive(decode_worker, "r", max_tokens=100)
+    assert admitted(decode_worker) == [] and decode_worker.incoming.pending == {}
+    assert cache_untouched(decode_worker)
+    assert failures(sent_to_gateway(decode_worker, gateway)) == []
+
+
+def test_a_first_token_that_finishes_the_request_drops_its_kv(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    announce(decode_worker, "r")
+    for layer in range(decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+    first_token(decode_worker, "r", finish_reason="stop")
+    assert decode_worker.incoming.pending == {} and admitted(decode_worker) == []
+    assert failures(sent_to_gateway(decode_worker, gateway)) == []
+    assert not decode_worker.step()
+
+
+def test_a_first_token_before_the_last_layer_fails_the_request(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    announce(decode_worker, "r")
+    send_layer(decode_worker, "r", 0, k, v)
+    first_token(decode_worker, "r")
+    (failed,) = failures(sent_to_gateway(decode_worker, gateway))
+    assert (failed.request_id, failed.epoch) == ("r", 0)
+    assert "before the last one" in failed.reason
+    assert admitted(decode_worker) == [] and decode_worker.incoming.pending == {}
+    send_layer(decode_worker, "r", 1, k, v)  # a straggler
+    assert decode_worker.incoming.dropped == {"unknown request": 1}
+
+
+def test_a_chunk_of_the_wrong_dtype_fails_its_request(worker: Served) -> None:
+    decode_worker, gateway = worker
+    k, v = layer_kv(decode_worker)
+    k, v = k.half(), v.half()
+    announce(decode_worker, "r")
+    for layer in range(decode_worker.runner.spec.num_layers):
+        shape = [1, *k.shape[1:]]
+        header = KVHeader("r", 0, layer, layer + 1, PROMPT_LEN, "float16", shape, 0, None)
+        decode_worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1]))
+    first_token(decode_worker, "r")
+    decode_worker.step()  # must not raise: the request fails, the worker carries on
+    (failed,) = failures(sent_to_gateway(decode_worker, gateway))
+    assert failed.request_id == "r"
+    assert admitted(decode_worker) == []
+
+
+def test_kv_that_outlives_its_lease_fails_at_the_heartbeat(worker: Served) -> None:
+    decode_worker, gateway = worker
+    announce(decode_worker, "late")
+    announce(decode_worker, "on time")
+    decode_worker.incoming.pending[("late", 0)].deadline = time.monotonic() - 1.0
+    decode_worker.heartbeat()
+    (failed,) = failures(sent_to_gateway(decode_worker, gateway))
+    assert failed.request_id == "late" and "in time" in failed.reason
+    assert set(decode_worker.incoming.pending) == {("on time", 0)}
+
+
+def test_the_heartbeat_reports_receive_totals_and_drops(worker: Served) -> None:
+    decode_worker, gateway = worker
+    spec = decode_worker.runner.spec
+    k, v = layer_kv(decode_worker)
+    announce(decode_worker, "r")
+    sender = make_sender(decode_worker.context)
+    raw = decode_worker.context.socket(zmq.DEALER)
+    raw.connect(decode_worker.kv_address)
+    try:
+        for layer in range(spec.num_layers):
+            sender.send_layers(decode_worker.kv_address, "r", 0, layer, k[layer:layer + 1],
+                               v[layer:layer + 1])
+        sender.send_layers(decode_worker.kv_address, "stranger", 0, 0, k[:1], v[:1])
+        receive_into(decode_worker, spec.num_layers + 1)
+        # Then a chunk whose data does not match its checksum: the receiver rejects it.
+        header = KVHeader("r", 0, 0, 1, PROMPT_LEN, "float32", list(k[:1].shape), 1, None)
+        raw.send_multipart([FORWARD_CODEC.encode(header), k[:1].numpy().tobytes(),
+                            v[:1].numpy().tobytes()])
+        receive_into(decode_worker, 1)
+    finally:
+        sender.close()
+        raw.close(linger=0)
+    heartbeat = decode_worker.heartbeat()
+    (totals,) = heartbeat.transfers
+    chunk_bytes = k[:1].nbytes + v[:1].nbytes
+    assert (totals.direction, totals.chunks, totals.bytes, totals.failures) == (
+        "receive", spec.num_layers + 1, (spec.num_layers + 1) * chunk_bytes, 0)
+    assert totals.seconds > 0
+    assert heartbeat.dropped_chunks == [DropCount("checksum", 1), DropCount("unknown request", 1)]
+    # The rejected chunk failed its request, which had all its layers but not its first token.
+    assert failures(sent_to_gateway(decode_worker, gateway)) == [
+        RequestFailed("r", 0, "checksum mismatch")]
+
+
+def receive_into(worker: DecodeWorker, count: int) -> None:
+    """Poll and drain the worker's receiver until `count` more items were handed to it."""
+    handed = 0
+    deadline = time.monotonic() + WAIT_S
+    while handed < count:
+        assert time.monotonic() < deadline, f"only {handed} of {count} KV items arrived"
+        worker.receiver.fileno_socket().poll(100)
+        handed += worker.receiver.drain(worker._on_kv)

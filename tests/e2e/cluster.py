@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from bench.launcher import free_port, started_pids, stop, wait_ready
 
@@ -89,3 +91,20 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
         if line.startswith("data: "):
             payload = line[len("data: "):]
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def greedy_reference(model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    """Greedy continuation by transformers itself, EOS ignored."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    @torch.inference_mode()
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        generated: list[int] = []
+        for _ in range(max_tokens):
+            generated.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+        return generated
+
+    return generate

@@ -8,21 +8,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.e2e.cluster import (
     ROOT,
     TEST_CONFIG,
     Cluster,
     alive,
+    greedy_reference,
     launch,
     sse_events,
     started_pids,
@@ -50,21 +50,8 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path):
-    """Greedy continuation by transformers itself, EOS ignored."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-
-    @torch.inference_mode()
-    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        generated: list[int] = []
-        for _ in range(max_tokens):
-            generated.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([generated[-1:]]), past_key_values=out.past_key_values,
-                        use_cache=True)
-        return generated
-
-    return generate
+def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    return greedy_reference(tiny_model_dir)
 
 
 def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict:

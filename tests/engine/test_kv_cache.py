@@ -69,8 +69,20 @@ def test_write_rejects_bad_shapes_and_dtypes(spec: ModelSpec) -> None:
     cache = PagedKVCache(spec, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32)
     k, v = random_kv(spec, 3, seed=3)
     with pytest.raises(ValueError):
-        cache.write([0], 0, k[:1], v[:1])
+        cache.write([0], 0, k, v, layer_start=1)  # past the last layer
+    with pytest.raises(ValueError):
+        cache.write([0], 0, k[0], v[0])  # no layer dimension
     with pytest.raises(ValueError):
         cache.write([0], 0, k.half(), v.half())
     with pytest.raises(ValueError):
         cache.write([0], 2, k, v)  # 5 tokens do not fit one block
+
+
+def test_writing_layer_by_layer_equals_writing_all_layers(spec: ModelSpec) -> None:
+    k, v = random_kv(spec, 2 * BLOCK_SIZE - 1, seed=4)
+    whole = PagedKVCache(spec, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32)
+    whole.write([3, 1], 0, k, v)
+    by_layer = PagedKVCache(spec, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32)
+    for layer in reversed(range(spec.num_layers)):
+        by_layer.write([3, 1], 0, k[layer:layer + 1], v[layer:layer + 1], layer_start=layer)
+    assert torch.equal(whole.k, by_layer.k) and torch.equal(whole.v, by_layer.v)

@@ -1,0 +1,164 @@
+"""Sending KV chunks and notices over ZeroMQ, one DEALER socket per receiver address."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+import zmq
+
+from core.codec import MalformedMessage
+from kvtransfer.base import TransferCounters, TransferError
+from kvtransfer.ring import RingAllocator
+from kvtransfer.wire import (
+    FORWARD_CODEC,
+    RELEASE_CODEC,
+    KVHeader,
+    KVNotice,
+    Placement,
+    as_bytes,
+    checksum,
+    dtype_name,
+)
+
+_MAX_PEERS = 64
+_SNDHWM = 64  # messages (a layer's chunk each) that may wait for a slow receiver
+_CONNECT_WAIT_MS = 2000
+_FULL_WAIT_S = 0.05  # how long a send waits for room in a full staging buffer
+
+
+class KVSender:
+    """The interface the prefill loop calls, whatever the backend.
+
+    Chunks and notices to one address arrive in the order they were sent. This class sends K
+    and V as frames after the header, zero-copy; a backend that stages them elsewhere (shared
+    memory, a CUDA buffer) overrides `_place`.
+    """
+
+    backend = "zmq"
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.context = context
+        self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self.counters = TransferCounters()
+
+    def send_layers(self, address: str, request_id: str, epoch: int, layer_start: int,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """Send K and V of layers layer_start.. ([layers, tokens, kv_heads, head_dim])."""
+        started = time.perf_counter()
+        socket = self._writable(address)
+        placed = self._place(k, v)
+        if placed is None:
+            k, v = self._inline(k, v)
+            k_bytes, v_bytes = as_bytes(k), as_bytes(v)
+            placement, digest, data = None, checksum(k_bytes, v_bytes), [k_bytes, v_bytes]
+        else:
+            (placement, digest), data = placed, []
+        header = KVHeader(
+            request_id=request_id, epoch=epoch, layer_start=layer_start,
+            layer_end=layer_start + k.shape[0], num_tokens=k.shape[1], dtype=dtype_name(k.dtype),
+            shape=list(k.shape), checksum=digest, placement=placement,
+        )
+        socket.send_multipart([FORWARD_CODEC.encode(header), *data], copy=False)
+        self.counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)
+
+    def notify(self, address: str, request_id: str, epoch: int, meta: bytes) -> None:
+        """Send a control message for the receiving worker, ordered with the chunks."""
+        self._writable(address).send(FORWARD_CODEC.encode(KVNotice(request_id, epoch, meta)))
+
+    def _place(self, k: torch.Tensor, v: torch.Tensor) -> tuple[Placement, int] | None:
+        """Stage K and V outside the message: (where, checksum), or None to send them inline."""
+        return None
+
+    def _inline(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as host tensors that can go in a message."""
+        return k, v
+
+    def _writable(self, address: str) -> zmq.Socket:
+        socket = self._socket(address)
+        # With IMMEDIATE, nothing queues for a peer that is not connected (a new socket's
+        # handshake, or a dead receiver): wait a moment for it, then give up.
+        if not socket.poll(_CONNECT_WAIT_MS, zmq.POLLOUT):
+            self.counters.failures += 1
+            raise TransferError(f"KV receiver {address} is not reachable or not draining")
+        return socket
+
+    def _socket(self, address: str) -> zmq.Socket:
+        if address in self.sockets:
+            self.sockets.move_to_end(address)
+            return self.sockets[address]
+        if len(self.sockets) >= _MAX_PEERS:
+            _, oldest = self.sockets.popitem(last=False)
+            oldest.close(linger=0)
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.SNDHWM, _SNDHWM)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(address)
+        self.sockets[address] = socket
+        return socket
+
+    def close(self) -> None:
+        for socket in self.sockets.values():
+            socket.close()
+        self.sockets.clear()
+
+
+class StagedKVSender(KVSender):
+    """A sender that stages chunks in a buffer of its own (`_stage`), reusing each region once
+    its receiver releases it. A chunk that finds no room within a moment goes inline."""
+
+    handle = b""  # what a receiver needs to open the buffer, if its name is not enough
+
+    def __init__(self, context: zmq.Context, segment: str, capacity: int, lease_s: float) -> None:
+        super().__init__(context)
+        self.segment = segment
+        self.ring = RingAllocator(capacity, lease_s)
+        self.inline_fallbacks = 0
+
+    def _stageable(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return True
+
+    def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Copy K then V to `offset` of the buffer; their checksum."""
+        raise NotImplementedError
+
+    def _place(self, k: torch.Tensor, v: torch.Tensor) -> tuple[Placement, int] | None:
+        if not self._stageable(k, v):
+            return None
+        allocated = self._allocate(k.nbytes + v.nbytes)
+        if allocated is None:
+            self.inline_fallbacks += 1
+            return None
+        offset, ticket = allocated
+        digest = self._stage(offset, k, v)
+        return Placement(self.backend, self.segment, offset, ticket, self.handle), digest
+
+    def _allocate(self, size: int) -> tuple[int, int] | None:
+        """A region of `size` bytes, waiting a moment for receivers to release one if full."""
+        deadline = time.monotonic() + _FULL_WAIT_S
+        while True:
+            self._take_releases()
+            allocated = self.ring.allocate(size, time.monotonic())
+            if allocated is not None or size > self.ring.capacity:
+                return allocated
+            if time.monotonic() >= deadline or not self._wait_for_release(deadline):
+                return None
+
+    def _wait_for_release(self, deadline: float) -> bool:
+        poller = zmq.Poller()
+        for socket in self.sockets.values():
+            poller.register(socket, zmq.POLLIN)
+        return bool(poller.poll(max(1, int((deadline - time.monotonic()) * 1000))))
+
+    def _take_releases(self) -> None:
+        """Free the regions that receivers say they are done with."""
+        for socket in self.sockets.values():
+            while socket.poll(0, zmq.POLLIN):
+                try:
+                    release = RELEASE_CODEC.decode(socket.recv())
+                except MalformedMessage:
+                    continue
+                if release.segment == self.segment:
+                    self.ring.release(release.ticket)

@@ -1,0 +1,63 @@
+"""Handing a prefill batch's KV to decode workers layer by layer, while the forward pass runs.
+
+Per request, in order on one pipe: a `DecodeRequest` notice before the forward pass, each
+layer's K/V as soon as the model has written it, and the `FirstToken` once it is sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.messages import DecodeRequest, FirstToken, PrefillRequest, encode
+from engine.kv_cache import PagedKVCache
+from kvtransfer import KVSender, TransferError
+
+
+@dataclass
+class _Outgoing:
+    request: PrefillRequest
+    table: list[int]
+    failure: str | None = None
+
+
+class LayerStream:
+    """One batch's KV on its way out. A send that fails marks only its own request."""
+
+    def __init__(self, sender: KVSender, cache: PagedKVCache, fingerprint: str,
+                 requests: list[tuple[PrefillRequest, list[int]]]) -> None:
+        self.sender = sender
+        self.cache = cache
+        self.outgoing = {(r.request_id, r.epoch): _Outgoing(r, t) for r, t in requests}
+        for out in self.outgoing.values():
+            request = out.request
+            notice = DecodeRequest(request.request_id, request.epoch, request.task, fingerprint)
+            self._notify(out, encode(notice))
+
+    def send_layer(self, layer: int) -> None:
+        """Send layer `layer` of every request still streaming (the model just wrote it)."""
+        for out in self.outgoing.values():
+            if out.failure is not None:
+                continue
+            request = out.request
+            k, v = self.cache.read_layer(layer, out.table, len(request.task.prompt_ids))
+            try:
+                self.sender.send_layers(request.decode_address, request.request_id,
+                                        request.epoch, layer, k[None], v[None])
+            except TransferError as exc:
+                out.failure = str(exc)
+
+    def finish(self, first: FirstToken) -> str | None:
+        """Send the first token after the last layer; why the hand-off failed, if it did."""
+        out = self.outgoing.get((first.request_id, first.epoch))
+        if out is None:
+            return None
+        if out.failure is None:
+            self._notify(out, encode(first))
+        return out.failure
+
+    def _notify(self, out: _Outgoing, meta: bytes) -> None:
+        request = out.request
+        try:
+            self.sender.notify(request.decode_address, request.request_id, request.epoch, meta)
+        except TransferError as exc:
+            out.failure = str(exc)

@@ -1,0 +1,109 @@
+"""The gateway's /metrics text: KV transfer totals and dropped chunks from the last heartbeats."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.messages import DropCount, Heartbeat, Register, TransferTotals
+from gateway.metrics import Metrics
+from gateway.registry import Registry
+
+FP = "tiny|float32|layers=2|kv_heads=2|head_dim=16"
+SEND = TransferTotals("shm", "send", chunks=60, bytes=3 * 2**30, seconds=1.25, failures=2)
+RECEIVE = TransferTotals("any", "receive", chunks=58, bytes=5_000_000, seconds=0.5, failures=0)
+DROPS = [DropCount("checksum", 1), DropCount("stale epoch", 3), DropCount("unknown request", 7)]
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+KV_SERIES = ("raging_kv_transfer_", "raging_kv_chunks_dropped")
+
+
+def membership() -> Registry:
+    registry = Registry(FP, 3.0, 1, 1)
+    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"),
+                            ("decode-1", "decode")):
+        reply, _ = registry.register(Register(worker_id, "i0", role, "", FP, 16, 100))
+        assert reply.accepted
+    return registry
+
+
+def beat(registry: Registry, worker_id: str, transfers: list[TransferTotals],
+         dropped: list[DropCount] | None = None) -> None:
+    heartbeat = Heartbeat(worker_id, "i0", 0, 90, 1, 0, transfers=transfers,
+                          dropped_chunks=dropped or [])
+    assert registry.heartbeat(heartbeat)
+
+
+def samples(text: str) -> Samples:
+    """Every sample of the exposition, by name and labels; the KV ones must be counters."""
+    found: Samples = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith(KV_SERIES):
+            assert family.type == "counter", family.name
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in found, f"{key} appears twice"
+            found[key] = sample.value
+    return found
+
+
+def labels(**values: str) -> frozenset[tuple[str, str]]:
+    return frozenset(values.items())
+
+
+def test_transfer_totals_are_exported_per_worker_backend_and_direction() -> None:
+    registry = membership()
+    beat(registry, "prefill-0", [SEND])
+    beat(registry, "decode-0", [RECEIVE], DROPS)
+    text = Metrics().render(registry, 0).decode()
+    found = samples(text)
+    send = labels(worker="prefill-0", backend="shm", direction="send")
+    receive = labels(worker="decode-0", backend="any", direction="receive")
+    for field in ("bytes", "seconds", "chunks", "failures"):
+        name = f"raging_kv_transfer_{field}_total"
+        assert found[(name, send)] == getattr(SEND, field)
+        assert found[(name, receive)] == getattr(RECEIVE, field)
+        assert {k for k in found if k[0] == name} == {(name, send), (name, receive)}
+    assert ('raging_kv_transfer_bytes_total{backend="shm",direction="send",worker="prefill-0"} '
+            "3.221225472e+09\n") in text
+
+
+def test_dropped_chunks_are_exported_per_worker_and_reason() -> None:
+    registry = membership()
+    beat(registry, "decode-0", [RECEIVE], DROPS)
+    beat(registry, "decode-1", [RECEIVE], [DropCount("unknown request", 2)])
+    text = Metrics().render(registry, 0).decode()
+    dropped = {labels: value for (name, labels), value in samples(text).items()
+               if name == "raging_kv_chunks_dropped_total"}
+    assert dropped == {
+        labels(worker="decode-0", reason="checksum"): 1,
+        labels(worker="decode-0", reason="stale epoch"): 3,
+        labels(worker="decode-0", reason="unknown request"): 7,
+        labels(worker="decode-1", reason="unknown request"): 2,
+    }
+    assert 'raging_kv_chunks_dropped_total{reason="stale epoch",worker="decode-0"} 3.0\n' in text
+
+
+def test_only_the_last_heartbeat_of_live_workers_counts() -> None:
+    registry = membership()
+    metrics = Metrics()
+    beat(registry, "prefill-0", [SEND])
+    beat(registry, "decode-0", [RECEIVE], DROPS)
+    metrics.render(registry, 0)
+    later = TransferTotals("shm", "send", chunks=61, bytes=3 * 2**30 + 10, seconds=1.5,
+                           failures=2)
+    beat(registry, "prefill-0", [later])
+    registry.remove("decode-0")
+    found = samples(metrics.render(registry, 0).decode())
+    send = labels(worker="prefill-0", backend="shm", direction="send")
+    assert found[("raging_kv_transfer_chunks_total", send)] == 61
+    assert found[("raging_kv_transfer_bytes_total", send)] == 3 * 2**30 + 10
+    kv_series = [k for k in found if k[0].startswith(KV_SERIES)]
+    assert kv_series and all(dict(k[1])["worker"] == "prefill-0" for k in kv_series)
+
+
+def test_workers_without_a_heartbeat_export_no_transfer_series() -> None:
+    registry = membership()  # registered, never heartbeated
+    text = Metrics().render(registry, 5).decode()
+    found = samples(text)  # the whole exposition parses, with no name twice
+    assert not [k for k in found if k[0].startswith(KV_SERIES)]
+    assert found[("raging_control_messages_dropped", frozenset())] == 5
