@@ -25,42 +25,39 @@ import torch
 from tqdm import tqdm
 
 from bench.client import served_model, stream_request
-from bench.launcher import launched
+from bench.launcher import ROOT, launched
 from bench.prompts import TokenPrompts
 from bench.workloads import RequestSpec
+from core.config import WorkerConfig, load_config
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.runner import ModelRunner
 
-BLOCK_SIZE = 16
+CONFIG = ROOT / "configs/default.yaml"  # what launch.sh runs
+_WARM_UP = 3  # requests: a fresh worker's first ones touch memory for the first time
 
 
 @dataclass(frozen=True)
 class HandoffFigure:
-    """Medians over the repeats, in seconds, of one backend against one process, measured
-    alternately (one request each way, in turn) so that both see the same machine."""
+    """One backend against one process, measured alternately (one request each way, in turn)
+    so that both see the same machine. Times are medians over the repeats; ratios are medians
+    of each pair's ratio, which cancels the machine's drift between pairs."""
 
     backend: str
     local_ttft_s: float
     local_second_s: float
     ttft_s: float
     second_s: float
-
-    @property
-    def ttft_ratio(self) -> float:
-        return self.ttft_s / self.local_ttft_s
-
-    @property
-    def second_ratio(self) -> float:
-        return self.second_s / self.local_second_s
+    ttft_ratio: float
+    second_ratio: float
 
 
 class OneProcess:
     """Prefill, sample, one decode step: in this process, pinned to `cpu`, one thread."""
 
-    def __init__(self, folder: Path, max_len: int, cpu: int) -> None:
-        self.cpu = cpu
-        self.runner = ModelRunner(folder, blocks_needed(max_len + 2, BLOCK_SIZE), BLOCK_SIZE)
+    def __init__(self, folder: Path, config: WorkerConfig, cpu: int) -> None:
+        self.cpu = cpu  # the KV pool as a prefill worker's, so both touch memory alike
+        self.runner = ModelRunner(folder, config.num_kv_blocks, config.block_size)
 
     def first_two_tokens(self, ids: list[int]) -> tuple[float, float]:
         mask, threads = os.sched_getaffinity(0), torch.get_num_threads()
@@ -74,7 +71,7 @@ class OneProcess:
 
 
 def _first_two_tokens(runner: ModelRunner, ids: list[int]) -> tuple[float, float]:
-    table = runner.allocator.allocate(blocks_needed(len(ids) + 1, BLOCK_SIZE))
+    table = runner.allocator.allocate(blocks_needed(len(ids) + 1, runner.block_size))
     try:
         start = time.perf_counter()
         first = int(runner.forward(ForwardBatch([ids], [0], [table]))[0].argmax())
@@ -91,27 +88,32 @@ def compare(backend: str, local: OneProcess, prompts: list[tuple[int, ...]]) -> 
     with launched(flags) as server:
         pairs = asyncio.run(_alternate(server.url, local, prompts))
     local_times, served_times = zip(*pairs, strict=True)
-    return HandoffFigure(backend, *_medians(local_times), *_medians(served_times))
+    ratios = [(s[0] / loc[0], s[1] / loc[1]) for loc, s in pairs]
+    return HandoffFigure(backend, *_medians(local_times), *_medians(served_times),
+                         *_medians(ratios))
 
 
-def _medians(times: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+def _medians(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 async def _alternate(url: str, local: OneProcess, prompts: list[tuple[int, ...]],
                      ) -> list[tuple[tuple[float, float], tuple[float, float]]]:
-    """(one process, served) first-two-token times of each prompt; the first pair warms up."""
+    """(one process, served) first-two-token times of each prompt, after _WARM_UP pairs."""
     pairs = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         model = await served_model(client)
-        for index, prompt in enumerate([prompts[0], *prompts]):
+        for index, prompt in enumerate([*prompts[:_WARM_UP], *prompts]):
             spec = RequestSpec(index, "fixed", prompt, len(prompt), 2)
+            if index % 2:  # each goes first half of the time: neither always follows the other
+                local_times = local.first_two_tokens(list(prompt))
             result = await stream_request(client, model, spec, 120, time.perf_counter())
             if not result.ok or len(result.chunk_times_s) < 2:
                 raise RuntimeError(f"request {index} failed: {result.error or 'one token'}")
-            served = (result.chunk_times_s[0], result.chunk_times_s[1])
-            pairs.append((local.first_two_tokens(list(prompt)), served))
-    return pairs[1:]
+            if not index % 2:
+                local_times = local.first_two_tokens(list(prompt))
+            pairs.append((local_times, (result.chunk_times_s[0], result.chunk_times_s[1])))
+    return pairs[_WARM_UP:]
 
 
 def measure(folder: Path, input_len: int, repeats: int, backends: Sequence[str],
@@ -119,7 +121,7 @@ def measure(folder: Path, input_len: int, repeats: int, backends: Sequence[str],
     maker = TokenPrompts(folder)
     prompts = [maker.prompt(index, input_len) for index in range(repeats)]
     # The core launch.sh gives the prefill worker: the first of this process's CPUs.
-    local = OneProcess(folder, input_len, min(os.sched_getaffinity(0)))
+    local = OneProcess(folder, load_config(CONFIG).prefill, min(os.sched_getaffinity(0)))
     figures = []
     for backend in backends:
         figures.append(compare(backend, local, prompts))

@@ -3,7 +3,9 @@
     python -m bench transfer [--tokens 512,2048,8192] [--repeats 5]
 
 The receiver runs in its own process (`python -m bench.transfer_peer`) and the KV goes as the
-prefill worker sends it: one chunk per layer, then a notice. Each figure includes what a real
+prefill worker sends it: layers grouped into chunks of about kv_transfer.chunk_mb, then a
+notice. Every timing moves at least 128 MB: several distinct requests back to back when one
+is smaller, and memcpy copies the same requests. Each figure includes what a real
 hand-off pays: framing, checksums on both sides, the socket or the staging copy, the copy out.
 KV is shaped like the default model's: [30 layers, tokens, 3 kv heads, 64] fp32, 46 KB per
 token for K and V together. On a host with CUDA and cupy, cuda_ipc is measured too, against a
@@ -27,7 +29,8 @@ import zmq
 
 from core.config import KVTransferConfig
 from core.cpus import pin_to
-from kvtransfer import make_sender
+from kvtransfer import KVSender, make_sender
+from kvtransfer.sender import layers_per_chunk
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 _CPUS = sorted(os.sched_getaffinity(0))
@@ -55,20 +58,34 @@ class Backend:
     device: str = "cpu"
 
 
-def kv_of(tokens: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def requests_of(tokens: int, min_bytes: int, device: str = "cpu") -> list[KV]:
+    """The K and V of as many distinct requests as make up `min_bytes` (at least one): every
+    timing moves all of them, so small requests measure throughput rather than latency, and
+    neither side reads a source that is still in cache from the last request."""
     shape = (LAYERS, tokens, KV_HEADS, HEAD_DIM)
-    return torch.randn(shape, device=device), torch.randn(shape, device=device)
+    count = max(1, -(-min_bytes // (2 * 4 * LAYERS * tokens * KV_HEADS * HEAD_DIM)))
+    return [(torch.randn(shape, device=device), torch.randn(shape, device=device))
+            for _ in range(count)]
 
 
-def memcpy_gb_per_s(k: torch.Tensor, v: torch.Tensor, repeats: int) -> float:
-    targets = (torch.empty_like(k), torch.empty_like(v))
+def nbytes(requests: list[KV]) -> int:
+    return sum(k.nbytes + v.nbytes for k, v in requests)
+
+
+def memcpy_gb_per_s(requests: list[KV], repeats: int) -> float:
+    """Each request's K and V copied into one reused pair of targets, as a receiver would."""
+    targets = (torch.empty_like(requests[0][0]), torch.empty_like(requests[0][1]))
 
     def copy() -> None:
-        targets[0].copy_(k)
-        targets[1].copy_(v)
-        if k.is_cuda:
+        for k, v in requests:
+            targets[0].copy_(k)
+            targets[1].copy_(v)
+        if targets[0].is_cuda:
             torch.cuda.synchronize()
-    return (k.nbytes + v.nbytes) / _median_seconds(copy, repeats) / 1e9
+    return nbytes(requests) / _median_seconds(copy, repeats) / 1e9
 
 
 def _median_seconds(action: Callable[[], None], repeats: int) -> float:
@@ -101,7 +118,9 @@ class Peer:
         self.process.wait(timeout=10)
 
 
-def transfer_gb_per_s(backend: Backend, k: torch.Tensor, v: torch.Tensor, repeats: int) -> float:
+def transfer_gb_per_s(backend: Backend, requests: list[KV], repeats: int) -> float:
+    """The requests sent back to back, each as chunks of layers then a notice, until every one
+    arrived."""
     peer = Peer(backend.bind, _PEER_CPU)
     context = zmq.Context()
     sender = make_sender(context, backend.config)
@@ -109,26 +128,38 @@ def transfer_gb_per_s(backend: Backend, k: torch.Tensor, v: torch.Tensor, repeat
 
     def hand_off() -> None:
         nonlocal count
-        request_id, count = f"bench-{count}", count + 1
-        for layer in range(LAYERS):
-            sender.send_layers(peer.address, request_id, 0, layer, k[layer:layer + 1],
-                               v[layer:layer + 1])
-        sender.notify(peer.address, request_id, 0, b"")
-        got = peer.wait_for_request()
-        assert got == f"{request_id} {LAYERS}", f"the receiver got {got!r}"
+        ids = [f"bench-{count + i}" for i in range(len(requests))]
+        count += len(requests)
+        chunks = [_send(sender, peer.address, request_id, k, v, backend.config.chunk_mb)
+                  for request_id, (k, v) in zip(ids, requests, strict=True)]
+        for request_id, sent in zip(ids, chunks, strict=True):
+            got = peer.wait_for_request()
+            assert got == f"{request_id} {sent}", f"the receiver got {got!r}"
     try:
-        return (k.nbytes + v.nbytes) / _median_seconds(hand_off, repeats) / 1e9
+        return nbytes(requests) / _median_seconds(hand_off, repeats) / 1e9
     finally:
         sender.close()
         context.term()
         peer.stop()
 
 
+def _send(sender: KVSender, address: str, request_id: str, k: torch.Tensor, v: torch.Tensor,
+          chunk_mb: float) -> int:
+    """Send one request's KV as the prefill worker does; the number of chunks."""
+    group = layers_per_chunk((k.nbytes + v.nbytes) // LAYERS, int(chunk_mb * 2**20))
+    starts = range(0, LAYERS, group)
+    for start in starts:
+        end = min(start + group, LAYERS)
+        sender.send_layers(address, request_id, 0, start, k[start:end], v[start:end])
+    sender.notify(address, request_id, 0, b"")
+    return len(starts)
+
+
 def backends(folder: Path) -> list[Backend]:
     found = [
         Backend("zmq tcp", KVTransferConfig(backend="zmq"), "tcp://127.0.0.1:*"),
         Backend("zmq ipc", KVTransferConfig(backend="zmq"), f"ipc://{folder}/kv.sock"),
-        Backend("shm", KVTransferConfig(backend="shm", buffer_mb=64), f"ipc://{folder}/shm.sock"),
+        Backend("shm", KVTransferConfig(backend="shm"), f"ipc://{folder}/shm.sock"),
     ]
     if cuda_ready():
         config = KVTransferConfig(backend="cuda_ipc", buffer_mb=256)
@@ -145,7 +176,8 @@ def cuda_ready() -> bool:
     return torch.cuda.is_available()
 
 
-def measure(token_counts: tuple[int, ...], repeats: int) -> list[TransferFigure]:
+def measure(token_counts: tuple[int, ...], repeats: int, min_mb: int = 128,
+            ) -> list[TransferFigure]:
     """Sender and receiver each get one core and one thread, as the workers do."""
     pin_to(_SENDER_CPUS)
     torch.set_num_threads(1)
@@ -153,11 +185,11 @@ def measure(token_counts: tuple[int, ...], repeats: int) -> list[TransferFigure]
     with tempfile.TemporaryDirectory(prefix="raging-transfer-") as folder:
         for tokens in token_counts:
             for backend in backends(Path(folder)):
-                k, v = kv_of(tokens, backend.device)
-                baseline = memcpy_gb_per_s(k, v, repeats)
-                rate = transfer_gb_per_s(backend, k, v, repeats)
-                figures.append(TransferFigure(backend.name, tokens,
-                                              (k.nbytes + v.nbytes) / 2**20, rate, baseline))
+                requests = requests_of(tokens, min_mb * 2**20, backend.device)
+                baseline = memcpy_gb_per_s(requests, repeats)
+                rate = transfer_gb_per_s(backend, requests, repeats)
+                megabytes = nbytes(requests[:1]) / 2**20
+                figures.append(TransferFigure(backend.name, tokens, megabytes, rate, baseline))
     return figures
 
 

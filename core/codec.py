@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from functools import cache
 from typing import Any, Generic, TypeVar
 
@@ -45,50 +46,82 @@ class Codec(Generic[T]):
 
 
 def _fields_of(obj: Any) -> list[Any]:
-    return [_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return _fields_of(value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    return [plain(getattr(obj, name)) for name, plain in _encoders(type(obj))]
 
 
 @cache
-def _hints(cls: type) -> list[Any]:
+def _encoders(cls: type) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    """Each field's name and how to turn its value into msgpack-ready data."""
     hints = typing.get_type_hints(cls)
-    return [hints[f.name] for f in dataclasses.fields(cls)]
+    return tuple((f.name, _encoder(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+@cache
+def _encoder(hint: Any) -> Callable[[Any], Any]:
+    hint = _without_none(hint)
+    if dataclasses.is_dataclass(hint):
+        return lambda value: None if value is None else _fields_of(value)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        inner = _encoder(item)
+        return lambda value: None if value is None else [inner(v) for v in value]
+    return _identity
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _build(cls: type, values: Any) -> Any:
-    hints = _hints(cls)
-    if not isinstance(values, list) or len(values) != len(hints):
-        raise MalformedMessage(f"{cls.__name__}: expected {len(hints)} fields")
-    fields = [_typed(h, v, cls.__name__) for h, v in zip(hints, values, strict=True)]
+    fields = _decoders(cls)
+    if not isinstance(values, list) or len(values) != len(fields):
+        raise MalformedMessage(f"{cls.__name__}: expected {len(fields)} fields")
     try:
-        return cls(*fields)
+        return cls(*[typed(v, cls.__name__) for typed, v in zip(fields, values, strict=True)])
     except ValueError as exc:  # the message type's own validation (__post_init__)
         raise MalformedMessage(f"{cls.__name__}: {exc}") from None
 
 
-def _typed(hint: Any, value: Any, where: str) -> Any:
-    if isinstance(hint, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        hint = next(o for o in options if o is not type(None))
+@cache
+def _decoders(cls: type) -> tuple[Callable[[Any, str], Any], ...]:
+    """Each field's check-and-convert from decoded msgpack data, compiled once per class."""
+    hints = typing.get_type_hints(cls)
+    return tuple(_decoder(hints[f.name]) for f in dataclasses.fields(cls))
+
+
+@cache
+def _decoder(hint: Any) -> Callable[[Any, str], Any]:
+    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+    convert = _required(_without_none(hint))
+    if not optional:
+        return convert
+    return lambda value, where: None if value is None else convert(value, where)
+
+
+def _required(hint: Any) -> Callable[[Any, str], Any]:
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value)
+        return lambda value, where: _build(hint, value)
     if typing.get_origin(hint) is list:
-        if not isinstance(value, list):
-            raise MalformedMessage(f"{where}: expected a list")
         (item,) = typing.get_args(hint)
-        return [_typed(item, v, where) for v in value]
-    if _matches(hint, value):
-        return float(value) if hint is float else value
-    raise MalformedMessage(f"{where}: expected {getattr(hint, '__name__', hint)}")
+        inner = _decoder(item)
+
+        def items(value: Any, where: str) -> list[Any]:
+            if not isinstance(value, list):
+                raise MalformedMessage(f"{where}: expected a list")
+            return [inner(v, where) for v in value]
+        return items
+
+    def scalar(value: Any, where: str) -> Any:
+        if _matches(hint, value):
+            return float(value) if hint is float else value
+        raise MalformedMessage(f"{where}: expected {getattr(hint, '__name__', hint)}")
+    return scalar
+
+
+def _without_none(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType):
+        return next(o for o in typing.get_args(hint) if o is not type(None))
+    return hint
 
 
 def _matches(hint: Any, value: Any) -> bool:

@@ -60,13 +60,14 @@ class KVTransferConfig:
     backend: str = "shm"  # zmq (tcp/ipc, any host) | shm (same host) | cuda_ipc (same GPU)
     buffer_mb: int = 64  # the shm / cuda_ipc staging buffer of each prefill worker
     lease_s: float = 30.0  # a staged chunk not released by then is reclaimed
+    chunk_mb: float = 8.0  # layers of a request are sent together until a chunk holds this
 
     def __post_init__(self) -> None:
         if self.backend not in KV_BACKENDS:
             raise ValueError(f"kv_transfer.backend must be one of {KV_BACKENDS}, "
                              f"not {self.backend!r}")
-        if self.buffer_mb <= 0 or self.lease_s <= 0:
-            raise ValueError("kv_transfer.buffer_mb and kv_transfer.lease_s must be positive")
+        if self.buffer_mb <= 0 or self.lease_s <= 0 or self.chunk_mb <= 0:
+            raise ValueError("kv_transfer.buffer_mb, lease_s and chunk_mb must be positive")
 
 
 @dataclass(frozen=True)

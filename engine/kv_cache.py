@@ -48,12 +48,14 @@ class PagedKVCache:
         slots = self.slots(block_table, 0, num_tokens)
         return self.k.index_select(1, slots), self.v.index_select(1, slots)
 
-    def read_layer(
-        self, layer: int, block_table: list[int], num_tokens: int
+    def read_layers(
+        self, start: int, end: int, block_table: list[int], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for the first `num_tokens` tokens, each `[num_tokens, H, D]`."""
+        """K and V of layers start..end-1 for the first `num_tokens` tokens, each
+        `[end - start, num_tokens, H, D]`."""
+        assert 0 <= start < end <= self.num_layers
         slots = self.slots(block_table, 0, num_tokens)
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        return self.k[start:end].index_select(1, slots), self.v[start:end].index_select(1, slots)
 
     def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
               layer_start: int = 0) -> None:

@@ -22,10 +22,8 @@ import ctypes
 import functools
 import logging
 import os
-import re
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -36,16 +34,13 @@ import torch
 import zmq
 
 from kvtransfer.base import BadChunk
+from kvtransfer.segments import OpenSegments
 from kvtransfer.sender import StagedKVSender
-from kvtransfer.shm import alive
 from kvtransfer.wire import DTYPES, KVHeader, Placement, nbytes_of
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"cuda-(\d+)-[0-9a-f]{12}")
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-_MAX_OPEN = 64
-_SWEEP_S = 5.0  # how often a reader looks for senders that are gone
 _CLOSE_GRACE_S = 1.0  # how long a closing sender waits for its regions to be released
 _MASK = 2**64 - 1
 _THREADS = 256  # the kernel's block size (its shared array is this long)
@@ -207,8 +202,7 @@ class CudaIpcReader:
     """Copies placed chunks out of senders' device buffers, opening each handle once."""
 
     def __init__(self) -> None:
-        self.opened: OrderedDict[str, _Buffer] = OrderedDict()
-        self._swept = time.monotonic()
+        self.segments: OpenSegments[_Buffer] = OpenSegments("cuda", _close)
 
     def read(self, header: KVHeader) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as CUDA tensors on the device the handle was opened on (the current one)."""
@@ -217,7 +211,6 @@ class CudaIpcReader:
             raise BadChunk("placement", problem)
         placement = header.placement
         assert placement is not None
-        self._sweep_now_and_then()
         buffer = self._buffer(placement)
         nbytes = nbytes_of(header)
         if placement.offset < 0 or (buffer.size is not None
@@ -251,53 +244,27 @@ class CudaIpcReader:
         local = _EXPORTED.get(placement.segment)
         if local is not None:  # a sender in this process: a handle cannot be opened here
             return local
-        if placement.segment in self.opened:
-            self.opened.move_to_end(placement.segment)
-            return self.opened[placement.segment]
-        if not _NAME.fullmatch(placement.segment):
-            raise BadChunk("placement", f"not a CUDA KV segment: {placement.segment[:80]!r}")
         if len(placement.handle) != HANDLE_BYTES:
             raise BadChunk("placement", f"a CUDA IPC handle of {len(placement.handle)} bytes")
-        self._close_dead()
-        buffer = _open(placement)
-        if len(self.opened) >= _MAX_OPEN:
-            _close(self.opened.popitem(last=False)[1])
-        self.opened[placement.segment] = buffer
-        return buffer
-
-    def _sweep_now_and_then(self) -> None:
-        now = time.monotonic()
-        if now - self._swept >= _SWEEP_S:
-            self._swept = now
-            self._close_dead()
-
-    def _close_dead(self) -> None:
-        """Close the handles of senders whose process is gone."""
-        for segment in list(self.opened):
-            match = _NAME.fullmatch(segment)
-            if match and not alive(int(match.group(1))):
-                _close(self.opened.pop(segment))
+        return self.segments.get(placement.segment, lambda name: _open(name, placement.handle))
 
     def close(self) -> None:
-        for buffer in self.opened.values():
-            _close(buffer)
-        self.opened.clear()
+        self.segments.close()
 
 
-def _open(placement: Placement) -> _Buffer:
+def _open(segment: str, handle: bytes) -> _Buffer:
     cupy = _cupy()
     device = torch.cuda.current_device()
     try:
         with cupy.cuda.Device(device):
-            ptr = cupy.cuda.runtime.ipcOpenMemHandle(placement.handle)
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
     except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise BadChunk("placement", f"cannot open the CUDA IPC handle of {placement.segment} "
+        raise BadChunk("placement", f"cannot open the CUDA IPC handle of {segment} "
                                     f"(same host and device? sender gone?): {exc}") from None
     with cupy.cuda.Device(device):
         size = _bytes_from(ptr)
     if size is None:
-        log.warning("cannot learn the size of CUDA buffer %s: its offsets go unchecked",
-                    placement.segment)
+        log.warning("cannot learn the size of CUDA buffer %s: its offsets go unchecked", segment)
     return _Buffer(ptr, size, device)
 
 

@@ -64,6 +64,10 @@ class RingAllocator:
         head = self.live[0].offset
         tail = self.live[-1].offset + self.live[-1].size
         if self.live[-1].offset >= head:  # not wrapped: free space at the end, then the start
+            # Going back to the start early reuses memory that is likely still in cache; only
+            # when the start has room for half the buffer, so the ring keeps its capacity.
+            if head >= max(size, self.capacity // 2):
+                return 0
             if self.capacity - tail >= size:
                 return tail
             return 0 if head >= size else None

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ import torch
 import zmq
 
 from kvtransfer.base import BadChunk
+from kvtransfer.segments import OpenSegments, alive, segment_owner
 from kvtransfer.sender import StagedKVSender
 from kvtransfer.wire import (
     DTYPES,
@@ -31,15 +30,14 @@ from kvtransfer.wire import (
 )
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"raging-kv-(\d+)-[0-9a-f]{12}")
-_MAX_OPEN = 64
+PREFIX = "raging-kv"  # segment names: PREFIX-<owner pid>-<12 hex>
 
 
 class ShmSegment:
     """A named shared-memory buffer this process owns; removed on `close`."""
 
     def __init__(self, size: int) -> None:
-        self.name = f"raging-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.name = f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path = SHM_DIR / self.name
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -48,6 +46,7 @@ class ShmSegment:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array.fill(0)  # fault every page in now, not during the first transfers
 
     def close(self) -> None:
         del self.array
@@ -58,22 +57,12 @@ class ShmSegment:
 def sweep_dead_segments() -> int:
     """Remove the segments of senders that are gone; the number removed."""
     removed = 0
-    for path in SHM_DIR.glob("raging-kv-*"):
-        match = _NAME.fullmatch(path.name)
-        if match and not alive(int(match.group(1))):
+    for path in SHM_DIR.glob(f"{PREFIX}-*"):
+        owner = segment_owner(PREFIX, path.name)
+        if owner is not None and not alive(owner):
             path.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 class ShmKVSender(StagedKVSender):
@@ -101,13 +90,13 @@ class ShmReader:
     """Verifies placed chunks where they lie in the senders' segments, mapping each once."""
 
     def __init__(self) -> None:
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.segments: OpenSegments[mmap.mmap] = OpenSegments(PREFIX, _unmap)
 
     def read(self, header: KVHeader) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V in the segment: valid until the receiver releases the region."""
         placement = header.placement
         assert placement is not None
-        mapped = self._open(placement.segment)
+        mapped = self.segments.get(placement.segment, _map)
         nbytes = nbytes_of(header)
         if placement.offset < 0 or placement.offset + 2 * nbytes > len(mapped):
             raise BadChunk("placement", "the chunk lies outside its shared-memory segment")
@@ -119,33 +108,23 @@ class ShmReader:
         v = torch.frombuffer(region[nbytes:], dtype=dtype).view(header.shape)
         return k, v
 
-    def _open(self, name: str) -> mmap.mmap:
-        if name in self.maps:
-            self.maps.move_to_end(name)
-            return self.maps[name]
-        if not _NAME.fullmatch(name):
-            raise BadChunk("placement", f"not a KV segment name: {name[:80]!r}")
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)  # writable only so torch can view it
-        except OSError as exc:
-            raise BadChunk("placement", f"cannot open segment {name} (same host?): {exc}") from None
-        try:
-            mapped = mmap.mmap(fd, 0)
-        except (OSError, ValueError) as exc:  # ValueError: an empty file
-            raise BadChunk("placement", f"cannot map segment {name}: {exc}") from None
-        finally:
-            os.close(fd)
-        if len(self.maps) >= _MAX_OPEN:
-            self._close(self.maps.popitem(last=False)[1])
-        self.maps[name] = mapped
-        return mapped
-
     def close(self) -> None:
-        for mapped in self.maps.values():
-            self._close(mapped)
-        self.maps.clear()
+        self.segments.close()
 
-    @staticmethod
-    def _close(mapped: mmap.mmap) -> None:
-        with contextlib.suppress(BufferError):  # a tensor still views it: it goes with that
-            mapped.close()
+
+def _map(name: str) -> mmap.mmap:
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR)  # writable only so torch can view it
+    except OSError as exc:
+        raise BadChunk("placement", f"cannot open segment {name} (same host?): {exc}") from None
+    try:
+        return mmap.mmap(fd, 0)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file
+        raise BadChunk("placement", f"cannot map segment {name}: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a tensor still views it: it goes with that
+        mapped.close()

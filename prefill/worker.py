@@ -38,6 +38,7 @@ class PrefillWorker(Worker):
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
         self.sender = make_sender(self.context, config.kv_transfer)
+        self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
@@ -53,7 +54,8 @@ class PrefillWorker(Worker):
             return False
         tables = [self.runner.allocator.allocate(self._blocks_for(r)) for r in batch]
         streamed = [(r, t) for r, t in zip(batch, tables, strict=True) if r.task.max_tokens > 1]
-        stream = LayerStream(self.sender, self.runner.cache, self.identity.fingerprint, streamed)
+        stream = LayerStream(self.sender, self.runner.cache, self.identity.fingerprint, streamed,
+                             self.chunk_bytes)
 
         def after_layer(layer: int) -> None:
             stream.send_layer(layer)

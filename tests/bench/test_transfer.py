@@ -6,7 +6,7 @@ from bench.transfer import cuda_ready, markdown, measure
 
 
 def test_transfer_measures_each_backend_against_memcpy() -> None:
-    figures = measure((16, 64), repeats=2)
+    figures = measure((16, 64), repeats=2, min_mb=1)
     names = ["zmq tcp", "zmq ipc", "shm"] + (["cuda_ipc"] if cuda_ready() else [])
     assert [(f.backend, f.tokens) for f in figures] == [
         (name, tokens) for tokens in (16, 64) for name in names]

@@ -47,8 +47,9 @@ def test_write_read_round_trip_across_blocks(spec: ModelSpec) -> None:
     cache.write(table, 6, k[:, 6:], v[:, 6:])  # starts mid-block
     read_k, read_v = cache.read(table, 19)
     assert read_k.is_contiguous() and torch.equal(read_k, k) and torch.equal(read_v, v)
-    layer_k, layer_v = cache.read_layer(1, table, 19)
-    assert torch.equal(layer_k, k[1]) and torch.equal(layer_v, v[1])
+    layer_k, layer_v = cache.read_layers(1, 2, table, 19)
+    assert torch.equal(layer_k, k[1:2]) and torch.equal(layer_v, v[1:2])
+    assert layer_k.is_contiguous()
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[table] = False
     paged = cache.k.view(spec.num_layers, 16, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)

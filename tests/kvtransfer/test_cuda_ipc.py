@@ -298,8 +298,8 @@ def test_round_trip_between_two_processes(receiver: KVReceiver, ending: str) -> 
             k, v = chunk(int(item.header.request_id), "cuda")
             assert torch.equal(item.k, k) and torch.equal(item.v, v)
         reader = receiver.readers["cuda_ipc"]
-        assert isinstance(reader, CudaIpcReader) and list(reader.opened) == [segment]
-        size = reader.opened[segment].size  # from the driver: offsets are checked against it
+        assert isinstance(reader, CudaIpcReader) and list(reader.segments.opened) == [segment]
+        size = reader.segments.opened[segment].size  # from the driver: offsets checked against it
         assert size is not None and size >= 4 * 2**20
         placement = items[0].header.placement  # type: ignore[union-attr]
         outside = Placement("cuda_ipc", segment, size, 0, placement.handle)
@@ -310,8 +310,8 @@ def test_round_trip_between_two_processes(receiver: KVReceiver, ending: str) -> 
         process.stdin.write("done\n")
         process.stdin.flush()
         assert process.wait(timeout=WAIT_S) == 0
-        reader._close_dead()  # the sender is gone: its handle closes
-        assert reader.opened == {}
+        reader.segments.close_dead()  # the sender is gone: its handle closes
+        assert reader.segments.opened == {}
         torch.cuda.synchronize()  # this process's CUDA context is unharmed
     finally:
         stop(process)

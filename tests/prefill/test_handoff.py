@@ -42,6 +42,7 @@ WAIT_S = 5.0
 BLOCK_SIZE = 4  # small, so prompts span several (scattered) blocks
 FINGERPRINT = "tiny|float32"
 PROMPTS = {"a": list(range(20, 31)), "b": list(range(40, 45))}  # 11 and 5 tokens
+ONE_LAYER = 1  # chunk bytes: every layer goes in a chunk of its own
 
 
 
@@ -156,7 +157,7 @@ def test_each_layer_streams_during_the_forward_then_the_first_token(
     tables = allocate(runner, requests)
     inbox = Inbox(receiver)
     stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                     strict=True)))
+                                                                     strict=True)), ONE_LAYER)
     seen_at_hook: list[dict[str, list[int]]] = []
 
     def hook(layer: int) -> None:
@@ -208,7 +209,7 @@ def test_an_unreachable_decode_worker_fails_only_its_request(
     inbox = Inbox(receiver)
     try:
         stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                         strict=True)))
+                                                                         strict=True)), ONE_LAYER)
         firsts = run_prefill(runner, stream, requests, tables, stream.send_layer)
         failure = stream.finish(firsts[0])
         assert failure is not None and nowhere in failure
@@ -234,7 +235,7 @@ def test_a_decode_worker_lost_mid_stream_costs_one_failed_send(
     inbox = Inbox(receiver)
     try:
         stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                         strict=True)))
+                                                                         strict=True)), ONE_LAYER)
         doomed.close()  # after its notice: the first layer finds it gone
         gone_by = time.monotonic() + WAIT_S
         while sender.sockets[doomed.address].poll(0, zmq.POLLOUT):
@@ -258,3 +259,34 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_short_prompts_group_layers_into_chunks_of_about_chunk_bytes(
+        make_tiny_model: Callable[..., Path], sender: KVSender, receiver: KVReceiver) -> None:
+    runner = ModelRunner(make_tiny_model(num_hidden_layers=5), num_blocks=32,
+                         block_size=BLOCK_SIZE)
+    requests = [prefill_request(r, receiver.address) for r in PROMPTS]
+    tables = allocate(runner, requests)
+    bytes_per_layer_a = len(PROMPTS["a"]) * runner.cache.bytes_per_token // 5
+    stream = LayerStream(sender, runner.cache, FINGERPRINT,
+                         list(zip(requests, tables, strict=True)), 2 * bytes_per_layer_a)
+    chunks: dict[str, list[tuple[int, int]]] = {}
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVPayload):
+            header = item.header
+            chunks.setdefault(header.request_id, []).append((header.layer_start,
+                                                             header.layer_end))
+            k, v = runner.cache.read_layers(header.layer_start, header.layer_end,
+                                            tables[0 if header.request_id == "a" else 1],
+                                            header.num_tokens)
+            assert torch.equal(item.k, k) and torch.equal(item.v, v)
+
+    firsts = run_prefill(runner, stream, requests, tables, stream.send_layer)
+    assert all(stream.finish(first) is None for first in firsts)
+    deadline = time.monotonic() + WAIT_S
+    while sum(map(len, chunks.values())) < 5 and time.monotonic() < deadline:
+        receiver.fileno_socket().poll(50)
+        receiver.drain(keep)
+    # 11 tokens: two layers a chunk, the last layer alone; 5 tokens: four layers, then one.
+    assert chunks == {"a": [(0, 2), (2, 4), (4, 5)], "b": [(0, 4), (4, 5)]}
