@@ -26,6 +26,7 @@ from kvtransfer.wire import (
     KVHeader,
     byte_array,
     checksum,
+    copy_and_hash,
     nbytes_of,
 )
 
@@ -49,9 +50,9 @@ class ShmSegment:
         self.array.fill(0)  # fault every page in now, not during the first transfers
 
     def close(self) -> None:
-        del self.array
-        self.map.close()
         self.path.unlink(missing_ok=True)
+        del self.array
+        _unmap(self.map)
 
 
 def sweep_dead_segments() -> int:
@@ -77,9 +78,8 @@ class ShmKVSender(StagedKVSender):
 
     def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
         region = self.buffer.array[offset:offset + k.nbytes + v.nbytes]
-        np.copyto(region[:k.nbytes], byte_array(k))
-        np.copyto(region[k.nbytes:], byte_array(v))
-        return checksum(memoryview(region))
+        k_part, v_part = region[:k.nbytes], region[k.nbytes:]
+        return copy_and_hash([(k_part, byte_array(k)), (v_part, byte_array(v))])
 
     def close(self) -> None:
         super().close()
