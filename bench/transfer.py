@@ -138,9 +138,11 @@ def transfer_gb_per_s(backend: Backend, requests: list[KV], repeats: int) -> flo
     try:
         return nbytes(requests) / _median_seconds(hand_off, repeats) / 1e9
     finally:
-        sender.close()
-        context.term()
-        peer.stop()
+        try:
+            sender.close()
+            context.term()
+        finally:
+            peer.stop()
 
 
 def _send(sender: KVSender, address: str, request_id: str, k: torch.Tensor, v: torch.Tensor,
