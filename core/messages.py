@@ -110,6 +110,8 @@ class Heartbeat:
     preemptions: int = 0  # since the worker started
     transfers: list[TransferTotals] = field(default_factory=list)
     dropped_chunks: list[DropCount] = field(default_factory=list)
+    in_transfer: int = 0  # requests (decode) or staged chunks (prefill) whose KV is in flight
+    leases_expired: int = 0  # reservations reclaimed because their lease ran out, since start
 
 
 @dataclass(frozen=True)

@@ -91,12 +91,16 @@ class Worker(ABC):
         while not self.stopping:
             ready = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
             if self.control.socket in ready:
-                for message in self.control.drain():
-                    self._on_control(message)
+                self.take_control()
             self.on_poll(ready)
             busy = self.step()
             self.maybe_heartbeat()
         self.close()
+
+    def take_control(self) -> None:
+        """Handle every control message waiting now, without blocking."""
+        for message in self.control.drain():
+            self._on_control(message)
 
     def _on_control(self, message: Message) -> None:
         if isinstance(message, RegisterAgain):

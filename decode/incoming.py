@@ -36,6 +36,7 @@ class IncomingTable:
         self.lease_s = lease_s
         self.pending: dict[Key, IncomingKV] = {}
         self.dropped: Counter[str] = Counter()  # chunks, by reason
+        self.expired = 0  # entries dropped because their lease ran out
 
     def expect(self, request: DecodeRequest, now: float) -> str | None:
         """Start collecting the request's KV; why it cannot be taken, or None."""
@@ -86,4 +87,5 @@ class IncomingTable:
         expired = [key for key, entry in self.pending.items() if entry.deadline <= now]
         for key in expired:
             del self.pending[key]
+        self.expired += len(expired)
         return expired

@@ -171,6 +171,7 @@ class DecodeWorker(Worker):
             waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
             transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],
             dropped_chunks=[DropCount(reason, n) for reason, n in sorted(dropped.items())],
+            in_transfer=len(self.incoming.pending), leases_expired=self.incoming.expired,
         )
 
     def close(self) -> None:

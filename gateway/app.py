@@ -36,7 +36,9 @@ def build_app(state: GatewayState) -> Starlette:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
-        text = state.metrics.render(state.registry, state.dispatcher.control.dropped)
+        dispatcher = state.dispatcher
+        text = state.metrics.render(state.registry, dispatcher.control.dropped,
+                                    dispatcher.aborts_sent)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager

@@ -48,12 +48,21 @@ class Metrics:
                              ["worker"], registry=r)
         self.preemptions = Gauge("raging_worker_preemptions", "Sequences preempted so far",
                                  ["worker"], registry=r)
+        self.in_transfer = Gauge("raging_kv_in_transfer",
+                                 "KV in flight: requests arriving (decode), chunks staged "
+                                 "and not yet released (prefill)", ["worker"], registry=r)
+        self.leases_expired = Gauge("raging_kv_leases_expired",
+                                    "KV reservations reclaimed after their lease ran out",
+                                    ["worker"], registry=r)
+        self.aborts = Gauge("raging_aborts_sent", "Aborts the gateway sent to workers",
+                            registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
 
-    def render(self, membership: Registry, dropped: int) -> bytes:
+    def render(self, membership: Registry, dropped: int, aborts_sent: int = 0) -> bytes:
         """The exposition text, with the per-worker gauges refreshed from the registry."""
-        for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions):
+        for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions,
+                      self.in_transfer, self.leases_expired):
             gauge.clear()
         for role in ("prefill", "decode"):
             self.workers.labels(role).set(len(membership.alive(role)))
@@ -64,8 +73,11 @@ class Metrics:
                 self.running.labels(name).set(worker.load.running)
                 self.waiting.labels(name).set(worker.load.waiting)
                 self.preemptions.labels(name).set(worker.load.preemptions)
+                self.in_transfer.labels(name).set(worker.load.in_transfer)
+                self.leases_expired.labels(name).set(worker.load.leases_expired)
             self.kv_total.labels(name).set(worker.num_blocks)
         self.dropped.set(dropped)
+        self.aborts.set(aborts_sent)
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
         return generate_latest(self.registry) + generate_latest(transfers)

@@ -69,6 +69,16 @@ class KVSender:
         socket.send_multipart([FORWARD_CODEC.encode(header), *data], copy=False)
         self.counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)
 
+    @property
+    def staged(self) -> int:
+        """Chunks staged outside their messages and not yet released by their receivers."""
+        return 0
+
+    @property
+    def leases_expired(self) -> int:
+        """Staged chunks reclaimed because their receiver never released them."""
+        return 0
+
     def notify(self, address: str, request_id: str, epoch: int, meta: bytes) -> None:
         """Send a control message for the receiving worker, ordered with the chunks."""
         self._writable(address).send(FORWARD_CODEC.encode(KVNotice(request_id, epoch, meta)))
@@ -122,6 +132,15 @@ class StagedKVSender(KVSender):
         self.segment = segment
         self.ring = RingAllocator(capacity, lease_s)
         self.inline_fallbacks = 0
+
+    @property
+    def staged(self) -> int:
+        self._take_releases()
+        return self.ring.in_use
+
+    @property
+    def leases_expired(self) -> int:
+        return self.ring.expired
 
     def _stageable(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True

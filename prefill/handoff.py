@@ -57,6 +57,13 @@ class LayerStream:
                 out.failure = str(exc)
             out.next_layer = layer + 1
 
+    def abort(self, key: tuple[str, int]) -> None:
+        """Send nothing more for the request `key` (its decode worker hears of it from the
+        gateway and drops what already arrived)."""
+        out = self.outgoing.get(key)
+        if out is not None and out.failure is None:
+            out.failure = "aborted"
+
     def finish(self, first: FirstToken) -> str | None:
         """Send the first token after the last layer; why the hand-off failed, if it did."""
         out = self.outgoing.get((first.request_id, first.epoch))

@@ -29,6 +29,10 @@ from prefill.scheduler import PrefillScheduler
 log = logging.getLogger(__name__)
 
 
+class _BatchAborted(Exception):
+    """Every request of the batch in the forward pass was aborted: stop it."""
+
+
 class PrefillWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner, fingerprint: str):
         identity = WorkerIdentity(worker_id, "prefill", fingerprint, runner.block_size,
@@ -39,12 +43,16 @@ class PrefillWorker(Worker):
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
         self.sender = make_sender(self.context, config.kv_transfer)
         self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
+        self.in_batch: set[tuple[str, int]] = set()  # the batch being prefilled
+        self.aborted_in_batch: set[tuple[str, int]] = set()
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
             self.scheduler.add(message)
         elif isinstance(message, Abort):
-            self.scheduler.abort(message.request_id, message.epoch)
+            key = (message.request_id, message.epoch)
+            if not self.scheduler.abort(*key) and key in self.in_batch:
+                self.aborted_in_batch.add(key)  # it stops streaming at the next layer
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
 
@@ -53,11 +61,28 @@ class PrefillWorker(Worker):
         if not batch:
             return False
         tables = [self.runner.allocator.allocate(self._blocks_for(r)) for r in batch]
+        self.in_batch = {(r.request_id, r.epoch) for r in batch}
+        try:
+            self._prefill(batch, tables)
+        except _BatchAborted:
+            log.info("every request of a batch was aborted mid-prefill")
+        finally:
+            for table in tables:
+                self.runner.allocator.free(table)
+            self.in_batch, self.aborted_in_batch = set(), set()
+        return True
+
+    def _prefill(self, batch: list[PrefillRequest], tables: list[list[int]]) -> None:
         streamed = [(r, t) for r, t in zip(batch, tables, strict=True) if r.task.max_tokens > 1]
         stream = LayerStream(self.sender, self.runner.cache, self.identity.fingerprint, streamed,
                              self.chunk_bytes)
 
         def after_layer(layer: int) -> None:
+            self.take_control()  # aborts land here, between layers
+            for key in self.aborted_in_batch:
+                stream.abort(key)
+            if self.aborted_in_batch == self.in_batch:
+                raise _BatchAborted
             stream.send_layer(layer)
             self.between_layers(layer)
 
@@ -66,11 +91,9 @@ class PrefillWorker(Worker):
             start_positions=[0] * len(batch),
             block_tables=tables,
         ), layer_hook=after_layer)
-        tokens = self._first_tokens(batch, logits)
-        for request, table, token in zip(batch, tables, tokens, strict=True):
-            self._hand_off(request, token, stream)
-            self.runner.allocator.free(table)
-        return True
+        for request, token in zip(batch, self._first_tokens(batch, logits), strict=True):
+            if (request.request_id, request.epoch) not in self.aborted_in_batch:
+                self._hand_off(request, token, stream)
 
     def _blocks_for(self, request: PrefillRequest) -> int:
         return blocks_needed(len(request.task.prompt_ids), self.runner.block_size)
@@ -96,6 +119,7 @@ class PrefillWorker(Worker):
             free_blocks=self.runner.allocator.num_free, running=0,
             waiting=len(self.scheduler.waiting),
             transfers=[TransferTotals(self.sender.backend, "send", **vars(self.sender.counters))],
+            in_transfer=self.sender.staged, leases_expired=self.sender.leases_expired,
         )
 
     def close(self) -> None:

@@ -1,0 +1,144 @@
+"""The prefill worker's step in process on a tiny model: aborts stop a batch between layers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from core.config import load_config
+from core.messages import (
+    Abort,
+    FirstToken,
+    GenerationTask,
+    Message,
+    PrefillRequest,
+    Sampling,
+    decode,
+    encode,
+)
+from engine.runner import ModelRunner
+from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
+from prefill.worker import PrefillWorker
+
+LAYERS = 6
+WAIT_S = 5.0
+
+
+@pytest.fixture
+def setup(make_tiny_model: Callable[..., Path], tmp_path: Path,
+          ) -> Iterator[tuple[PrefillWorker, zmq.Socket, KVReceiver]]:
+    control = f"ipc://{tmp_path}/control.sock"
+    config = load_config(None, {"gateway.control_address": control,
+                                "kv_transfer.backend": "zmq", "kv_transfer.chunk_mb": "0.0001"})
+    gateway = zmq.Context.instance().socket(zmq.ROUTER)
+    gateway.bind(control)
+    runner = ModelRunner(make_tiny_model(num_hidden_layers=LAYERS), num_blocks=64, block_size=16)
+    worker = PrefillWorker("prefill-0", config, runner, "fingerprint")
+    worker.control.send(Abort("hello", 0))  # so the gateway's ROUTER knows the worker
+    gateway.recv_multipart()
+    receiver = make_receiver(worker.context, "tcp://127.0.0.1:*")
+    yield worker, gateway, receiver
+    receiver.close()
+    worker.close()
+    gateway.close(linger=0)
+
+
+def request(request_id: str, address: str) -> PrefillRequest:
+    task = GenerationTask(list(range(10, 40)), Sampling(temperature=0.0), 16, [], True)
+    return PrefillRequest(request_id, 0, task, "decode-0", address)
+
+
+def to_worker(gateway: zmq.Socket, message: Message) -> None:
+    gateway.send_multipart([b"prefill-0", encode(message)])
+
+
+def from_worker(gateway: zmq.Socket) -> list[Message]:
+    messages = []
+    while gateway.poll(200):
+        messages.append(decode(gateway.recv_multipart()[1]))
+    return messages
+
+
+def received(receiver: KVReceiver) -> dict[str, list[str]]:
+    """What reached decode, per request: notices by type, chunks by first layer."""
+    got: dict[str, list[str]] = {}
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVNotice):
+            entry = type(decode(item.meta)).__name__
+        else:
+            assert isinstance(item, KVPayload)
+            entry = f"layer {item.header.layer_start}"
+        got.setdefault(item.key[0], []).append(entry)
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        receiver.fileno_socket().poll(50)
+        receiver.drain(keep)
+    return got
+
+
+def abort_at_layer(worker: PrefillWorker, gateway: zmq.Socket, layer: int,
+                   aborts: list[Abort]) -> None:
+    """Have the gateway's aborts arrive while the model computes layer `layer`."""
+    forward = worker.runner.forward
+
+    def hooked(batch, layer_hook=None):  # type: ignore[no-untyped-def]
+        def hook(index: int) -> None:
+            if index == layer:
+                for abort in aborts:
+                    to_worker(gateway, abort)
+                time.sleep(0.05)  # let them land
+            assert layer_hook is not None
+            layer_hook(index)
+        return forward(batch, layer_hook=hook)
+    worker.runner.forward = hooked  # type: ignore[method-assign]
+
+
+def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) -> None:
+    worker, gateway, receiver = setup
+    free = worker.runner.allocator.num_free
+    for rid in ("a", "b"):
+        to_worker(gateway, request(rid, receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    abort_at_layer(worker, gateway, 2, [Abort("a", 0), Abort("b", 0)])
+    assert worker.step()
+    assert worker.runner.allocator.num_free == free
+    assert not [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    sent = received(receiver)
+    # Layers 0 and 1 went out; the aborts arrived after layer 2 was computed: nothing more.
+    assert sent == {r: ["DecodeRequest", "layer 0", "layer 1"] for r in ("a", "b")}
+
+
+def test_aborting_one_request_stops_only_its_stream(setup) -> None:
+    worker, gateway, receiver = setup
+    free = worker.runner.allocator.num_free
+    for rid in ("a", "b"):
+        to_worker(gateway, request(rid, receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    abort_at_layer(worker, gateway, 3, [Abort("a", 0)])
+    assert worker.step()
+    assert worker.runner.allocator.num_free == free
+    firsts = [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    assert firsts == ["b"]
+    sent = received(receiver)
+    assert sent["a"] == ["DecodeRequest", "layer 0", "layer 1", "layer 2"]
+    assert sent["b"] == ["DecodeRequest", *[f"layer {i}" for i in range(LAYERS)], "FirstToken"]
+
+
+def test_an_abort_for_a_queued_request_removes_it_and_a_repeat_is_a_no_op(setup) -> None:
+    worker, gateway, receiver = setup
+    to_worker(gateway, request("a", receiver.address))
+    to_worker(gateway, Abort("a", 0))
+    to_worker(gateway, Abort("a", 0))
+    to_worker(gateway, Abort("never-sent", 0))
+    time.sleep(0.1)
+    worker.take_control()
+    assert not worker.step()
+    assert worker.scheduler.waiting == type(worker.scheduler.waiting)()
+    assert from_worker(gateway) == [] and received(receiver) == {}
