@@ -139,10 +139,13 @@ class OpenAIRoutes:
         generation = Generation(handle, self.state.dispatcher, self.state.metrics,
                                 self.state.tokenizer, params.stop)
         reply = Reply(fmt, generation, self.state, params.include_usage)
+        echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await reply.whole(request)
+                                     headers={"Cache-Control": "no-cache", **echoed})
+        response = await reply.whole(request)
+        response.headers.update(echoed)
+        return response
 
 
 class Reply:
@@ -245,6 +248,15 @@ class Reply:
 
 def _stream_error(message: str) -> dict[str, Any]:
     return APIError(503, message, "server_error", code="generation_failed").to_body()
+
+
+def client_request_id(request: Request) -> dict[str, str]:
+    """The client's X-Request-Id to echo back, if it is a sane one. It is only echoed: the
+    server names requests itself, so two requests with the same id never share state."""
+    value = request.headers.get("x-request-id", "")
+    if 0 < len(value) <= 128 and value.isascii() and value.isprintable():
+        return {"X-Request-Id": value}
+    return {}
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -88,6 +88,36 @@ def test_sixteen_concurrent_streams_match_the_greedy_reference(
     assert cluster.metric("raging_requests_total", 'outcome="ok",route="completions"') >= 16
 
 
+def test_requests_sharing_a_client_request_id_are_served_apart(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference
+) -> None:
+    """The server names requests itself; the client's X-Request-Id is only echoed back."""
+    prompts = PROMPTS[:8]
+    headers = {"X-Request-Id": "same-id-for-all"}
+
+    def complete(prompt: str, stream: bool) -> tuple[str, str, str]:
+        body = {"model": cluster.model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        if stream:
+            with cluster.client.stream("POST", "/v1/completions", json=body,
+                                       headers=headers) as response:
+                events = [e for e in sse_events(response) if isinstance(e, dict)]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            return text, events[0]["id"], response.headers["x-request-id"]
+        response = cluster.client.post("/v1/completions", json=body, headers=headers)
+        reply = response.json()
+        return reply["choices"][0]["text"], reply["id"], response.headers["x-request-id"]
+
+    jobs = [(p, i % 2 == 0) for p in prompts for i in range(2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: complete(*job), jobs))
+    for (prompt, _), (text, _, echoed) in zip(jobs, results, strict=True):
+        expected = tokenizer.decode(reference(tokenizer.encode(prompt), 12),
+                                    skip_special_tokens=True)
+        assert text == expected and echoed == "same-id-for-all", prompt
+    assert len({reply_id for _, reply_id, _ in results}) == len(jobs)
+
+
 def test_chat_stream_and_whole_agree(cluster: Cluster) -> None:
     body = {"model": cluster.model, "messages": [{"role": "user", "content": "Say something"}],
             "max_tokens": 16, "temperature": 0, "ignore_eos": True}
