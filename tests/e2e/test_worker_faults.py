@@ -1,0 +1,56 @@
+"""A wedged worker (SIGSTOP) flips readiness within the heartbeat timeout, the API keeps
+answering, and the worker is taken back when it resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import Cluster, launch
+
+pytestmark = pytest.mark.e2e
+HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
+
+
+@pytest.fixture
+def cluster(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
+    with launch(tmp_path, tiny_model_dir, prefill=1, decode=1) as running:
+        yield running
+
+
+def within(seconds: float, condition: Callable[[], bool]) -> float:
+    """How long `condition` took to hold; fails after `seconds`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < seconds, "not in time"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def completion_status(cluster: Cluster) -> int:
+    body = {"model": cluster.model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+    return cluster.client.post("/v1/completions", json=body).status_code
+
+
+def test_a_wedged_decode_worker_flips_readiness_and_is_taken_back(cluster: Cluster) -> None:
+    pid = cluster.pids()["decode-0"]
+    assert completion_status(cluster) == 200
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        took = within(HEARTBEAT_TIMEOUT_S + 2,
+                      lambda: cluster.client.get("/health").status_code == 503)
+        assert took <= HEARTBEAT_TIMEOUT_S + 1.5
+        assert cluster.client.get("/v1/models").status_code == 200
+        response = cluster.client.post("/v1/completions", json={
+            "model": cluster.model, "prompt": "Hello", "max_tokens": 4})
+        assert response.status_code == 503 and "retry-after" in response.headers
+        assert response.json()["error"]["message"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    within(10, lambda: cluster.client.get("/health").status_code == 200)
+    assert completion_status(cluster) == 200
