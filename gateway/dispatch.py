@@ -52,9 +52,11 @@ class RequestHandle:
     done: bool = False
     next_index: int = 0  # the output position the client gets next
     early: dict[int, Event] = field(default_factory=dict)  # arrived before their turn
+    retries: int = 0  # times it went to another prefill worker after losing one
 
 
 _REABORT_MEMORY = 4096
+_MAX_PREFILL_RETRIES = 2
 
 
 class Dispatcher:
@@ -63,6 +65,7 @@ class Dispatcher:
         self.registry = registry
         self.requests: dict[str, RequestHandle] = {}
         self.aborts_sent = 0
+        self.prefill_retries = 0
         self.reaborted: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def submit(self, task: GenerationTask) -> RequestHandle:
@@ -204,9 +207,30 @@ class Dispatcher:
             worker.active.pop(request_id, None)
 
     def _fail_worker_requests(self, worker: WorkerInfo, reason: str) -> None:
-        log.warning("failing %d requests: %s", len(worker.active), reason)
+        """The worker is gone: requests still waiting for their first token go to another
+        prefill worker; the others end with an error."""
+        log.warning("%d requests on it: %s", len(worker.active), reason)
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
-            if handle is not None:
-                self.abort(handle)
-                handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))
+            if handle is None or (worker.role == "prefill" and self._retry_prefill(handle)):
+                continue
+            self.abort(handle)
+            handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))
+
+    def _retry_prefill(self, handle: RequestHandle) -> bool:
+        """Send a request whose prefill worker was lost before its first token to another
+        one, under a new epoch (anything of the old epoch is then dropped everywhere)."""
+        prefill = self.registry.pick_prefill()
+        decode = self.registry.workers.get(handle.decode_worker)
+        if (handle.next_index or handle.early or prefill is None or decode is None
+                or handle.retries >= _MAX_PREFILL_RETRIES):
+            return False
+        self._send_abort(decode.worker_id, handle.request_id, handle.epoch)
+        handle.epoch += 1
+        handle.retries += 1
+        handle.prefill_worker = prefill.worker_id
+        prefill.active[handle.request_id] = len(handle.task.prompt_ids)
+        self.control.send(prefill.worker_id, PrefillRequest(
+            handle.request_id, handle.epoch, handle.task, decode.worker_id, decode.kv_address))
+        self.prefill_retries += 1
+        return True

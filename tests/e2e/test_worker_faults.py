@@ -7,11 +7,13 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
-from tests.e2e.cluster import Cluster, launch
+from tests.e2e.cluster import Cluster, greedy_reference, launch
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
@@ -54,3 +56,41 @@ def test_a_wedged_decode_worker_flips_readiness_and_is_taken_back(cluster: Clust
         os.kill(pid, signal.SIGCONT)
     within(10, lambda: cluster.client.get("/health").status_code == 200)
     assert completion_status(cluster) == 200
+
+
+@pytest.fixture
+def two_prefill(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
+    with launch(tmp_path, tiny_model_dir, prefill=2, decode=1) as running:
+        yield running
+
+
+def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
+    two_prefill: Cluster, tiny_model_dir: Path
+) -> None:
+    cluster = two_prefill
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference = greedy_reference(tiny_model_dir)
+    prompts = [f"Request number {i} says" for i in range(8)]
+    pid = cluster.pids()["prefill-0"]
+    os.kill(pid, signal.SIGSTOP)  # requests routed to it now wait there
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, cluster, p) for p in prompts]
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        texts = [f.result(timeout=60) for f in futures]
+    recovered_s = time.monotonic() - started
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == tokenizer.decode(reference(tokenizer.encode(prompt), 8)), prompt
+    retried = cluster.metric("raging_prefill_retries")
+    assert retried >= 1
+    print(f"{len(prompts)} requests, 1 prefill worker killed, {retried:.0f} retried, "
+          f"all done {recovered_s:.1f} s after the first was sent")
+
+
+def complete(cluster: Cluster, prompt: str) -> str:
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    response = cluster.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]

@@ -705,18 +705,40 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
     asyncio.run(body())
 
 
-def test_a_restarted_worker_fails_the_requests_of_its_old_instance(tmp_path: Path) -> None:
+def test_a_restarted_prefill_worker_gets_its_unstarted_requests_again(tmp_path: Path) -> None:
+    """Lost before its first token, a request goes out again under a new epoch; what the
+    decode worker holds of the old epoch is aborted."""
     async def body() -> None:
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             prefill.client.close()
             restarted = await gw.worker("p1", "prefill", instance_id="i1")
-            assert await next_event(handle) == Event(None, "error", STOPPED)
-            assert handle.done and gw.registry.workers["p1"].instance_id == "i1"
-            assert gw.active("p1") == {} and gw.active("d1") == {}
             assert await decode.expect(1) == [Abort(handle.request_id, 0)]
-            assert await restarted.flush() == [Abort(handle.request_id, 0)]
+            (again,) = await restarted.flush()
+            assert isinstance(again, PrefillRequest)
+            assert (again.request_id, again.epoch, again.task) == (handle.request_id, 1,
+                                                                   handle.task)
+            assert not handle.done and gw.dispatcher.prefill_retries == 1
+            restarted.send(FirstToken(handle.request_id, 0, 9, None))  # the old epoch: ignored
+            restarted.send(FirstToken(handle.request_id, 1, 5, None))
+            assert await next_event(handle) == Event(5, None)
+
+    asyncio.run(body())
+
+
+def test_a_request_already_streaming_fails_with_its_prefill_worker_gone(
+        tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, _ = await pair(gw)
+            handle = await submitted(gw, prefill)
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            prefill.client.close()
+            await gw.worker("p1", "prefill", instance_id="i1")
+            assert await next_event(handle) == Event(None, "error", STOPPED)
+            assert gw.dispatcher.prefill_retries == 0
 
     asyncio.run(body())
 
