@@ -69,8 +69,8 @@ def test_greedy_output_matches_transformers_over_each_backend(
         segments = list(Path("/dev/shm").glob(f"raging-kv-{cluster.pids()['prefill-0']}-*"))
         assert len(segments) == (1 if backend == "shm" else 0)
         chunks = len(PROMPTS)  # a tiny model's KV: both layers fit one chunk
-        settled(lambda: transfer_metric(cluster, "chunks", "any", "receive", "decode-0") == chunks)
-        assert transfer_metric(cluster, "chunks", backend, "send", "prefill-0") == chunks
+        settled(lambda: transfer_metric(cluster, "chunks", "any", "receive", "decode-0") == chunks
+                and transfer_metric(cluster, "chunks", backend, "send", "prefill-0") == chunks)
         sent = transfer_metric(cluster, "bytes", backend, "send", "prefill-0")
         assert sent > 0 and sent == transfer_metric(cluster, "bytes", "any", "receive", "decode-0")
         assert transfer_metric(cluster, "failures", backend, "send", "prefill-0") == 0
