@@ -116,6 +116,17 @@ class OpenAIRoutes:
             raise not_found(f"The model '{model[:100]}' does not exist; this server serves "
                             f"'{self.state.model_name}'.", param="model", code="model_not_found")
 
+    def _admit(self, prompt_tokens: int) -> None:
+        """429 at once when the queue is full, in requests or in prompt tokens waiting for
+        prefill (a prompt over the token bound alone still gets in when nothing waits)."""
+        limits = self.state.config.gateway
+        if len(self.state.dispatcher.requests) >= limits.max_inflight_requests:
+            raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
+        queued = self.state.registry.queued_prompt_tokens()
+        if queued and queued + prompt_tokens > limits.max_queued_tokens:
+            raise rate_limited(f"{queued} prompt tokens are already waiting for prefill; "
+                               "retry shortly", retry_after=1.0)
+
     async def _serve(self, request: Request, fmt: Format, prompt_ids: list[int],
                      params: GenerationParams) -> Response:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
@@ -126,8 +137,7 @@ class OpenAIRoutes:
             raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
         if not self.state.control_plane_up():
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
-        if len(self.state.dispatcher.requests) >= self.state.config.gateway.max_inflight_requests:
-            raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
+        self._admit(len(prompt_ids))
         task = GenerationTask(
             prompt_ids=prompt_ids,
             sampling=Sampling(params.temperature, params.top_p, params.top_k, params.seed),

@@ -91,6 +91,10 @@ class Registry:
             return None
         return min(w.capacity_tokens for w in self.workers.values())
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens routed to prefill workers and not handed on to decode yet."""
+        return sum(w.held_tokens for w in self.alive("prefill"))
+
     def pick_prefill(self) -> WorkerInfo | None:
         """The prefill worker with the fewest prompt tokens waiting on it."""
         return min(self.alive("prefill"), key=lambda w: (w.held_tokens, len(w.active)),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.cluster import Cluster, greedy_reference, launch
+from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
@@ -88,9 +88,38 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
           f"all done {recovered_s:.1f} s after the first was sent")
 
 
-def complete(cluster: Cluster, prompt: str) -> str:
+def complete(cluster: Cluster, prompt: str | list[int]) -> str:
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     response = cluster.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("limit", ["requests", "tokens"])
+def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(
+    limit: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bounds = {"max_inflight_requests": 4} if limit == "requests" else {"max_queued_tokens": 100}
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], **bounds}}
+    with launch(tmp_path, tiny_model_dir, prefill=1, decode=1, config=config) as cluster:
+        pid = cluster.pids()["prefill-0"]
+        prompt = list(range(1000, 1030))  # 30 tokens: three fit under 100 queued tokens
+        fits = 4 if limit == "requests" else 3
+        with ThreadPoolExecutor(fits) as pool:
+            os.kill(pid, signal.SIGSTOP)  # nothing leaves the queue meanwhile
+            try:
+                admitted = [pool.submit(complete, cluster, prompt) for _ in range(fits)]
+                time.sleep(0.5)
+                started = time.monotonic()
+                refused = cluster.client.post("/v1/completions", json={
+                    "model": cluster.model, "prompt": prompt, "max_tokens": 8})
+                took = time.monotonic() - started
+            finally:
+                os.kill(pid, signal.SIGCONT)  # within the heartbeat timeout
+            for future in admitted:
+                future.result(timeout=30)  # served: `complete` checks for a 200
+        assert refused.status_code == 429 and took < 0.5
+        assert refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["message"]
