@@ -33,7 +33,7 @@ class GatewayConfig:
     expect_decode: int = 1
     max_inflight_requests: int = 512
     max_queued_tokens: int = 65536  # prompt tokens waiting for prefill; beyond it, 429
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = 2.5  # a worker silent this long is dead (heartbeats: 0.5 s)
     progress_timeout_s: float = 300.0  # a request with no new token for this long fails
     keepalive_s: float = 10.0
     max_body_bytes: int = 16 * 1024 * 1024

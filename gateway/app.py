@@ -38,7 +38,7 @@ def build_app(state: GatewayState) -> Starlette:
     async def metrics(request: Request) -> Response:
         dispatcher = state.dispatcher
         text = state.metrics.render(state.registry, dispatcher.control.dropped,
-                                    dispatcher.aborts_sent, dispatcher.prefill_retries)
+                                    dispatcher.aborts_sent, dispatcher.resumed)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager

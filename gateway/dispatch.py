@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.channels import ControlServer
 from core.messages import (
@@ -52,11 +52,13 @@ class RequestHandle:
     done: bool = False
     next_index: int = 0  # the output position the client gets next
     early: dict[int, Event] = field(default_factory=dict)  # arrived before their turn
-    retries: int = 0  # times it went to another prefill worker after losing one
+    retries: int = 0  # times it was resumed on other workers after losing one
+    delivered: list[int] = field(default_factory=list)  # token ids the client has got
+    offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
 
 
 _REABORT_MEMORY = 4096
-_MAX_PREFILL_RETRIES = 2
+_MAX_RESUMES = 2
 
 
 class Dispatcher:
@@ -65,7 +67,7 @@ class Dispatcher:
         self.registry = registry
         self.requests: dict[str, RequestHandle] = {}
         self.aborts_sent = 0
-        self.prefill_retries = 0
+        self.resumed = 0
         self.reaborted: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def submit(self, task: GenerationTask) -> RequestHandle:
@@ -98,7 +100,7 @@ class Dispatcher:
                 self.on_message(worker_id, message)
             await asyncio.sleep(0)  # a backlog of ready messages must not starve HTTP
 
-    async def watch_liveness(self, interval_s: float = 0.5) -> None:
+    async def watch_liveness(self, interval_s: float = 0.25) -> None:
         while True:
             await asyncio.sleep(interval_s)
             for worker in self.registry.expire():
@@ -160,14 +162,17 @@ class Dispatcher:
             log.warning("token for %s from %s, not its worker: dropped", handle.request_id,
                         worker_id)
             return
-        if token.index < handle.next_index or token.index in handle.early:
+        index = handle.offset + token.index  # in the client's output
+        if index < handle.next_index or index in handle.early:
             return  # a duplicate
-        handle.early[token.index] = Event(token.token_id, token.finish_reason)
+        handle.early[index] = Event(token.token_id, token.finish_reason)
         if token.index > 0:
             self._decode_progress(handle)
         while not handle.done and handle.next_index in handle.early:
             event = handle.early.pop(handle.next_index)
             handle.next_index += 1
+            assert event.token_id is not None
+            handle.delivered.append(event.token_id)
             handle.events.put_nowait(event)
             if event.finish_reason is not None:
                 self._finish(handle)
@@ -207,30 +212,37 @@ class Dispatcher:
             worker.active.pop(request_id, None)
 
     def _fail_worker_requests(self, worker: WorkerInfo, reason: str) -> None:
-        """The worker is gone: requests still waiting for their first token go to another
-        prefill worker; the others end with an error."""
+        """The worker is gone: its requests resume on live workers where they can; the others
+        end with an error."""
         log.warning("%d requests on it: %s", len(worker.active), reason)
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
-            if handle is None or (worker.role == "prefill" and self._retry_prefill(handle)):
+            if handle is None or self._resume(handle):
                 continue
             self.abort(handle)
             handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))
 
-    def _retry_prefill(self, handle: RequestHandle) -> bool:
-        """Send a request whose prefill worker was lost before its first token to another
-        one, under a new epoch (anything of the old epoch is then dropped everywhere)."""
-        prefill = self.registry.pick_prefill()
-        decode = self.registry.workers.get(handle.decode_worker)
-        if (handle.next_index or handle.early or prefill is None or decode is None
-                or handle.retries >= _MAX_PREFILL_RETRIES):
+    def _resume(self, handle: RequestHandle) -> bool:
+        """Start the request again under a new epoch on a live pair of workers, from its prompt
+        plus the tokens the client already has, so the stream goes on with no gap and no
+        repeat (anything of the old epoch is dropped everywhere). False past the limit or
+        with a pool empty."""
+        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
+        if prefill is None or decode is None or handle.retries >= _MAX_RESUMES:
             return False
-        self._send_abort(decode.worker_id, handle.request_id, handle.epoch)
+        for worker_id in (handle.prefill_worker, handle.decode_worker):
+            self._send_abort(worker_id, handle.request_id, handle.epoch)
+            self._release(handle.request_id, worker_id)
         handle.epoch += 1
         handle.retries += 1
-        handle.prefill_worker = prefill.worker_id
-        prefill.active[handle.request_id] = len(handle.task.prompt_ids)
+        handle.offset, handle.early = handle.next_index, {}
+        handle.prefill_worker, handle.decode_worker = prefill.worker_id, decode.worker_id
+        task = handle.task
+        task = replace(task, prompt_ids=[*task.prompt_ids, *handle.delivered],
+                       max_tokens=task.max_tokens - len(handle.delivered))
+        for worker in (prefill, decode):
+            worker.active[handle.request_id] = len(task.prompt_ids)
         self.control.send(prefill.worker_id, PrefillRequest(
-            handle.request_id, handle.epoch, handle.task, decode.worker_id, decode.kv_address))
-        self.prefill_retries += 1
+            handle.request_id, handle.epoch, task, decode.worker_id, decode.kv_address))
+        self.resumed += 1
         return True

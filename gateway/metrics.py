@@ -56,14 +56,13 @@ class Metrics:
                                     ["worker"], registry=r)
         self.aborts = Gauge("raging_aborts_sent", "Aborts the gateway sent to workers",
                             registry=r)
-        self.retries = Gauge("raging_prefill_retries",
-                             "Requests sent to another prefill worker after losing theirs",
-                             registry=r)
+        self.resumed = Gauge("raging_requests_resumed",
+                             "Requests resumed on other workers after losing one", registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
-               prefill_retries: int = 0) -> bytes:
+               resumed: int = 0) -> bytes:
         """The exposition text, with the per-worker gauges refreshed from the registry."""
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions,
                       self.in_transfer, self.leases_expired):
@@ -82,7 +81,7 @@ class Metrics:
             self.kv_total.labels(name).set(worker.num_blocks)
         self.dropped.set(dropped)
         self.aborts.set(aborts_sent)
-        self.retries.set(prefill_retries)
+        self.resumed.set(resumed)
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
         return generate_latest(self.registry) + generate_latest(transfers)

@@ -35,7 +35,7 @@ def test_default_yaml_loads_with_its_values() -> None:
     assert config.model.max_model_len == 8192
     assert config.prefill.num_kv_blocks == 640 and config.prefill.threads == 1
     assert config.decode.num_kv_blocks == 1024 and config.decode.max_running == 64
-    assert config.gateway.heartbeat_timeout_s == 3.0
+    assert config.gateway.heartbeat_timeout_s == 2.5
     assert config.prefill.heartbeat_interval_s == WorkerConfig().heartbeat_interval_s
 
 

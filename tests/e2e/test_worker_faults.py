@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
+from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
@@ -82,7 +83,7 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
     recovered_s = time.monotonic() - started
     for prompt, text in zip(prompts, texts, strict=True):
         assert text == tokenizer.decode(reference(tokenizer.encode(prompt), 8)), prompt
-    retried = cluster.metric("raging_prefill_retries")
+    retried = cluster.metric("raging_requests_resumed")
     assert retried >= 1
     print(f"{len(prompts)} requests, 1 prefill worker killed, {retried:.0f} retried, "
           f"all done {recovered_s:.1f} s after the first was sent")
@@ -123,3 +124,58 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(
         assert refused.headers["retry-after"] == "1"
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_error" and error["message"]
+
+
+@pytest.fixture
+def two_decode(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
+    with launch(tmp_path, tiny_model_dir, prefill=1, decode=2) as running:
+        yield running
+
+
+def test_streams_on_a_killed_decode_worker_go_on_elsewhere_without_a_gap(
+    two_decode: Cluster, tiny_model_dir: Path
+) -> None:
+    """SIGKILL mid-stream: each stream resumes on the other decode worker from what its client
+    already has, and the whole text equals the uninterrupted greedy run."""
+    cluster = two_decode
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference = greedy_reference(tiny_model_dir)
+    prompts = [f"Story {i}: once upon a time" for i in range(6)]
+    max_tokens = 300
+    pid = cluster.pids()["decode-0"]
+    streaming = threading.Barrier(len(prompts) + 1)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream_text, cluster, p, max_tokens, streaming) for p in prompts]
+        streaming.wait(timeout=30)  # every stream has its first tokens
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [f.result(timeout=60) for f in futures]
+    for prompt, (text, finish, errors) in zip(prompts, results, strict=True):
+        assert errors == [] and finish == "length", prompt
+        expected = tokenizer.decode(reference(tokenizer.encode(prompt), max_tokens),
+                                    skip_special_tokens=True)
+        assert text == expected, prompt
+    resumed = cluster.metric("raging_requests_resumed")
+    assert 1 <= resumed <= len(prompts)
+    print(f"{len(prompts)} streams, 1 decode worker killed, {resumed:.0f} resumed, all done "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+
+
+def stream_text(cluster: Cluster, prompt: str, max_tokens: int,
+                streaming: threading.Barrier) -> tuple[str, str | None, list[object]]:
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    text, finish, errors = "", None, []
+    with cluster.client.stream("POST", "/v1/completions", json=body) as response:
+        for count, event in enumerate(sse_events(response)):
+            if count == 3:
+                streaming.wait(timeout=30)
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            choice = event["choices"][0]
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+    return text, finish, errors

@@ -707,7 +707,7 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
 
 def test_a_restarted_prefill_worker_gets_its_unstarted_requests_again(tmp_path: Path) -> None:
     """Lost before its first token, a request goes out again under a new epoch; what the
-    decode worker holds of the old epoch is aborted."""
+    workers hold of the old epoch is aborted."""
     async def body() -> None:
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
@@ -715,11 +715,11 @@ def test_a_restarted_prefill_worker_gets_its_unstarted_requests_again(tmp_path: 
             prefill.client.close()
             restarted = await gw.worker("p1", "prefill", instance_id="i1")
             assert await decode.expect(1) == [Abort(handle.request_id, 0)]
-            (again,) = await restarted.flush()
-            assert isinstance(again, PrefillRequest)
+            abort, again = await restarted.flush()
+            assert abort == Abort(handle.request_id, 0) and isinstance(again, PrefillRequest)
             assert (again.request_id, again.epoch, again.task) == (handle.request_id, 1,
                                                                    handle.task)
-            assert not handle.done and gw.dispatcher.prefill_retries == 1
+            assert not handle.done and gw.dispatcher.resumed == 1
             restarted.send(FirstToken(handle.request_id, 0, 9, None))  # the old epoch: ignored
             restarted.send(FirstToken(handle.request_id, 1, 5, None))
             assert await next_event(handle) == Event(5, None)
@@ -727,18 +727,29 @@ def test_a_restarted_prefill_worker_gets_its_unstarted_requests_again(tmp_path: 
     asyncio.run(body())
 
 
-def test_a_request_already_streaming_fails_with_its_prefill_worker_gone(
-        tmp_path: Path) -> None:
+def test_a_streaming_request_resumes_from_what_the_client_has(tmp_path: Path) -> None:
+    """Its decode worker lost, a request is prefilled again from its prompt plus the tokens
+    already streamed, and goes on at the next output position: no gap, no repeat."""
     async def body() -> None:
         async with gateway(tmp_path) as gw:
-            prefill, _ = await pair(gw)
+            prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             prefill.send(FirstToken(handle.request_id, 0, 5, None))
-            assert await next_event(handle) == Event(5, None)
-            prefill.client.close()
-            await gw.worker("p1", "prefill", instance_id="i1")
-            assert await next_event(handle) == Event(None, "error", STOPPED)
-            assert gw.dispatcher.prefill_retries == 0
+            decode.tokens(handle.request_id, (1, 6, None), (2, 7, None))
+            assert [await next_event(handle) for _ in range(3)] == [
+                Event(5, None), Event(6, None), Event(7, None)]
+            decode.client.close()
+            fresh = await gw.worker("d1", "decode", instance_id="i1")
+            abort, again = await prefill.expect(2)
+            assert abort == Abort(handle.request_id, 0) and isinstance(again, PrefillRequest)
+            assert again.epoch == 1 and again.decode_worker == "d1"
+            assert again.task.prompt_ids == [*TASK.prompt_ids, 5, 6, 7]
+            assert again.task.max_tokens == TASK.max_tokens - 3
+            prefill.send(FirstToken(handle.request_id, 1, 8, None))
+            fresh.tokens(handle.request_id, (1, 9, None), epoch=1)
+            assert [await next_event(handle) for _ in range(2)] == [Event(8, None),
+                                                                    Event(9, None)]
+            assert handle.delivered == [5, 6, 7, 8, 9] and gw.dispatcher.resumed == 1
 
     asyncio.run(body())
 
