@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 import torch
@@ -121,7 +122,7 @@ class KVSender:
         self.sockets.clear()
 
 
-class StagedKVSender(KVSender):
+class StagedKVSender(KVSender, ABC):
     """A sender that stages chunks in a buffer of its own (`_stage`), reusing each region once
     its receiver releases it. A chunk that finds no room within a moment goes inline."""
 
@@ -145,9 +146,9 @@ class StagedKVSender(KVSender):
     def _stageable(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True
 
+    @abstractmethod
     def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Copy K then V to `offset` of the buffer; their checksum."""
-        raise NotImplementedError
 
     def _place(self, k: torch.Tensor, v: torch.Tensor) -> tuple[Placement, int] | None:
         if not self._stageable(k, v):
