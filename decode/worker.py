@@ -114,7 +114,9 @@ class DecodeWorker(Worker):
             self.incoming.dropped["malformed notice"] += 1
             return
         if isinstance(message, DecodeRequest):
-            if key not in self.aborted:
+            if self.scheduler.find(key) is not None:
+                self.incoming.dropped["duplicate request"] += 1  # a repeated hand-off
+            elif key not in self.aborted:
                 problem = self.incoming.expect(message, time.monotonic())
                 if problem is not None:
                     self._fail(key, problem)

@@ -14,8 +14,13 @@ class PrefillScheduler:
         self.block_size = block_size
         self.waiting: deque[PrefillRequest] = deque()
 
-    def add(self, request: PrefillRequest) -> None:
+    def add(self, request: PrefillRequest) -> bool:
+        """Queue a request; False (and nothing queued) when the same one is queued already."""
+        key = (request.request_id, request.epoch)
+        if any((r.request_id, r.epoch) == key for r in self.waiting):
+            return False
         self.waiting.append(request)
+        return True
 
     def abort(self, request_id: str, epoch: int) -> bool:
         """Drop a queued request; False when it is not queued here."""

@@ -48,7 +48,8 @@ class PrefillWorker(Worker):
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
-            self.scheduler.add(message)
+            if (message.request_id, message.epoch) not in self.in_batch:  # not a repeat
+                self.scheduler.add(message)
         elif isinstance(message, Abort):
             key = (message.request_id, message.epoch)
             if not self.scheduler.abort(*key) and key in self.in_batch:

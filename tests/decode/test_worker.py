@@ -321,3 +321,15 @@ def receive_into(worker: DecodeWorker, count: int) -> None:
         assert time.monotonic() < deadline, f"only {handed} of {count} KV items arrived"
         worker.receiver.fileno_socket().poll(100)
         handed += worker.receiver.drain(worker._on_kv)
+
+
+def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker) -> None:
+    decode_worker, gateway = worker
+    arrive(decode_worker, "r", max_tokens=100)
+    assert events_of_next_step(decode_worker, gateway) == {"r": None}
+    free = decode_worker.runner.allocator.num_free
+    arrive(decode_worker, "r", max_tokens=100)  # the same request and epoch, handed off again
+    assert events_of_next_step(decode_worker, gateway) == {"r": None}
+    assert len(decode_worker.scheduler.running) == 1 and not decode_worker.scheduler.waiting
+    assert decode_worker.runner.allocator.num_free == free
+    assert decode_worker.incoming.dropped["duplicate request"] == 1

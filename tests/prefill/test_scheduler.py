@@ -121,3 +121,12 @@ def test_queued_tokens() -> None:
     scheduler.schedule(free_blocks=100)
     assert scheduler.queued_tokens == 0
     assert scheduler_with().queued_tokens == 0
+
+
+def test_a_repeated_request_is_queued_once_but_a_new_epoch_is_its_own() -> None:
+    scheduler = PrefillScheduler(max_batch_tokens=100, block_size=BLOCK)
+    assert scheduler.add(request("r", 3))
+    assert not scheduler.add(request("r", 3))
+    assert scheduler.add(request("r", 3, epoch=1))
+    assert [(r.request_id, r.epoch) for r in scheduler.schedule(free_blocks=100)] == [
+        ("r", 0), ("r", 1)]
