@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -55,10 +56,12 @@ class RequestHandle:
     retries: int = 0  # times it was resumed on other workers after losing one
     delivered: list[int] = field(default_factory=list)  # token ids the client has got
     offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
+    gap_since: float | None = None  # since when later tokens wait for a missing one
 
 
 _REABORT_MEMORY = 4096
 _MAX_RESUMES = 2
+_LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
 class Dispatcher:
@@ -106,6 +109,16 @@ class Dispatcher:
             for worker in self.registry.expire():
                 log.warning("%s stopped heartbeating: declared dead", worker.worker_id)
                 self._fail_worker_requests(worker, f"{worker.worker_id} died")
+            self._resume_lost_tokens()
+
+    def _resume_lost_tokens(self) -> None:
+        """A token that never came (its message lost) stalls its stream: start over from it."""
+        lost_before = time.monotonic() - _LOST_AFTER_S
+        for handle in list(self.requests.values()):
+            if handle.gap_since is not None and handle.gap_since < lost_before:
+                log.warning("request %s lost token %d: resuming", handle.request_id,
+                            handle.next_index)
+                self._resume_or_fail(handle)
 
     def on_message(self, worker_id: str, message: Message) -> None:
         if isinstance(message, TokenBatch):
@@ -176,6 +189,7 @@ class Dispatcher:
             handle.events.put_nowait(event)
             if event.finish_reason is not None:
                 self._finish(handle)
+        handle.gap_since = (handle.gap_since or time.monotonic()) if handle.early else None
 
     def _decode_progress(self, handle: RequestHandle) -> None:
         """The decode worker holds the request now: prefill is done with it."""
@@ -217,8 +231,11 @@ class Dispatcher:
         log.warning("%d requests on it: %s", len(worker.active), reason)
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
-            if handle is None or self._resume(handle):
-                continue
+            if handle is not None:
+                self._resume_or_fail(handle)
+
+    def _resume_or_fail(self, handle: RequestHandle) -> None:
+        if not self._resume(handle):
             self.abort(handle)
             handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))
 
@@ -235,7 +252,7 @@ class Dispatcher:
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
         handle.retries += 1
-        handle.offset, handle.early = handle.next_index, {}
+        handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
         handle.prefill_worker, handle.decode_worker = prefill.worker_id, decode.worker_id
         task = handle.task
         task = replace(task, prompt_ids=[*task.prompt_ids, *handle.delivered],

@@ -924,3 +924,26 @@ def test_serve_yields_to_the_event_loop_under_a_backlog() -> None:
                    for m in control.sent)
 
     asyncio.run(body())
+
+
+def test_a_token_lost_on_the_way_resumes_the_stream_from_it(tmp_path: Path) -> None:
+    """Decode tokens wait behind a first token that never comes: after a second the request
+    starts over under a new epoch; reordering shorter than that resumes nothing."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))
+            prefill, decode = await pair(gw)
+            late = await submitted(gw, prefill)
+            decode.tokens(late.request_id, (1, 6, None))
+            await asyncio.sleep(0.3)
+            prefill.send(FirstToken(late.request_id, 0, 5, None))  # late, not lost
+            assert [await next_event(late) for _ in range(2)] == [Event(5, None),
+                                                                  Event(6, None)]
+            lost = await submitted(gw, prefill)
+            decode.tokens(lost.request_id, (1, 6, None), (2, 7, None))
+            abort, again = await prefill.expect(2)
+            assert abort == Abort(lost.request_id, 0) and isinstance(again, PrefillRequest)
+            assert again.epoch == 1 and again.task == lost.task
+            assert gw.dispatcher.resumed == 1 and late.epoch == 0
+
+    asyncio.run(body())
