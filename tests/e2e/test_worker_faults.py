@@ -21,8 +21,11 @@ HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
 
 
 @pytest.fixture
-def cluster(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
-    with launch(tmp_path, tiny_model_dir, prefill=1, decode=1) as running:
+def cluster(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path,
+            ) -> Iterator[Cluster]:
+    """1 prefill + 1 decode worker, or the (prefill, decode) counts a test asks for."""
+    prefill, decode = getattr(request, "param", (1, 1))
+    with launch(tmp_path, tiny_model_dir, prefill=prefill, decode=decode) as running:
         yield running
 
 
@@ -59,16 +62,10 @@ def test_a_wedged_decode_worker_flips_readiness_and_is_taken_back(cluster: Clust
     assert completion_status(cluster) == 200
 
 
-@pytest.fixture
-def two_prefill(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
-    with launch(tmp_path, tiny_model_dir, prefill=2, decode=1) as running:
-        yield running
-
-
+@pytest.mark.parametrize("cluster", [(2, 1)], indirect=True)
 def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
-    two_prefill: Cluster, tiny_model_dir: Path
+    cluster: Cluster, tiny_model_dir: Path
 ) -> None:
-    cluster = two_prefill
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reference = greedy_reference(tiny_model_dir)
     prompts = [f"Request number {i} says" for i in range(8)]
@@ -126,18 +123,12 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(
         assert error["type"] == "rate_limit_error" and error["message"]
 
 
-@pytest.fixture
-def two_decode(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Cluster]:
-    with launch(tmp_path, tiny_model_dir, prefill=1, decode=2) as running:
-        yield running
-
-
+@pytest.mark.parametrize("cluster", [(1, 2)], indirect=True)
 def test_streams_on_a_killed_decode_worker_go_on_elsewhere_without_a_gap(
-    two_decode: Cluster, tiny_model_dir: Path
+    cluster: Cluster, tiny_model_dir: Path
 ) -> None:
     """SIGKILL mid-stream: each stream resumes on the other decode worker from what its client
     already has, and the whole text equals the uninterrupted greedy run."""
-    cluster = two_decode
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reference = greedy_reference(tiny_model_dir)
     prompts = [f"Story {i}: once upon a time" for i in range(6)]

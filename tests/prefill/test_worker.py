@@ -98,13 +98,19 @@ def abort_at_layer(worker: PrefillWorker, gateway: zmq.Socket, layer: int,
     worker.runner.forward = hooked  # type: ignore[method-assign]
 
 
+def queue(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver,
+          *request_ids: str) -> None:
+    """The gateway sends the requests; the worker takes them into its queue."""
+    for request_id in request_ids:
+        to_worker(gateway, request(request_id, receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+
+
 def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) -> None:
     worker, gateway, receiver = setup
     free = worker.runner.allocator.num_free
-    for rid in ("a", "b"):
-        to_worker(gateway, request(rid, receiver.address))
-    time.sleep(0.1)
-    worker.take_control()
+    queue(worker, gateway, receiver, "a", "b")
     abort_at_layer(worker, gateway, 2, [Abort("a", 0), Abort("b", 0)])
     assert worker.step()
     assert worker.runner.allocator.num_free == free
@@ -117,10 +123,7 @@ def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) 
 def test_aborting_one_request_stops_only_its_stream(setup) -> None:
     worker, gateway, receiver = setup
     free = worker.runner.allocator.num_free
-    for rid in ("a", "b"):
-        to_worker(gateway, request(rid, receiver.address))
-    time.sleep(0.1)
-    worker.take_control()
+    queue(worker, gateway, receiver, "a", "b")
     abort_at_layer(worker, gateway, 3, [Abort("a", 0)])
     assert worker.step()
     assert worker.runner.allocator.num_free == free
