@@ -6,12 +6,14 @@
     python -m bench runner --quick
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
+    python -m bench overload --cap 16 --factor 10
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +23,10 @@ import torch
 from tqdm import tqdm
 
 from bench import handoff as kv_handoff
+from bench import overload as flood
 from bench import runner as microbench
 from bench import transfer as kv_transfer
-from bench.launcher import ROOT
+from bench.launcher import ROOT, redact
 from bench.load import Load
 from bench.plots import plot_serve
 from bench.prompts import TokenPrompts
@@ -60,6 +63,8 @@ def _add_targets(parser: argparse.ArgumentParser) -> None:
                        help='start ours with scripts/launch.sh FLAGS, e.g. "p1d2=--prefill 1 '
                             '--decode 2", measure it with its memory, stop it (repeatable)')
     group.add_argument("--model", help="model name to request (default: the server's first)")
+    group.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' to every server; "
+                                         "--launch servers are started with it as a key")
     group.add_argument("--tokenizer", type=Path,
                        help="tokenizer folder: exact prompt lengths as token ids (default: the "
                             "launched model's; without either, text of approximate length)")
@@ -125,7 +130,7 @@ def serve_plan(args: argparse.Namespace, targets: list[Target]) -> tuple[Plan, W
     prompts, how = prompt_maker(args.tokenizer, targets)
     specs = build(workload, prompts, args.warmup + args.num_requests)
     plan = Plan(tuple(specs[:args.warmup]), tuple(specs[args.warmup:]), loads(args),
-                Slo(args.slo_ttft, args.slo_tpot), args.model)
+                Slo(args.slo_ttft, args.slo_tpot), args.model, args.api_key)
     return plan, workload, how
 
 
@@ -136,11 +141,11 @@ def prepare_serve(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[],
     if not targets:
         raise ValueError("give at least one --url or --launch")
     for target in targets:
-        check_reachable(target)
+        check_reachable(target, args.api_key)
     plan, workload, how = serve_plan(args, targets)
     out = args.out or default_out("results.json")
     return lambda: run_serve(targets, plan, ServeResults(
-        ("python -m bench", *argv), workload, how, len(plan.requests), len(plan.warmup),
+        ("python -m bench", *redact(argv)), workload, how, len(plan.requests), len(plan.warmup),
         plan.slo, bool(args.rates), ()), out)
 
 
@@ -210,6 +215,8 @@ def transfer_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", type=numbers(int), default=(512, 2048, 8192),
                         help="KV sizes in tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--curve", action="store_true",
+                        help="over CURVE-authenticated, encrypted sockets (as launch.sh runs)")
     parser.set_defaults(prepare=prepare_transfer)
 
 
@@ -218,7 +225,8 @@ def prepare_transfer(args: argparse.Namespace, argv: Sequence[str]) -> Callable[
         raise ValueError("--repeats and every --tokens entry must be >= 1")
 
     def job() -> int:
-        print(kv_transfer.markdown(kv_transfer.measure(args.tokens, args.repeats)))
+        figures = kv_transfer.measure(args.tokens, args.repeats, curve=args.curve)
+        print(kv_transfer.markdown(figures))
         return 0
     return job
 
@@ -245,6 +253,43 @@ def prepare_handoff(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[
     return lambda: kv_handoff.run(folder, args.input_len, args.repeats, args.backends)
 
 
+def overload_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench overload`: admitted requests' latency under a flood."""
+    parser = commands.add_parser("overload", help="admission control under a flood",
+                                 description=flood.__doc__)
+    parser.add_argument("--launch", default="--prefill 1 --decode 1",
+                        help="launch.sh flags of the server (default: %(default)s)")
+    parser.add_argument("--cap", type=int, default=16,
+                        help="gateway.max_inflight_requests (default: %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--idle-requests", type=int, default=8)
+    parser.add_argument("--rated-requests", type=int, default=96)
+    parser.add_argument("--factor", type=float, default=10.0,
+                        help="flood arrival rate in multiples of the rated throughput")
+    parser.add_argument("--flood-seconds", type=float, default=40.0)
+    parser.add_argument("--out", type=Path, help="results JSON (default runs/bench-TIME/)")
+    parser.set_defaults(prepare=prepare_overload)
+
+
+def prepare_overload(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if min(args.cap, args.input_len, args.output_len, args.rated_requests) < 1 \
+            or args.factor <= 0 or args.flood_seconds <= 0 or args.idle_requests < 1:
+        raise ValueError("counts, lengths, --factor and --flood-seconds must be positive")
+    plan = flood.OverloadPlan(tuple(shlex.split(args.launch)), args.cap, args.input_len,
+                              args.output_len, args.idle_requests, args.rated_requests,
+                              args.factor, args.flood_seconds)
+    out = args.out or default_out("overload.json")
+
+    def job() -> int:
+        phases = flood.run(plan, out.with_name("overload-config.yaml"))
+        write_json(flood.as_json(plan, phases), out)
+        print(flood.markdown(phases))
+        print(f"\nwrote {out}", file=sys.stderr)
+        return 0
+    return job
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the command line) and run the chosen subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -254,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)
+    overload_parser(commands)
     args = parser.parse_args(argv)
     try:
         job = args.prepare(args, argv)

@@ -58,6 +58,11 @@ def api_root(url: str) -> str:
     return root.removesuffix("/v1")
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries `api_key`, as OpenAI's own client sends it; none without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def request_body(model: str, spec: RequestSpec) -> dict[str, Any]:
     """A greedy, EOS-ignoring, streamed /v1/completions body asking for exactly output_len."""
     prompt = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt

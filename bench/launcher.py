@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from engine.prepare import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = "[launch] ready"
+_KEY_IN_WORD = re.compile(r"(--api-key(?:=|\s+))\S+")
 MB = 2**20
 
 
@@ -69,9 +71,18 @@ def model_dir(flags: Sequence[str]) -> Path:
     return resolve_model(known.model or config.model.name, config.model.cache_dir)
 
 
+def redact(words: Sequence[str]) -> tuple[str, ...]:
+    """A command line with the value of every --api-key hidden, fit to print or record (also
+    inside one word, such as a bench `--launch "FLAGS"`)."""
+    return tuple("***" if previous == "--api-key" else _KEY_IN_WORD.sub(r"\1***", word)
+                 for previous, word in zip(["", *words], words, strict=False))
+
+
 @contextmanager
-def launched(flags: Sequence[str], timeout_s: float = 600) -> Iterator[LaunchedServer]:
-    """Run launch.sh with `flags` until ready; stop everything it started afterwards."""
+def launched(flags: Sequence[str], timeout_s: float = 600,
+             api_key: str | None = None) -> Iterator[LaunchedServer]:
+    """Run launch.sh with `flags` (and `api_key` as one of its keys) until ready; stop
+    everything it started afterwards."""
     known, _ = _flag_parser().parse_known_args(list(flags))
     if known.run_dir:
         raise ValueError("--run-dir is chosen by the benchmark; leave it out of --launch")
@@ -79,7 +90,8 @@ def launched(flags: Sequence[str], timeout_s: float = 600) -> Iterator[LaunchedS
     port = int(known.port) if known.port else free_port()
     command = [str(ROOT / "scripts/launch.sh"), *flags, "--run-dir", str(run_dir)]
     command += [] if known.port else ["--port", str(port)]
-    print(f"[bench] launching: {' '.join(command)}", file=sys.stderr)
+    command += ["--api-key", api_key] if api_key else []
+    print(f"[bench] launching: {' '.join(redact(command))}", file=sys.stderr)
     with (run_dir / "launch.log").open("wb") as log:
         launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
-from bench.client import api_root, served_model
-from bench.launcher import launched, memory, model_dir
+from bench.client import api_root, auth_headers, served_model
+from bench.launcher import launched, memory, model_dir, redact
 from bench.load import Load, run_load, warm_up
 from bench.prompts import PromptMaker, TextPrompts, TokenPrompts
 from bench.results import Measured, TargetResults, run_label
@@ -44,7 +44,7 @@ class Target:
         if not sep or label.startswith("-") or " " in label:
             label, flags = "", text
         words = tuple(shlex.split(flags))
-        return cls(label=label or " ".join(["raging", *words]), launch_flags=words)
+        return cls(label=label or " ".join(["raging", *redact(words)]), launch_flags=words)
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,17 @@ class Plan:
     loads: tuple[Load, ...]
     slo: Slo
     model: str | None = None  # the model name to request; None: the server's first
+    api_key: str | None = field(default=None, repr=False)  # sent as Bearer; launched ones take it
 
 
-def check_reachable(target: Target, timeout_s: float = 10) -> None:
-    """Raise ValueError, before anything is measured, when a URL target does not answer."""
+def check_reachable(target: Target, api_key: str | None = None, timeout_s: float = 10) -> None:
+    """Raise ValueError, before anything is measured, when a URL target does not answer (or
+    refuses `api_key`)."""
     if target.url is None:
         return
     try:
-        httpx.get(api_root(target.url) + "/v1/models", timeout=timeout_s).raise_for_status()
+        httpx.get(api_root(target.url) + "/v1/models", headers=auth_headers(api_key),
+                  timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as error:
         raise ValueError(f"{target.url} does not answer GET /v1/models: {error}") from error
 
@@ -83,18 +86,18 @@ def measure(target: Target, plan: Plan) -> TargetResults:
         assert target.url is not None
         model, runs = asyncio.run(_measure_url(target.url, target.label, plan))
         return TargetResults(target.label, target.url, model, runs)
-    with launched(target.launch_flags) as server:
+    with launched(target.launch_flags, api_key=plan.api_key) as server:
         model, runs = asyncio.run(_measure_url(server.url, target.label, plan))
         used = memory(server.run_dir)
-    return TargetResults(target.label, server.url, model, runs, target.launch_flags,
+    return TargetResults(target.label, server.url, model, runs, redact(target.launch_flags),
                          str(server.run_dir), used)
 
 
 async def _measure_url(url: str, label: str, plan: Plan) -> tuple[str, tuple[Measured, ...]]:
     timeout = httpx.Timeout(max(load.request_timeout_s for load in plan.loads))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=api_root(url), timeout=timeout,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=api_root(url), timeout=timeout, limits=limits,
+                                 headers=auth_headers(plan.api_key)) as client:
         model = plan.model or await served_model(client)
         await warm_up(client, model, plan.warmup, plan.loads[0])
         runs = []

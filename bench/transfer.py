@@ -1,6 +1,6 @@
 """KV transfer bandwidth between two processes, against a plain memcpy of the same bytes.
 
-    python -m bench transfer [--tokens 512,2048,8192] [--repeats 5]
+    python -m bench transfer [--tokens 512,2048,8192] [--repeats 5] [--curve]
 
 The receiver runs in its own process (`python -m bench.transfer_peer`) and the KV goes as the
 prefill worker sends it: layers grouped into chunks of about kv_transfer.chunk_mb, then a
@@ -9,7 +9,9 @@ is smaller, and memcpy copies the same requests. Each figure includes what a rea
 hand-off pays: framing, checksums on both sides, the socket or the staging copy, the copy out.
 KV is shaped like the default model's: [30 layers, tokens, 3 kv heads, 64] fp32, 46 KB per
 token for K and V together. On a host with CUDA and cupy, cuda_ipc is measured too, against a
-device-to-device copy.
+device-to-device copy. With --curve, the sockets are CURVE-authenticated and encrypted, as
+launch.sh runs them (core/curve.py): inline KV (zmq) is encrypted byte by byte, while shm and
+cuda_ipc only send headers through the sockets.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import zmq
 
 from core.config import KVTransferConfig
 from core.cpus import pin_to
+from core.curve import generate, load
 from kvtransfer import KVSender, make_sender
 from kvtransfer.sender import layers_per_chunk
 
@@ -56,6 +59,7 @@ class Backend:
     config: KVTransferConfig
     bind: str
     device: str = "cpu"
+    keys_dir: str = ""  # CURVE keys for both ends; "" for plain ZeroMQ
 
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -101,10 +105,11 @@ def _median_seconds(action: Callable[[], None], repeats: int) -> float:
 class Peer:
     """The receiving process: it prints its address, then one line per request it received."""
 
-    def __init__(self, bind: str, cpu: int | None) -> None:
+    def __init__(self, bind: str, cpu: int | None, keys_dir: str = "") -> None:
         pinning = [] if cpu is None else ["--cpu", str(cpu)]
+        keys = ["--keys-dir", keys_dir] if keys_dir else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.transfer_peer", "--bind", bind, *pinning],
+            [sys.executable, "-m", "bench.transfer_peer", "--bind", bind, *pinning, *keys],
             stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         self.address = self.process.stdout.readline().strip()
@@ -121,9 +126,10 @@ class Peer:
 def transfer_gb_per_s(backend: Backend, requests: list[KV], repeats: int) -> float:
     """The requests sent back to back, each as chunks of layers then a notice, until every one
     arrived."""
-    peer = Peer(backend.bind, _PEER_CPU)
+    peer = Peer(backend.bind, _PEER_CPU, backend.keys_dir)
     context = zmq.Context()
-    sender = make_sender(context, backend.config)
+    keys = load(Path(backend.keys_dir)) if backend.keys_dir else None
+    sender = make_sender(context, backend.config, keys)
     count = 0
 
     def hand_off() -> None:
@@ -157,15 +163,21 @@ def _send(sender: KVSender, address: str, request_id: str, k: torch.Tensor, v: t
     return len(starts)
 
 
-def backends(folder: Path) -> list[Backend]:
+def backends(folder: Path, keys_dir: str = "") -> list[Backend]:
+    """Every backend this host runs; with `keys_dir`, over CURVE (named "+curve")."""
+    tag = " +curve" if keys_dir else ""
     found = [
-        Backend("zmq tcp", KVTransferConfig(backend="zmq"), "tcp://127.0.0.1:*"),
-        Backend("zmq ipc", KVTransferConfig(backend="zmq"), f"ipc://{folder}/kv.sock"),
-        Backend("shm", KVTransferConfig(backend="shm"), f"ipc://{folder}/shm.sock"),
+        Backend(f"zmq tcp{tag}", KVTransferConfig(backend="zmq"), "tcp://127.0.0.1:*",
+                keys_dir=keys_dir),
+        Backend(f"zmq ipc{tag}", KVTransferConfig(backend="zmq"), f"ipc://{folder}/kv.sock",
+                keys_dir=keys_dir),
+        Backend(f"shm{tag}", KVTransferConfig(backend="shm"), f"ipc://{folder}/shm.sock",
+                keys_dir=keys_dir),
     ]
     if cuda_ready():
         config = KVTransferConfig(backend="cuda_ipc", buffer_mb=256)
-        found.append(Backend("cuda_ipc", config, f"ipc://{folder}/cuda.sock", "cuda"))
+        found.append(Backend(f"cuda_ipc{tag}", config, f"ipc://{folder}/cuda.sock", "cuda",
+                             keys_dir))
     return found
 
 
@@ -179,14 +191,18 @@ def cuda_ready() -> bool:
 
 
 def measure(token_counts: tuple[int, ...], repeats: int, min_mb: int = 128,
-            ) -> list[TransferFigure]:
-    """Sender and receiver each get one core and one thread, as the workers do."""
+            curve: bool = False) -> list[TransferFigure]:
+    """Sender and receiver each get one core and one thread, as the workers do; `curve`:
+    over CURVE sockets."""
     pin_to(_SENDER_CPUS)
     torch.set_num_threads(1)
     figures = []
     with tempfile.TemporaryDirectory(prefix="raging-transfer-") as folder:
+        keys_dir = f"{folder}/keys" if curve else ""
+        if curve:
+            generate(Path(keys_dir))
         for tokens in token_counts:
-            for backend in backends(Path(folder)):
+            for backend in backends(Path(folder), keys_dir):
                 requests = requests_of(tokens, min_mb * 2**20, backend.device)
                 baseline = memcpy_gb_per_s(requests, repeats)
                 rate = transfer_gb_per_s(backend, requests, repeats)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 import zmq
 
+from core.curve import load
 from kvtransfer import KVItem, KVNotice, KVPayload, make_receiver
 
 
@@ -16,6 +18,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bind", required=True)
     parser.add_argument("--cpu", type=int, help="run on this CPU, as a pinned decode worker does")
+    parser.add_argument("--keys-dir", help="CURVE keys (core/curve.py); plain ZeroMQ without")
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -23,7 +26,8 @@ def main() -> None:
     # Chunks are copied where a decode worker would put them: into memory it already holds.
     cache: dict[tuple[object, ...], torch.Tensor] = {}
     context = zmq.Context()
-    receiver = make_receiver(context, args.bind)
+    keys = load(Path(args.keys_dir)) if args.keys_dir else None
+    receiver = make_receiver(context, args.bind, keys)
     print(receiver.address, flush=True)
     socket = receiver.fileno_socket()
     chunks = 0

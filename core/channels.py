@@ -1,7 +1,8 @@
 """ZeroMQ control channels: the gateway's ROUTER and each worker's DEALER, typed by messages.
 
 Workers connect to the gateway's one control address; the gateway replies by worker identity.
-Malformed frames are dropped and counted here, never passed on.
+Malformed frames are dropped and counted here, never passed on. Given the cluster's CURVE keys,
+the gateway admits only workers holding the client key, and they talk only to the gateway.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from core.curve import CurveKeys, CurveServer, make_client
 from core.messages import MalformedMessage, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -18,16 +20,30 @@ _HWM = 100_000
 
 
 class ControlServer:
-    """Gateway side: one ROUTER socket bound at the control address (asyncio)."""
+    """Gateway side: one ROUTER socket bound at the control address (asyncio). With `keys`,
+    run `watch_rejections` as a task to keep `rejected_peers` current."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, context: zmq.asyncio.Context, address: str,
+                 keys: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.ROUTER)
+        self.curve = CurveServer(self.socket, keys) if keys is not None else None
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its id
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, _HWM)
         self.socket.setsockopt(zmq.RCVHWM, _HWM)
         self.socket.bind(address)
         self.dropped = 0
+
+    @property
+    def rejected_peers(self) -> int:
+        """Peers turned away for failing CURVE authentication, since the start."""
+        return self.curve.rejected.count if self.curve is not None else 0
+
+    async def watch_rejections(self) -> None:
+        """Count turned-away peers as they come, until cancelled (returns at once without
+        CURVE)."""
+        if self.curve is not None:
+            await self.curve.rejected.watch()
 
     async def recv(self) -> tuple[str, Message]:
         """The next well-formed message and the worker id that sent it."""
@@ -46,13 +62,18 @@ class ControlServer:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.curve is not None:
+            self.curve.close()
 
 
 class ControlClient:
     """Worker side: a DEALER connected to the gateway, identified by the worker id (blocking)."""
 
-    def __init__(self, context: zmq.Context, address: str, worker_id: str) -> None:
+    def __init__(self, context: zmq.Context, address: str, worker_id: str,
+                 keys: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.DEALER)
+        if keys is not None:
+            make_client(self.socket, keys)
         self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, _HWM)

@@ -34,6 +34,7 @@ class GatewayConfig:
     max_inflight_requests: int = 512
     max_queued_tokens: int = 65536  # prompt tokens waiting for prefill; beyond it, 429
     heartbeat_timeout_s: float = 2.5  # a worker silent this long is dead (heartbeats: 0.5 s)
+    stall_timeout_s: float = 10.0  # a worker with work but no layer computed this long: stalled
     progress_timeout_s: float = 300.0  # a request with no new token for this long fails
     keepalive_s: float = 10.0
     max_body_bytes: int = 16 * 1024 * 1024
@@ -72,12 +73,38 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """The gateway's API keys, each naming its tenant; none at all leaves the gateway open.
+
+    Checked by the gateway (gateway/auth.py), which also reads `keys_file`; workers ignore it.
+    """
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # "KEY" or "KEY:TENANT"
+    keys_file: str = ""  # one "KEY TENANT" per line: kept out of argv (ps) and of the YAML
+
+
+@dataclass(frozen=True)
+class InternalConfig:
+    """Authentication of the internal ZeroMQ channels (control and KV) with CURVE: every
+    process of a cluster reads the same keys folder (`python -m core.curve generate DIR`)."""
+
+    curve: bool = False  # off: plain ZeroMQ, anyone who reaches a port may talk to it
+    keys_dir: str = ""  # server.key_secret, client.key_secret, allowed_clients/*.key
+
+    def __post_init__(self) -> None:
+        if self.curve and not self.keys_dir:
+            raise ValueError("internal.curve needs internal.keys_dir")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    internal: InternalConfig = field(default_factory=InternalConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:
@@ -130,12 +157,24 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
 def _convert(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, {} if value is None else value, where)
+    if typing.get_origin(hint) is tuple:
+        return _convert_tuple(hint, value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if any(_is_instance(value, t) for t in allowed):
         return value
     raise ValueError(f"{where}: expected {hint}, got {value!r}")
+
+
+def _convert_tuple(hint: Any, value: Any, where: str) -> tuple[Any, ...]:
+    """`tuple[X, ...]` of scalars from a YAML list. The items are not echoed in errors: they
+    may be secrets (API keys)."""
+    item_hint = typing.get_args(hint)[0]
+    items = () if value is None else value
+    if not isinstance(items, list | tuple) or not all(_is_instance(v, item_hint) for v in items):
+        raise ValueError(f"{where}: expected a list of {item_hint.__name__}")
+    return tuple(items)
 
 
 def _is_instance(value: Any, hint: Any) -> bool:

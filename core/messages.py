@@ -45,6 +45,7 @@ class GenerationTask:
     max_tokens: int
     stop_token_ids: list[int]
     ignore_eos: bool
+    cache_salt: str = ""  # seeds the prefix-cache block hashes: tenants never share blocks
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,14 @@ class DropCount:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A request (in one epoch) a worker holds: queued, in its forward pass, or receiving KV."""
+
+    request_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
     instance_id: str
@@ -112,6 +121,9 @@ class Heartbeat:
     dropped_chunks: list[DropCount] = field(default_factory=list)
     in_transfer: int = 0  # requests (decode) or staged chunks (prefill) whose KV is in flight
     leases_expired: int = 0  # reservations reclaimed because their lease ran out, since start
+    progress: int = 0  # model layers computed since start: stops growing when the loop wedges
+    holding: list[Held] = field(default_factory=list)  # every request the worker holds now
+    rejected_peers: int = 0  # peers its server sockets turned away (CURVE), since start
 
 
 @dataclass(frozen=True)

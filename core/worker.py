@@ -1,7 +1,9 @@
 """What prefill and decode workers share: registration, heartbeats, signals, and the loop.
 
 A worker subclasses `Worker` and supplies `handle` (a control message), `step` (one unit of
-model work, returning whether it did any) and `heartbeat` (its current load).
+model work, returning whether it did any), `heartbeat` (its current load) and `holding` (the
+requests it holds, which the gateway checks so that a request no worker holds is not awaited
+forever).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 import zmq
 
 from core.channels import ControlClient
-from core.messages import Heartbeat, Leave, Message, Register, RegisterAgain, RegisterReply
+from core.curve import CurveKeys
+from core.messages import Heartbeat, Held, Leave, Message, Register, RegisterAgain, RegisterReply
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
@@ -39,18 +42,21 @@ class WorkerIdentity:
 
 class Worker(ABC):
     def __init__(self, identity: WorkerIdentity, gateway_address: str,
-                 heartbeat_interval_s: float) -> None:
+                 heartbeat_interval_s: float, keys: CurveKeys | None = None) -> None:
+        """`keys`: the cluster's CURVE keys, for this worker's sockets (None: plain ZeroMQ)."""
         self.identity = identity
         self.worker_id = identity.worker_id
         self.instance_id = uuid.uuid4().hex
         self.kv_address = ""  # where this worker receives KV, if it does
+        self.keys = keys
         self.context = zmq.Context()
-        self.control = ControlClient(self.context, gateway_address, self.worker_id)
+        self.control = ControlClient(self.context, gateway_address, self.worker_id, keys)
         self.poller = zmq.Poller()
         self.poller.register(self.control.socket, zmq.POLLIN)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.next_heartbeat = 0.0
         self.stopping = False
+        self.progress = 0  # model layers computed since start, reported in heartbeats
 
     def registration(self) -> Register:
         i = self.identity
@@ -66,6 +72,10 @@ class Worker(ABC):
 
     @abstractmethod
     def heartbeat(self) -> Heartbeat: ...
+
+    @abstractmethod
+    def holding(self) -> list[Held]:
+        """Every request this worker holds now (queued, computing, or receiving KV)."""
 
     def register(self, timeout_s: float = 60.0) -> None:
         """Announce this worker and wait for the gateway's verdict."""
@@ -117,7 +127,9 @@ class Worker(ABC):
         """Hook for workers with more sockets than the control channel."""
 
     def between_layers(self, layer: int) -> None:
-        """Passed to the model as its layer hook: a long forward pass keeps heartbeating."""
+        """Passed to the model as its layer hook: a long forward pass keeps heartbeating, and
+        its heartbeats show progress."""
+        self.progress += 1
         self.maybe_heartbeat()
 
     def maybe_heartbeat(self) -> None:

@@ -9,12 +9,14 @@ import zmq
 
 from core.codec import MalformedMessage
 from core.config import Config
+from core.curve import keys_for
 from core.messages import (
     Abort,
     DecodeRequest,
     DropCount,
     FirstToken,
     Heartbeat,
+    Held,
     Message,
     RequestFailed,
     TokenBatch,
@@ -41,11 +43,11 @@ class DecodeWorker(Worker):
         identity = WorkerIdentity(worker_id, "decode", fingerprint, runner.block_size,
                                   runner.allocator.num_total)
         super().__init__(identity, config.gateway.control_address,
-                         config.decode.heartbeat_interval_s)
+                         config.decode.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running)
-        self.receiver = make_receiver(self.context, config.decode.kv_bind)
+        self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
         spec = runner.spec
@@ -174,7 +176,13 @@ class DecodeWorker(Worker):
             transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],
             dropped_chunks=[DropCount(reason, n) for reason, n in sorted(dropped.items())],
             in_transfer=len(self.incoming.pending), leases_expired=self.incoming.expired,
+            progress=self.progress, holding=self.holding(),
+            rejected_peers=self.receiver.rejected_peers,
         )
+
+    def holding(self) -> list[Held]:
+        sequences = [*self.scheduler.running, *self.scheduler.waiting]
+        return [Held(*key) for key in [*self.incoming.pending, *(s.key for s in sequences)]]
 
     def close(self) -> None:
         self.receiver.close()

@@ -31,23 +31,27 @@ def sample(
 
 
 def _sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:
+    """An exponential race (argmax of p / Exp(1) noise drawn in vocabulary order): the same
+    draw as sampling from p, but a logit that moves by a rounding error (another batch shape)
+    only changes the pick when two tokens are that close, never by reordering near-ties."""
     logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[0]:
-        logits, candidates = logits.topk(params.top_k)  # sorted, descending
-    else:
-        candidates = None
-    if params.top_p < 1:
-        if candidates is None:
-            logits, candidates = logits.sort(descending=True)
-        logits = _top_p_filter(logits, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    choice = int(torch.multinomial(probs, 1, generator=generator))
-    return choice if candidates is None else int(candidates[choice])
+    keep = _kept(logits, params.top_k, params.top_p)
+    probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
-def _top_p_filter(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Mask out the tail of descending `sorted_logits` beyond cumulative probability `top_p`."""
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass before it is below top_p; the first token is always kept.
-    mass_before = probs.cumsum(dim=-1) - probs
-    return sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+def _kept(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens top-k and top-p keep, as a mask in vocabulary order (the smallest kept logit
+    is the threshold, so the mask does not depend on how ties were sorted)."""
+    if not (0 < top_k < logits.shape[0] or top_p < 1):
+        return torch.ones_like(logits, dtype=torch.bool)
+    sorted_logits = logits.sort(descending=True).values
+    if 0 < top_k < logits.shape[0]:
+        sorted_logits = sorted_logits[:top_k]
+    if top_p < 1:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass before it is below top_p; the first is always kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits[mass_before < top_p]
+    return logits >= sorted_logits[-1]

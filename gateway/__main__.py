@@ -10,6 +10,7 @@ from engine.loading import kv_fingerprint
 from engine.prepare import resolve_model
 from engine.spec import load_spec
 from gateway.app import build_app
+from gateway.auth import KeysError, with_keys
 from gateway.metrics import Metrics
 from gateway.registry import Registry
 from gateway.state import GatewayState
@@ -19,23 +20,34 @@ def main() -> None:
     parser = base_parser("raging gateway (OpenAI-compatible HTTP server)")
     for flag in ("host", "port", "expect-prefill", "expect-decode"):
         parser.add_argument(f"--{flag}")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",
+                        help="accept this key (repeatable; tenant default: 'default'); "
+                             "prefer --api-key-file: argv is visible to other users in ps")
+    parser.add_argument("--api-key-file", metavar="FILE",
+                        help="keys file, one 'KEY TENANT' per line (auth.keys_file)")
     args = parser.parse_args()
     config = config_from_args(args, {
         "host": "gateway.host", "port": "gateway.port",
         "expect_prefill": "gateway.expect_prefill", "expect_decode": "gateway.expect_decode",
+        "api_key_file": "auth.keys_file",
     })
+    config = with_keys(config, args.api_key)
     setup_logging("gateway")
     folder = resolve_model(config.model.name, config.model.cache_dir)
     spec = load_spec(folder)
     gateway = config.gateway
     registry = Registry(kv_fingerprint(spec, config.model.dtype), gateway.heartbeat_timeout_s,
-                        gateway.expect_prefill, gateway.expect_decode)
+                        gateway.expect_prefill, gateway.expect_decode, gateway.stall_timeout_s)
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
                          tokenizer=AutoTokenizer.from_pretrained(folder), registry=registry,
                          metrics=Metrics())
-    uvicorn.run(build_app(state), host=gateway.host, port=gateway.port, loop="uvloop",
+    try:
+        app = build_app(state)
+    except KeysError as exc:
+        raise SystemExit(f"auth error: {exc}") from None
+    uvicorn.run(app, host=gateway.host, port=gateway.port, loop="uvloop",
                 http="httptools", log_level="warning", timeout_graceful_shutdown=5)
 
 

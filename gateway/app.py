@@ -15,6 +15,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.channels import ControlServer
+from core.curve import keys_for
+from gateway import auth
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, error_response, method_not_allowed, not_found, server_error
 from gateway.openai_api import OpenAIRoutes
@@ -24,30 +26,39 @@ log = logging.getLogger(__name__)
 
 
 def build_app(state: GatewayState) -> Starlette:
+    """The gateway's app; raises auth.KeysError when the configured API keys are unusable."""
+    keys = auth.load_keys(state.config.auth)
+    auth.log_auth_state(state.config.gateway.host, keys)
     routes = OpenAIRoutes(state)
 
     async def health(request: Request) -> Response:
         if not state.control_plane_up():
             return JSONResponse({"status": "control plane stopped"}, status_code=503)
-        ready = state.registry.ready()
-        body = {"status": "ok" if ready else "starting",
-                "prefill": len(state.registry.alive("prefill")),
-                "decode": len(state.registry.alive("decode"))}
+        registry = state.registry
+        ready = registry.ready()
+        stalled = sorted(w.worker_id for w in registry.workers.values() if w.stalled)
+        body = {"status": "ok" if ready else "stalled" if stalled else "starting",
+                "prefill": len(registry.serving("prefill")),
+                "decode": len(registry.serving("decode")), "stalled": stalled}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(request: Request) -> Response:
         dispatcher = state.dispatcher
         text = state.metrics.render(state.registry, dispatcher.control.dropped,
-                                    dispatcher.aborts_sent, dispatcher.resumed)
+                                    dispatcher.aborts_sent, dispatcher.resumed,
+                                    rejected_peers=dispatcher.control.rejected_peers)
         return Response(text, media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         context = zmq.asyncio.Context()
-        control = ControlServer(context, state.config.gateway.control_address)
+        keys = keys_for(state.config.internal)
+        control = ControlServer(context, state.config.gateway.control_address, keys)
         state.dispatcher = Dispatcher(control, state.registry)
         state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),
                                   asyncio.create_task(state.dispatcher.watch_liveness())]
+        if keys is not None:
+            state.control_tasks.append(asyncio.create_task(control.watch_rejections()))
         for task in state.control_tasks:
             task.add_done_callback(_report_stopped)
         try:
@@ -68,6 +79,7 @@ def build_app(state: GatewayState) -> Starlette:
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             ClientDisconnect: _client_gone, Exception: _unexpected_error},
+        middleware=auth.middleware(keys),
         lifespan=lifespan,
     )
 

@@ -20,6 +20,7 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Heartbeat,
+    Held,
     Leave,
     Message,
     PrefillRequest,
@@ -57,6 +58,7 @@ class RequestHandle:
     delivered: list[int] = field(default_factory=list)  # token ids the client has got
     offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
     gap_since: float | None = None  # since when later tokens wait for a missing one
+    held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
 
 
 _REABORT_MEMORY = 4096
@@ -109,7 +111,12 @@ class Dispatcher:
             for worker in self.registry.expire():
                 log.warning("%s stopped heartbeating: declared dead", worker.worker_id)
                 self._fail_worker_requests(worker, f"{worker.worker_id} died")
+            for worker in self.registry.newly_stalled():
+                log.error("%s heartbeats but has computed nothing for %.0f s: stalled",
+                          worker.worker_id, self.registry.stall_timeout_s)
+                self._fail_worker_requests(worker, f"{worker.worker_id} stalled")
             self._resume_lost_tokens()
+            self._resume_unheld()
 
     def _resume_lost_tokens(self) -> None:
         """A token that never came (its message lost) stalls its stream: start over from it."""
@@ -119,6 +126,24 @@ class Dispatcher:
                 log.warning("request %s lost token %d: resuming", handle.request_id,
                             handle.next_index)
                 self._resume_or_fail(handle)
+
+    def _resume_unheld(self) -> None:
+        """A request no worker reports holding (a lost PrefillRequest, a lost last token)
+        would wait forever: after a heartbeat timeout, start it over."""
+        lost_before = time.monotonic() - self.registry.heartbeat_timeout_s
+        for handle in list(self.requests.values()):
+            if handle.held_at < lost_before:
+                log.warning("request %s is held by no worker: resuming", handle.request_id)
+                self._resume_or_fail(handle)
+
+    def _note_held(self, worker_id: str, held: list[Held]) -> None:
+        worker = self.registry.workers[worker_id]
+        keys = {(h.request_id, h.epoch) for h in held}
+        now = time.monotonic()
+        for request_id in worker.active:
+            handle = self.requests.get(request_id)
+            if handle is not None and (request_id, handle.epoch) in keys:
+                handle.held_at = now
 
     def on_message(self, worker_id: str, message: Message) -> None:
         if isinstance(message, TokenBatch):
@@ -130,6 +155,8 @@ class Dispatcher:
         elif isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message):
                 self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
+            elif worker_id == message.worker_id:
+                self._note_held(worker_id, message.holding)
         elif isinstance(message, RequestFailed):
             self._on_failure(message)
         elif isinstance(message, Register):
@@ -179,6 +206,7 @@ class Dispatcher:
         if index < handle.next_index or index in handle.early:
             return  # a duplicate
         handle.early[index] = Event(token.token_id, token.finish_reason)
+        handle.held_at = time.monotonic()
         if token.index > 0:
             self._decode_progress(handle)
         while not handle.done and handle.next_index in handle.early:
@@ -253,6 +281,7 @@ class Dispatcher:
         handle.epoch += 1
         handle.retries += 1
         handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
+        handle.held_at = time.monotonic()
         handle.prefill_worker, handle.decode_worker = prefill.worker_id, decode.worker_id
         task = handle.task
         task = replace(task, prompt_ids=[*task.prompt_ids, *handle.delivered],

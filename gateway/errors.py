@@ -68,6 +68,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def unauthorized(message: str) -> APIError:
+    """401: no API key, or one the server does not know."""
+    return APIError(401, message, "invalid_request_error", code="invalid_api_key")
+
+
 def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """404: unknown route or model."""
     return APIError(404, message, "not_found_error", param, code)

@@ -54,6 +54,11 @@ class Metrics:
         self.leases_expired = Gauge("raging_kv_leases_expired",
                                     "KV reservations reclaimed after their lease ran out",
                                     ["worker"], registry=r)
+        self.progress = Gauge("raging_worker_progress", "Model layers computed since start",
+                              ["worker"], registry=r)
+        self.stalled = Gauge("raging_worker_stalled",
+                             "1 while the worker has work but computes nothing (not routed to)",
+                             ["worker"], registry=r)
         self.aborts = Gauge("raging_aborts_sent", "Aborts the gateway sent to workers",
                             registry=r)
         self.resumed = Gauge("raging_requests_resumed",
@@ -62,10 +67,11 @@ class Metrics:
                              registry=r)
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
-               resumed: int = 0) -> bytes:
-        """The exposition text, with the per-worker gauges refreshed from the registry."""
+               resumed: int = 0, rejected_peers: int = 0) -> bytes:
+        """The exposition text, with the per-worker gauges refreshed from the registry;
+        `rejected_peers`: the gateway's own count of peers that failed CURVE authentication."""
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions,
-                      self.in_transfer, self.leases_expired):
+                      self.in_transfer, self.leases_expired, self.progress, self.stalled):
             gauge.clear()
         for role in ("prefill", "decode"):
             self.workers.labels(role).set(len(membership.alive(role)))
@@ -78,12 +84,15 @@ class Metrics:
                 self.preemptions.labels(name).set(worker.load.preemptions)
                 self.in_transfer.labels(name).set(worker.load.in_transfer)
                 self.leases_expired.labels(name).set(worker.load.leases_expired)
+                self.progress.labels(name).set(worker.load.progress)
             self.kv_total.labels(name).set(worker.num_blocks)
+            self.stalled.labels(name).set(int(worker.stalled))
         self.dropped.set(dropped)
         self.aborts.set(aborts_sent)
         self.resumed.set(resumed)
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
+        transfers.register(RejectedPeersCollector(membership, rejected_peers))
         return generate_latest(self.registry) + generate_latest(transfers)
 
 
@@ -119,3 +128,22 @@ class TransferCollector(Collector):
                 dropped.add_metric([worker.worker_id, count.reason], count.count)
         yield from families.values()
         yield dropped
+
+
+class RejectedPeersCollector(Collector):
+    """Peers turned away by the internal channels' CURVE authentication: the gateway's control
+    socket, and each decode worker's KV socket as its last heartbeat said."""
+
+    def __init__(self, membership: Registry, gateway: int) -> None:
+        self.membership = membership
+        self.gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("raging_internal_rejected",
+                                     "Peers that failed authentication on an internal socket",
+                                     labels=["worker"])
+        family.add_metric(["gateway"], self.gateway)
+        for worker in self.membership.workers.values():
+            if worker.role == "decode" and worker.load is not None:
+                family.add_metric([worker.worker_id], worker.load.rejected_peers)
+        yield family

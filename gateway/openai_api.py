@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Sampling
+from gateway.auth import cache_salt
 from gateway.errors import (
     APIError,
     bad_request,
@@ -142,7 +143,7 @@ class OpenAIRoutes:
             prompt_ids=prompt_ids,
             sampling=Sampling(params.temperature, params.top_p, params.top_k, params.seed),
             max_tokens=max_tokens, stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
+            ignore_eos=params.ignore_eos, cache_salt=cache_salt(request),
         )
         handle = self.state.dispatcher.submit(task)
         self.state.metrics.prompt_tokens.inc(len(prompt_ids))

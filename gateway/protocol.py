@@ -2,12 +2,16 @@
 
 Request bodies are parsed into pydantic models (`parse_chat_request`, `parse_completion_request`),
 any malformed body becoming a 400 `APIError`, then reduced to the internal, frozen
-`GenerationParams`. Prompts are turned into token ids with `render_chat_prompt` or
-`tokenize_prompt`, and `check_context` fits prompt and completion into the model's context.
+`GenerationParams`. Unknown fields and duplicate keys are refused; every field the official
+OpenAI client sends is known: used, accepted and ignored (hints with no effect here), or refused
+as "not supported yet" unless it asks for nothing (null, empty, the default). Prompts are turned
+into token ids with `render_chat_prompt` or `tokenize_prompt`, and `check_context` fits prompt and
+completion into the model's context.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
@@ -34,7 +38,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
+_INT32_MAX = 2**31 - 1
+_MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
+TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -50,25 +58,43 @@ def _unsupported(what: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", f"{what} is not supported yet")
 
 
+def _none_only(value: object, info: ValidationInfo) -> object:
+    """For a feature that is missing: only null (asking for nothing) is accepted."""
+    if value is not None:
+        raise _unsupported(str(info.field_name))
+    return value
+
+
+def _empty_only(value: Sequence[object] | Mapping[str, object] | None,
+                info: ValidationInfo) -> object:
+    """For a list or map of things we cannot honour: only null or empty is accepted."""
+    if value:
+        raise _unsupported(str(info.field_name))
+    return value
+
+
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Request(BaseModel):
-    # strict: no "1" -> 1 or true -> 1 coercions; OpenAI clients send extra fields, so ignore them.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+    # strict: no "1" -> 1 or true -> 1 coercions. forbid: a misspelt field is an error, not a
+    # silently ignored setting; OpenAI client fields that do not apply are declared and ignored.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
 class StreamOptions(_Request):
     """`stream_options`: whether the last streamed chunk carries token usage."""
 
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # ignored: chunks are never padded
 
 
 class ResponseFormat(_Request):
     """`response_format`: only plain text is supported."""
 
     type: str
+    json_schema: Any = None  # only meaningful with type 'json_schema', which is refused
 
     @field_validator("type")
     @classmethod
@@ -84,6 +110,14 @@ class ChatMessage(_Request):
     role: Role
     content: str
     name: str | None = None
+    refusal: str | None = None  # ignored: an earlier assistant refusal, already in `content`
+    tool_call_id: str | None = None  # ignored: tool results are plain text to the template
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    audio: Any = None
+
+    _no_tool_calls = field_validator("tool_calls")(_empty_only)
+    _no_function_or_audio = field_validator("function_call", "audio")(_none_only)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -103,6 +137,12 @@ def _part_text(part: object) -> str:
     text = part.get("text")
     if not isinstance(text, str):
         raise _invalid("a text content part needs a string 'text' field")
+    unknown = sorted(set(part) - TEXT_PART_FIELDS)
+    if unknown:
+        name = unknown[0][:_MAX_NAME_CHARS]
+        raise PydanticCustomError(
+            "invalid_value", "unknown field '{name}' in a content part", {"name": name}
+        )
     return text
 
 
@@ -110,10 +150,11 @@ class _SamplingRequest(_Request):
     """Fields shared by chat and text completion requests."""
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
+    # Bounded: a 4300-digit int parses, then cannot even be formatted into an error message.
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
     n: int | None = Field(default=1, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -124,12 +165,32 @@ class _SamplingRequest(_Request):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-style extensions that are not implemented: only their neutral values pass.
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+    _no_logit_bias = field_validator("logit_bias")(_empty_only)
 
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise _invalid("only n=1 is supported for now")
+            raise _invalid("n > 1 is not supported yet; use n=1")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_tokens(cls, value: int | None) -> int | None:
+        if value:
+            raise _unsupported("min_tokens")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1.0):
+            raise _unsupported("repetition_penalty")
         return value
 
     @field_validator("stop", mode="before")
@@ -166,11 +227,34 @@ class ChatCompletionRequest(_SamplingRequest):
     """The body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # ignored: there are no tools to call
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # Accepted and ignored: bookkeeping for OpenAI's platform, or hints with no effect here.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching is automatic (and salted per tenant)
+    prompt_cache_options: dict[str, str] | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+    _no_functions = field_validator("functions")(_empty_only)
+    _missing_features = field_validator("audio", "prediction", "web_search_options",
+                                        "moderation")(_none_only)
 
     @field_validator("logprobs")
     @classmethod
@@ -193,12 +277,29 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _unsupported("tool calling")
         return value
 
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_forced_call(cls, value: object, info: ValidationInfo) -> object:
+        # Typed Any, not str | dict: a union would name its members in the error location.
+        if not isinstance(value, str | dict | None):
+            raise _invalid(f"{info.field_name} must be a string or an object")
+        if value not in (None, "none", "auto"):  # with no tools, both mean a plain message
+            raise _unsupported("tool calling")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value not in (None, ["text"]):
+            raise _unsupported("output other than text")
+        return value
+
 
 class CompletionRequest(_SamplingRequest):
     """The body of POST /v1/completions; `prompt` is normalized to a string or token ids."""
 
     prompt: str | list[int]
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=_INT64_MAX)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -314,9 +415,33 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
 
 def _parse(model: type[_Model], body: bytes) -> _Model:
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    _reject_duplicate_keys(body)
+    return request
+
+
+def _reject_duplicate_keys(body: bytes) -> None:
+    """400 when an object repeats a key: pydantic keeps the last one, a proxy in front may have
+    checked the first. Only run on a body pydantic accepted, so its nesting depth is small."""
+    try:
+        json.loads(body, object_pairs_hook=_unique_keys)
+    except ValueError:  # what pydantic's parser accepts and Python's does not
+        raise bad_request("The request body is not valid JSON.") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) == len(pairs):
+        return result
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            name = key[:_MAX_NAME_CHARS]
+            raise bad_request(f"Duplicate key '{name}' in the request body", param=name)
+        seen.add(key)
+    raise AssertionError("a shorter dict means a repeated key")
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -324,6 +449,8 @@ def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
     param = _format_loc(first["loc"])
     message = first["msg"]
+    if first["type"] == "extra_forbidden":  # OpenAI's wording
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
     if param is not None:
         return bad_request(f"Invalid '{param}': {message}", param=param)
     if first["type"] == "json_invalid":
@@ -335,7 +462,11 @@ def _format_loc(loc: tuple[int | str, ...]) -> str | None:
     """Pydantic's error location as `messages[0].content`; None for the body itself."""
     text = ""
     for item in loc:
-        text += f"[{item}]" if isinstance(item, int) else (f".{item}" if text else item)
+        if isinstance(item, int):
+            text += f"[{item}]"
+        else:
+            name = item[:_MAX_NAME_CHARS]  # a map key or unknown field: chosen by the client
+            text += f".{name}" if text else name
     return text or None
 
 

@@ -19,10 +19,17 @@ class WorkerInfo:
     last_seen: float
     load: Heartbeat | None = None  # as last reported; routing uses `active` instead
     active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
+    progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
+    stalled: bool = False  # had work but no progress for the stall timeout: not routed to
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def busy(self) -> bool:
+        """Whether its last heartbeat reported sequences running or waiting."""
+        return self.load is not None and self.load.running + self.load.waiting > 0
 
     @property
     def held_tokens(self) -> int:
@@ -32,9 +39,10 @@ class WorkerInfo:
 
 class Registry:
     def __init__(self, fingerprint: str, heartbeat_timeout_s: float,
-                 expect_prefill: int, expect_decode: int) -> None:
+                 expect_prefill: int, expect_decode: int, stall_timeout_s: float = 10.0) -> None:
         self.fingerprint = fingerprint
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.expected = {"prefill": expect_prefill, "decode": expect_decode}
         self.workers: dict[str, WorkerInfo] = {}
         self.refused = 0
@@ -53,6 +61,7 @@ class Registry:
             worker_id=message.worker_id, instance_id=message.instance_id, role=message.role,
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
+            progressed_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
             info.active = previous.active  # the same process registering again keeps its requests
@@ -64,9 +73,24 @@ class Registry:
         info = self.workers.get(message.worker_id)
         if info is None or info.instance_id != message.instance_id:
             return False
-        info.last_seen = time.monotonic()
+        now = time.monotonic()
+        moved = info.load is not None and message.progress != info.load.progress
+        if moved or not info.busy:
+            info.progressed_at = now
+        info.stalled = info.stalled and not moved  # only new progress clears a stall
+        info.last_seen = now
         info.load = message
         return True
+
+    def newly_stalled(self) -> list[WorkerInfo]:
+        """Mark and return the workers that had work but computed nothing for the stall
+        timeout (a wedged loop that still heartbeats); they get no new requests."""
+        deadline = time.monotonic() - self.stall_timeout_s
+        stalled = [w for w in self.workers.values() if not w.stalled and w.busy
+                   and w.progressed_at < deadline]
+        for worker in stalled:
+            worker.stalled = True
+        return stalled
 
     def expire(self) -> list[WorkerInfo]:
         """Remove and return the workers whose heartbeats stopped."""
@@ -82,8 +106,12 @@ class Registry:
     def alive(self, role: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]
 
+    def serving(self, role: str) -> list[WorkerInfo]:
+        """The live workers of `role` that are making progress: the ones routed to."""
+        return [w for w in self.alive(role) if not w.stalled]
+
     def ready(self) -> bool:
-        return all(len(self.alive(role)) >= n for role, n in self.expected.items())
+        return all(len(self.serving(role)) >= n for role, n in self.expected.items())
 
     def capacity_tokens(self) -> int | None:
         """The longest sequence every live worker can hold (None while a pool is empty)."""
@@ -97,11 +125,11 @@ class Registry:
 
     def pick_prefill(self) -> WorkerInfo | None:
         """The prefill worker with the fewest prompt tokens waiting on it."""
-        return min(self.alive("prefill"), key=lambda w: (w.held_tokens, len(w.active)),
+        return min(self.serving("prefill"), key=lambda w: (w.held_tokens, len(w.active)),
                    default=None)
 
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences."""
-        return max(self.alive("decode"),
+        return max(self.serving("decode"),
                    key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
                    default=None)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import zmq
 
+from core.curve import CurveKeys
 from kvtransfer.base import BadChunk
 from kvtransfer.segments import OpenSegments
 from kvtransfer.sender import StagedKVSender
@@ -153,7 +154,7 @@ class CudaIpcKVSender(StagedKVSender):
     backend = "cuda_ipc"
 
     def __init__(self, context: zmq.Context, buffer_bytes: int, lease_s: float,
-                 device: int = 0) -> None:
+                 device: int = 0, keys: CurveKeys | None = None) -> None:
         problem = cuda_problem()
         if problem is not None:
             raise RuntimeError(f"the cuda_ipc KV backend cannot start: {problem}")
@@ -164,7 +165,7 @@ class CudaIpcKVSender(StagedKVSender):
             self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.memory.ptr))
         segment = f"cuda-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         _EXPORTED[segment] = _Buffer(self.memory.ptr, buffer_bytes, device)
-        super().__init__(context, segment, buffer_bytes, lease_s)
+        super().__init__(context, segment, buffer_bytes, lease_s, keys)
 
     def _stageable(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         return k.is_cuda and v.is_cuda and self.memory is not None

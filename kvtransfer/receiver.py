@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from core.codec import MalformedMessage
+from core.curve import CurveKeys, CurveServer
 from kvtransfer.base import BadChunk, TransferCounters
 from kvtransfer.cuda_ipc import CudaIpcReader
 from kvtransfer.shm import ShmReader
@@ -42,13 +43,16 @@ class PlacementReader(Protocol):
 
 class KVReceiver:
     """The interface the decode loop calls: bound at `bind` (tcp://127.0.0.1:* or ipc://path),
-    it accepts every backend's chunks, so senders may differ in backend."""
+    it accepts every backend's chunks, so senders may differ in backend. With `keys`, only
+    senders holding the cluster's client key get through (see core/curve.py)."""
 
-    def __init__(self, context: zmq.Context, bind: str) -> None:
+    def __init__(self, context: zmq.Context, bind: str, keys: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.curve = CurveServer(self.socket, keys) if keys is not None else None
         self.socket.bind(bind)
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("receiving KV at %s%s", self.address, " (CURVE)" if self.curve else "")
         self.readers: dict[str, PlacementReader] = {"shm": ShmReader(),
                                                      "cuda_ipc": CudaIpcReader()}
         self.counters = TransferCounters()
@@ -58,6 +62,11 @@ class KVReceiver:
     @property
     def rejected(self) -> int:
         return sum(self.dropped.values())
+
+    @property
+    def rejected_peers(self) -> int:
+        """Peers turned away for failing CURVE authentication, since the start."""
+        return self.curve.rejected.drain() if self.curve is not None else 0
 
     def drain(self, handle: Callable[[KVItem], None]) -> int:
         """Hand every chunk and notice waiting now to `handle`, in arrival order, without
@@ -136,6 +145,8 @@ class KVReceiver:
         for reader in self.readers.values():
             reader.close()
         self.socket.close(linger=0)
+        if self.curve is not None:
+            self.curve.close()
 
 
 def _inline(header: KVHeader, data: list[zmq.Frame]) -> tuple[torch.Tensor, torch.Tensor]:

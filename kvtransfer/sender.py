@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from core.codec import MalformedMessage
+from core.curve import CurveKeys, make_client
 from kvtransfer.base import TransferCounters, TransferError
 from kvtransfer.ring import RingAllocator
 from kvtransfer.wire import (
@@ -40,13 +41,15 @@ class KVSender:
 
     Chunks and notices to one address arrive in the order they were sent. This class sends K
     and V as frames after the header, zero-copy; a backend that stages them elsewhere (shared
-    memory, a CUDA buffer) overrides `_place`.
+    memory, a CUDA buffer) overrides `_place`. With `keys`, it sends only to receivers
+    holding the cluster's server key, as an authenticated client (see core/curve.py).
     """
 
     backend = "zmq"
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, keys: CurveKeys | None = None) -> None:
         self.context = context
+        self.keys = keys
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self.counters = TransferCounters()
 
@@ -112,6 +115,8 @@ class KVSender:
         socket.setsockopt(zmq.SNDHWM, _SNDHWM)
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 1000)
+        if self.keys is not None:
+            make_client(socket, self.keys)
         socket.connect(address)
         self.sockets[address] = socket
         return socket
@@ -128,8 +133,9 @@ class StagedKVSender(KVSender, ABC):
 
     handle = b""  # what a receiver needs to open the buffer, if its name is not enough
 
-    def __init__(self, context: zmq.Context, segment: str, capacity: int, lease_s: float) -> None:
-        super().__init__(context)
+    def __init__(self, context: zmq.Context, segment: str, capacity: int, lease_s: float,
+                 keys: CurveKeys | None = None) -> None:
+        super().__init__(context, keys)
         self.segment = segment
         self.ring = RingAllocator(capacity, lease_s)
         self.inline_fallbacks = 0

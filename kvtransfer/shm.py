@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import zmq
 
+from core.curve import CurveKeys
 from kvtransfer.base import BadChunk
 from kvtransfer.segments import OpenSegments, alive, segment_owner
 from kvtransfer.sender import StagedKVSender
@@ -71,10 +72,11 @@ class ShmKVSender(StagedKVSender):
 
     backend = "shm"
 
-    def __init__(self, context: zmq.Context, buffer_bytes: int, lease_s: float) -> None:
+    def __init__(self, context: zmq.Context, buffer_bytes: int, lease_s: float,
+                 keys: CurveKeys | None = None) -> None:
         sweep_dead_segments()
         self.buffer = ShmSegment(buffer_bytes)
-        super().__init__(context, self.buffer.name, buffer_bytes, lease_s)
+        super().__init__(context, self.buffer.name, buffer_bytes, lease_s, keys)
 
     def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
         region = self.buffer.array[offset:offset + k.nbytes + v.nbytes]

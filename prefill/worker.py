@@ -7,10 +7,12 @@ import logging
 import torch
 
 from core.config import Config
+from core.curve import keys_for
 from core.messages import (
     Abort,
     FirstToken,
     Heartbeat,
+    Held,
     Message,
     PrefillRequest,
     RequestFailed,
@@ -38,10 +40,10 @@ class PrefillWorker(Worker):
         identity = WorkerIdentity(worker_id, "prefill", fingerprint, runner.block_size,
                                   runner.allocator.num_total)
         super().__init__(identity, config.gateway.control_address,
-                         config.prefill.heartbeat_interval_s)
+                         config.prefill.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
-        self.sender = make_sender(self.context, config.kv_transfer)
+        self.sender = make_sender(self.context, config.kv_transfer, self.keys)
         self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
         self.in_batch: set[tuple[str, int]] = set()  # the batch being prefilled
         self.aborted_in_batch: set[tuple[str, int]] = set()
@@ -121,7 +123,12 @@ class PrefillWorker(Worker):
             waiting=len(self.scheduler.waiting),
             transfers=[TransferTotals(self.sender.backend, "send", **vars(self.sender.counters))],
             in_transfer=self.sender.staged, leases_expired=self.sender.leases_expired,
+            progress=self.progress, holding=self.holding(),
         )
+
+    def holding(self) -> list[Held]:
+        queued = [Held(r.request_id, r.epoch) for r in self.scheduler.waiting]
+        return queued + [Held(*key) for key in self.in_batch - self.aborted_in_batch]
 
     def close(self) -> None:
         self.sender.close()

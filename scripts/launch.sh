@@ -2,11 +2,15 @@
 # Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
 #                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin] [--kv-backend shm]
+#                     [--api-key KEY[:TENANT]]... [--api-key-file FILE]
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
 # --kv-backend picks how prefill hands KV to decode: shm (default, one host), zmq, cuda_ipc.
+# Internal sockets are authenticated and encrypted (CURVE) with keys made fresh in <run>/curve.
+# --api-key / --api-key-file go to the gateway only; with neither (nor auth: in the config)
+# the API is open. Prefer the file: other users can read command lines with ps.
 set -euo pipefail
 if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) )); then
   echo "launch.sh needs bash 5.1 or newer" >&2; exit 2
@@ -14,7 +18,8 @@ fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND=""
-usage() { sed -n 2,10p "$0"; exit "${1:-0}"; }
+GATEWAY_AUTH=()
+usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prefill) PREFILL="$2"; shift 2 ;;
@@ -29,6 +34,7 @@ while [[ $# -gt 0 ]]; do
     --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
     --no-pin) PIN=0; shift ;;
     --kv-backend) KV_BACKEND="$2"; shift 2 ;;
+    --api-key|--api-key-file) GATEWAY_AUTH+=("$1" "$2"); shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
@@ -42,6 +48,10 @@ CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
 COMMON=(--config "$CONFIG" --control-address "$CONTROL")
 [[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
 [[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
+# Fresh CURVE keys for this run (folder 0700, files 0600): only these processes may talk on the
+# internal sockets (control and KV); see core/curve.py.
+"$RAGING_PY" -m core.curve generate "$RUN_DIR/curve" >/dev/null
+COMMON+=(--set internal.curve=true --set "internal.keys_dir=$RUN_DIR/curve")
 
 # Prepare the model once, with a progress bar, before any worker needs it.
 "$RAGING_PY" -m engine.prepare --config "$CONFIG" ${MODEL:+--model "$MODEL"} >/dev/null
@@ -93,7 +103,7 @@ start() {  # start NAME ARGS...: one process, logged to its own file
 }
 
 start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
-  --expect-prefill "$PREFILL" --expect-decode "$DECODE"
+  --expect-prefill "$PREFILL" --expect-decode "$DECODE" "${GATEWAY_AUTH[@]}"
 for i in $(seq 0 $((PREFILL - 1))); do
   start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i")
 done

@@ -36,6 +36,22 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+DEFAULT_FUZZ_EXAMPLES = 1500
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES, metavar="N",
+        help=f"examples per hypothesis fuzz test (default {DEFAULT_FUZZ_EXAMPLES})",
+    )
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request: pytest.FixtureRequest) -> int:
+    """How many examples each fuzz test tries (`--fuzz-examples`)."""
+    return int(request.config.getoption("--fuzz-examples"))
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct folder (fp32 safetensors, tokenizer, chat template)."""

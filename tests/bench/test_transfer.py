@@ -15,3 +15,9 @@ def test_transfer_measures_each_backend_against_memcpy() -> None:
         assert figure.megabytes == figure.tokens * 2 * 30 * 3 * 64 * 4 / 2**20
     table = markdown(figures)
     assert table.count("\n") == len(figures) + 1 and "| shm | 64 |" in table
+
+
+def test_transfer_runs_over_curve_sockets() -> None:
+    figures = measure((16,), repeats=1, min_mb=1, curve=True)
+    assert [f.backend for f in figures][:3] == ["zmq tcp +curve", "zmq ipc +curve", "shm +curve"]
+    assert all(figure.gb_per_s > 0 for figure in figures)

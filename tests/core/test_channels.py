@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -13,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from core.channels import ControlClient, ControlServer
+from core.curve import CurveKeys, generate, load
 from core.messages import Abort, Heartbeat, Message, RegisterReply, encode
 
 WAIT_S = 5.0
@@ -51,14 +53,17 @@ async def settle(client: ControlClient) -> list[Message]:
 
 
 def run_with_server(
-    tmp_path: Path, body: Callable[[ControlServer], Awaitable[None]]
+    tmp_path: Path, body: Callable[[ControlServer], Awaitable[None]],
+    keys: CurveKeys | None = None,
 ) -> None:
     async def main() -> None:
         context = zmq.asyncio.Context()
-        server = ControlServer(context, address(tmp_path))
+        server = ControlServer(context, address(tmp_path), keys)
+        watching = asyncio.create_task(server.watch_rejections())
         try:
             await body(server)
         finally:
+            watching.cancel()
             server.close()
             context.destroy(linger=0)
 
@@ -178,5 +183,69 @@ def test_a_restarted_worker_takes_over_its_id(tmp_path: Path, sync_context: zmq.
         assert await recv(server) == ("w1", heartbeat("w1", 2))
         server.send("w1", Abort("r", 0))
         assert await drain_until(new, 1) == [Abort("r", 0)]
+
+    run_with_server(tmp_path, body)
+
+
+# --- CURVE -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> CurveKeys:
+    generate(tmp_path / "keys")
+    return load(tmp_path / "keys")
+
+
+def test_with_curve_the_clusters_workers_talk_both_ways(
+    tmp_path: Path, sync_context: zmq.Context, keys: CurveKeys
+) -> None:
+    async def body(server: ControlServer) -> None:
+        client = ControlClient(sync_context, address(tmp_path), "w1", keys)
+        client.send(heartbeat("w1"))
+        assert await recv(server) == ("w1", heartbeat("w1"))
+        server.send("w1", Abort("r", 0))
+        assert await drain_until(client, 1) == [Abort("r", 0)]
+        await asyncio.sleep(0.1)
+        assert server.rejected_peers == 0
+
+    run_with_server(tmp_path, body, keys)
+
+
+def test_with_curve_peers_without_the_keys_get_nothing_processed_and_are_counted(
+    tmp_path: Path, sync_context: zmq.Context, keys: CurveKeys
+) -> None:
+    stranger_keys = CurveKeys(keys.server_public, b"", *zmq.curve_keypair(), frozenset())
+
+    async def body(server: ControlServer) -> None:
+        plain = ControlClient(sync_context, address(tmp_path), "plain")
+        stranger = ControlClient(sync_context, address(tmp_path), "stranger", stranger_keys)
+        for client in (plain, stranger):
+            # Not blocking: after a refused handshake a DEALER may have no pipe to queue on.
+            for frame in (encode(heartbeat(client.socket.getsockopt(zmq.IDENTITY).decode())),
+                          pickle.dumps(Abort("r", 0))):
+                with contextlib.suppress(zmq.Again):
+                    client.socket.send(frame, flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + WAIT_S
+        while server.rejected_peers < 2:
+            assert time.monotonic() < deadline, f"{server.rejected_peers} rejected"
+            await asyncio.sleep(0.02)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(server.recv(), 0.3)
+        assert server.dropped == 0  # nothing reached the socket to be dropped
+        good = ControlClient(sync_context, address(tmp_path), "w1", keys)
+        good.send(heartbeat("w1"))
+        assert await recv(server) == ("w1", heartbeat("w1"))
+        for client in (plain, stranger, good):
+            client.close()
+
+    run_with_server(tmp_path, body, keys)
+
+
+def test_without_curve_nothing_is_counted(tmp_path: Path, sync_context: zmq.Context) -> None:
+    async def body(server: ControlServer) -> None:
+        client = ControlClient(sync_context, address(tmp_path), "w1")
+        client.send(heartbeat("w1"))
+        assert await recv(server) == ("w1", heartbeat("w1"))
+        assert server.curve is None and server.rejected_peers == 0
 
     run_with_server(tmp_path, body)

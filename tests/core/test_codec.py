@@ -109,7 +109,7 @@ def test_optional_fields_take_none_or_a_value() -> None:
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False], "fp")
+    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False, ""], "fp")
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
@@ -323,9 +323,9 @@ BAD_SAMPLINGS = [
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
-    bad = packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", "")
+    bad = packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False, ""], "d", "")
     assert_malformed(bad)
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False], "fp"))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False, ""], "fp"))
     with pytest.raises(ValueError):
         Sampling(*sampling)
 
@@ -339,7 +339,7 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.7976931348623157e308, 1.0, 0, None],  # the largest finite temperature
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False], "d", ""))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False, ""], "d", ""))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)

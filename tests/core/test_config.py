@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from core.config import Config, GatewayConfig, ModelConfig, WorkerConfig, load_config
+from core.config import (
+    AuthConfig,
+    Config,
+    GatewayConfig,
+    ModelConfig,
+    WorkerConfig,
+    load_config,
+)
 
 DEFAULT_YAML = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
@@ -132,3 +139,36 @@ def test_wrong_shapes_in_file_raise_value_error(tmp_path: Path, text: str) -> No
 def test_override_into_a_section_that_is_not_a_mapping(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="gateway"):
         load_config(write(tmp_path, "gateway: 5\n"), {"gateway.port": "1"})
+
+
+def test_auth_is_off_by_default() -> None:
+    assert load_config().auth == AuthConfig() and AuthConfig().api_keys == ()
+    assert load_config(DEFAULT_YAML).auth == AuthConfig()
+
+
+def test_auth_keys_and_file_from_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "auth:\n  api_keys: [sk-a:alpha, sk-b]\n  keys_file: /etc/keys\n")
+    auth = load_config(path).auth
+    assert auth.api_keys == ("sk-a:alpha", "sk-b") and auth.keys_file == "/etc/keys"
+    assert load_config(write(tmp_path, "auth:\n  api_keys:\n")).auth.api_keys == ()
+
+
+def test_auth_keys_override_is_a_yaml_list() -> None:
+    config = load_config(overrides={"auth.api_keys": "[sk-a:alpha, sk-b:beta]"})
+    assert config.auth.api_keys == ("sk-a:alpha", "sk-b:beta")
+
+
+@pytest.mark.parametrize("text", [
+    "auth:\n  api_keys: sk-secret\n",  # a string, not a list
+    "auth:\n  api_keys: [sk-secret, 12345]\n",  # a number where a key should be
+    "auth:\n  api_keys: [{sk-secret: alpha}]\n",  # a mapping where a key should be
+])
+def test_wrong_auth_keys_are_refused_without_quoting_them(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ValueError, match=r"config\.auth\.api_keys: expected a list of str") as e:
+        load_config(write(tmp_path, text))
+    assert "secret" not in str(e.value) and "12345" not in str(e.value)
+
+
+def test_keys_stay_out_of_the_config_repr() -> None:
+    config = load_config(overrides={"auth.api_keys": "[sk-secret:alpha]"})
+    assert "sk-secret" not in repr(config) and "sk-secret" not in str(config.auth)

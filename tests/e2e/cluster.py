@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from bench.client import auth_headers
 from bench.launcher import free_port, started_pids, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,11 +28,12 @@ TEST_CONFIG: dict[str, Any] = {
 
 
 class Cluster:
-    def __init__(self, launcher: subprocess.Popen[bytes], run_dir: Path, url: str) -> None:
+    def __init__(self, launcher: subprocess.Popen[bytes], run_dir: Path, url: str,
+                 api_key: str | None = None) -> None:
         self.launcher = launcher
         self.run_dir = run_dir
         self.url = url
-        self.client = httpx.Client(base_url=url, timeout=120)
+        self.client = httpx.Client(base_url=url, timeout=120, headers=auth_headers(api_key))
         self.model = self.client.get("/v1/models").json()["data"][0]["id"]
 
     def pids(self) -> dict[str, int]:
@@ -62,20 +64,22 @@ def alive(pid: int) -> bool:
 
 @contextmanager
 def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
-           config: dict[str, Any] | None = None, timeout_s: float = 180) -> Iterator[Cluster]:
-    """Run scripts/launch.sh until it reports ready; stop everything it started afterwards."""
+           config: dict[str, Any] | None = None, timeout_s: float = 180,
+           flags: Sequence[str] = (), api_key: str | None = None) -> Iterator[Cluster]:
+    """Run scripts/launch.sh (plus extra `flags`) until it reports ready; stop everything it
+    started afterwards. `api_key` is what the cluster's client sends (as Bearer)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config or TEST_CONFIG))
     port = free_port()
     command = [str(ROOT / "scripts/launch.sh"), "--prefill", str(prefill), "--decode", str(decode),
                "--port", str(port), "--config", str(config_path), "--model", str(model),
-               "--run-dir", str(run_dir)]
+               "--run-dir", str(run_dir), *flags]
     log = (run_dir / "launch.log").open("wb")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         wait_ready(launcher, run_dir, timeout_s)
-        cluster = Cluster(launcher, run_dir, f"http://127.0.0.1:{port}")
+        cluster = Cluster(launcher, run_dir, f"http://127.0.0.1:{port}", api_key)
         try:
             yield cluster
         finally:

@@ -205,6 +205,8 @@ def test_every_request_ends_by_its_deadline_under_control_faults(fuzzed) -> None
     started = time.monotonic()
     outcomes = asyncio.run(run_all(url, 60))
     assert outcomes["no terminal state"] == 0, outcomes
+    # A lost message costs its request a resume, not the request: most still finish.
+    assert outcomes["finished"] >= 48, outcomes
     assert time.monotonic() - started < DEADLINE_S + 10
     assert sum(v for k, v in proxy.faults.items() if k.startswith("dropped")) > 0
     proxy.faulty = False

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -212,7 +213,8 @@ def _idle(cluster: Cluster) -> bool:
 
 
 def test_health_and_models(cluster: Cluster) -> None:
-    assert cluster.client.get("/health").json() == {"status": "ok", "prefill": 2, "decode": 2}
+    assert cluster.client.get("/health").json() == {"status": "ok", "prefill": 2, "decode": 2,
+                                                    "stalled": []}
     models = cluster.client.get("/v1/models").json()
     assert models["data"][0]["id"] == cluster.model
 
@@ -224,7 +226,8 @@ def test_a_worker_with_another_kv_layout_is_refused(
     control = f"ipc://{cluster.run_dir}/control.sock"
     worker = subprocess.run(
         [sys.executable, "-m", "decode", "--model", str(other), "--control-address", control,
-         "--worker-id", "decode-intruder", "--set", "decode.num_kv_blocks=16"],
+         "--worker-id", "decode-intruder", "--set", "decode.num_kv_blocks=16",
+         "--set", "internal.curve=true", "--set", f"internal.keys_dir={cluster.run_dir}/curve"],
         capture_output=True, text=True, timeout=120,
     )
     assert worker.returncode != 0
@@ -298,3 +301,43 @@ def test_a_tiny_decode_pool_preempts_and_resumes_without_dropping(
         expected = reference(tokenizer.encode(prompt), max_tokens)
         assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert result["usage"]["completion_tokens"] == max_tokens
+
+
+def _post_raw(cluster: Cluster, headers: str, body: Iterator[bytes]) -> bytes:
+    """Send a request over a plain socket, body piece by piece until the server stops reading;
+    what it answered."""
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+        raw.settimeout(2)
+        for piece in body:
+            try:
+                raw.sendall(piece)
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
+                break  # it stopped reading: the answer is waiting
+        raw.settimeout(10)
+        answer = raw.recv(4096)
+        raw.settimeout(1)
+        while b"payload_too_large" not in answer and len(answer) < 4096:
+            try:
+                more = raw.recv(4096)
+            except TimeoutError:
+                break
+            if not more:
+                break
+            answer += more
+        return answer
+
+
+def test_a_200_mb_body_gets_413_without_being_buffered(cluster: Cluster) -> None:
+    gateway = psutil.Process(cluster.pids()["gateway"])
+    before = gateway.memory_info().rss
+    mb = b"x" * 2**20
+    declared = _post_raw(cluster, f"Content-Length: {200 * 2**20}\r\n", iter([mb] * 200))
+    chunked = _post_raw(cluster, "Transfer-Encoding: chunked\r\n",
+                        (b"%x\r\n%s\r\n" % (len(mb), mb) for _ in range(200)))
+    for answer in (declared, chunked):
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b'"code":"payload_too_large"' in answer.replace(b" ", b"")
+    assert gateway.memory_info().rss - before < 64 * 2**20  # the 16 MB limit, not 200 MB
+    assert stream_completion(cluster, "still alive?", 2)["finish"] == ["length"]

@@ -77,3 +77,25 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 def test_bad_params_are_value_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Sampling(**kwargs)
+
+
+def test_draws_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    generator = make_generator(3)
+    draws = [sample(probs.log()[None], [Sampling(temperature=1.0)], [generator])[0]
+             for _ in range(4000)]
+    shares = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(shares, probs, atol=0.03), shares
+
+
+def test_rounding_noise_in_the_logits_does_not_change_the_draw() -> None:
+    """Another batch shape moves logits by rounding errors: near-uniform logits (a random
+    model's) must still give the same token for the same seed, top-p on or off."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 0.01
+    noisy = logits + torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 1e-6
+    for params in (Sampling(temperature=0.9), Sampling(temperature=0.9, top_p=0.95)):
+        same = sum(
+            sample(logits[None], [params], [make_generator(seed)])
+            == sample(noisy[None], [params], [make_generator(seed)])
+            for seed in range(100))
+        assert same >= 98, (params, same)

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Heartbeat,
+    Held,
     Leave,
     Message,
     PrefillRequest,
@@ -32,7 +34,7 @@ from core.messages import (
 )
 from gateway.dispatch import _REABORT_MEMORY, Dispatcher, Event, RequestHandle
 from gateway.errors import APIError
-from gateway.registry import Registry
+from gateway.registry import Registry, WorkerInfo
 
 FP = "tiny|float32|2|2|16|16"
 WAIT_S = 5.0
@@ -59,6 +61,7 @@ class FakeWorker:
         self.kv_address, self.num_blocks = kv_address, num_blocks
         self.client = ControlClient(context, address, worker_id)
         self.inbox: list[Message] = []
+        self.forgotten: set[str] = set()  # request ids its heartbeats leave out (lost here)
 
     def registration(self, fingerprint: str = FP) -> Register:
         return Register(self.worker_id, self.instance_id, self.role, self.kv_address,
@@ -113,12 +116,13 @@ class FakeWorker:
 class Gateway:
     """A dispatcher serving a real ControlServer on ipc, plus helpers to attach workers."""
 
-    def __init__(self, tmp_path: Path, heartbeat_timeout_s: float) -> None:
+    def __init__(self, tmp_path: Path, heartbeat_timeout_s: float,
+                 stall_timeout_s: float = 10.0) -> None:
         self.address = f"ipc://{tmp_path}/ctl"
         self.async_context = zmq.asyncio.Context()
         self.context = zmq.Context()
         self.server = ControlServer(self.async_context, self.address)
-        self.registry = Registry(FP, heartbeat_timeout_s, 1, 1)
+        self.registry = Registry(FP, heartbeat_timeout_s, 1, 1, stall_timeout_s)
         self.dispatcher = Dispatcher(self.server, self.registry)
         self.beating: dict[str, FakeWorker] = {}
         self.tasks = [asyncio.create_task(self.dispatcher.serve()),
@@ -138,13 +142,19 @@ class Gateway:
         return worker
 
     async def _beat(self) -> None:
-        """Keep the workers in `beating` alive, as their loops would."""
+        """Keep the workers in `beating` alive, as their loops would, each holding what was
+        routed to it (less what it `forgot`)."""
         while True:
             for worker in list(self.beating.values()):
-                load = self.registry.workers.get(worker.worker_id)
-                if load is not None and load.load is not None:
-                    worker.send(load.load)
+                info = self.registry.workers.get(worker.worker_id)
+                if info is not None and info.load is not None:
+                    worker.send(replace(info.load, holding=self.held(info, worker.forgotten)))
             await asyncio.sleep(0.03)
+
+    def held(self, info: WorkerInfo, forgotten: set[str]) -> list[Held]:
+        requests = self.dispatcher.requests
+        return [Held(rid, requests[rid].epoch) for rid in info.active
+                if rid in requests and rid not in forgotten]
 
     def active(self, worker_id: str) -> dict[str, int]:
         return self.registry.workers[worker_id].active
@@ -160,8 +170,9 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, heartbeat_timeout_s: float = 30.0) -> AsyncIterator[Gateway]:
-    gw = Gateway(tmp_path, heartbeat_timeout_s)
+async def gateway(tmp_path: Path, heartbeat_timeout_s: float = 30.0,
+                  stall_timeout_s: float = 10.0) -> AsyncIterator[Gateway]:
+    gw = Gateway(tmp_path, heartbeat_timeout_s, stall_timeout_s)
     try:
         yield gw
     finally:
@@ -945,5 +956,67 @@ def test_a_token_lost_on_the_way_resumes_the_stream_from_it(tmp_path: Path) -> N
             assert abort == Abort(lost.request_id, 0) and isinstance(again, PrefillRequest)
             assert again.epoch == 1 and again.task == lost.task
             assert gw.dispatcher.resumed == 1 and late.epoch == 0
+
+    asyncio.run(body())
+
+
+def test_a_request_no_worker_holds_is_resumed(tmp_path: Path) -> None:
+    """A lost PrefillRequest, or a last token lost after decode let the request go: no worker
+    holds it, so after a heartbeat timeout it starts over from what the client has."""
+    async def body() -> None:
+        async with gateway(tmp_path, heartbeat_timeout_s=0.6) as gw:
+            prefill, decode = await pair(gw)
+            gw.beating.update(p1=prefill, d1=decode)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))
+            held, lost = await submitted(gw, prefill), await submitted(gw, prefill)
+            for worker in (prefill, decode):  # the PrefillRequest was lost: nobody has it
+                worker.forgotten.add(lost.request_id)
+            abort, again = await prefill.expect(2)
+            prefill.forgotten.clear()
+            decode.forgotten.clear()
+            assert abort == Abort(lost.request_id, 0)
+            assert isinstance(again, PrefillRequest) and again.epoch == 1
+            assert again.task == lost.task and held.epoch == 0
+
+            prefill.send(FirstToken(held.request_id, 0, 5, None))
+            decode.tokens(held.request_id, (1, 6, None))
+            assert [await next_event(held) for _ in range(2)] == [Event(5, None), Event(6, None)]
+            decode.forgotten.add(held.request_id)  # it finished; its last token was lost
+            abort, again = await prefill.expect(2)
+            assert abort == Abort(held.request_id, 0) and isinstance(again, PrefillRequest)
+            assert again.task.prompt_ids == [*TASK.prompt_ids, 5, 6]
+            assert again.task.max_tokens == TASK.max_tokens - 2
+            assert gw.dispatcher.resumed == 2 and not held.done and not lost.done
+
+    asyncio.run(body())
+
+
+def test_a_worker_with_work_and_no_progress_is_stalled(tmp_path: Path) -> None:
+    """Heartbeats that keep saying `running` with the same progress count: the worker gets
+    no new requests, its requests resume elsewhere, and it serves again once it progresses."""
+    async def body() -> None:
+        async with gateway(tmp_path, heartbeat_timeout_s=30.0, stall_timeout_s=0.5) as gw:
+            prefill = await gw.worker("p1", "prefill")
+            wedged = await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001",
+                                     running=1)
+            handle = await submitted(gw, prefill)
+            assert handle.decode_worker == "d1"
+            healthy = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            gw.beating.update(p1=prefill, d1=wedged, d2=healthy)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))
+            abort, again = await prefill.expect(2)
+            assert abort == Abort(handle.request_id, 0)
+            assert isinstance(again, PrefillRequest) and again.decode_worker == "d2"
+            assert await wedged.expect(1) == [Abort(handle.request_id, 0)]
+            assert gw.registry.workers["d1"].stalled and gw.registry.ready()
+            assert all(gw.registry.pick_decode() is gw.registry.workers["d2"] for _ in range(3))
+            del gw.beating["d2"]
+            gw.registry.remove("d2")
+            assert not gw.registry.ready()  # the only decode worker left is stalled
+            load = gw.registry.workers["d1"].load
+            assert load is not None
+            wedged.send(replace(load, progress=load.progress + 30))
+            await until(lambda: not gw.registry.workers["d1"].stalled, "progress to clear it")
+            assert gw.registry.ready()
 
     asyncio.run(body())

@@ -107,3 +107,32 @@ def test_workers_without_a_heartbeat_export_no_transfer_series() -> None:
     found = samples(text)  # the whole exposition parses, with no name twice
     assert not [k for k in found if k[0].startswith(KV_SERIES)]
     assert found[("raging_control_messages_dropped", frozenset())] == 5
+
+
+def test_progress_and_stalls_are_exported_per_worker() -> None:
+    registry = Registry(FP, 3.0, 1, 1, stall_timeout_s=0.0)
+    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert registry.register(Register(worker_id, "i0", role, "", FP, 16, 100))[0].accepted
+    assert registry.heartbeat(Heartbeat("prefill-0", "i0", 0, 100, 0, 0, progress=60))
+    assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
+    assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
+    assert [w.worker_id for w in registry.newly_stalled()] == ["decode-0"]
+    found = samples(Metrics().render(registry, 0).decode())
+    assert found[("raging_worker_stalled", labels(worker="decode-0"))] == 1
+    assert found[("raging_worker_stalled", labels(worker="prefill-0"))] == 0
+    assert found[("raging_worker_progress", labels(worker="decode-0"))] == 90
+    assert found[("raging_worker_progress", labels(worker="prefill-0"))] == 60
+
+
+def test_rejected_peers_are_exported_for_the_gateway_and_each_decode_worker() -> None:
+    registry = membership()
+    for worker_id, rejected in (("prefill-0", 0), ("decode-0", 4)):
+        assert registry.heartbeat(Heartbeat(worker_id, "i0", 0, 90, 1, 0,
+                                            rejected_peers=rejected))
+    found = samples(Metrics().render(registry, 0, rejected_peers=2).decode())
+    rejected = {dict(key)["worker"]: value for (name, key), value in found.items()
+                if name == "raging_internal_rejected_total"}
+    assert rejected == {"gateway": 2, "decode-0": 4}  # decode-1 has not reported yet
+    family = next(f for f in text_string_to_metric_families(
+        Metrics().render(registry, 0).decode()) if f.name == "raging_internal_rejected")
+    assert family.type == "counter"

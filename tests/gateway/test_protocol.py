@@ -130,6 +130,27 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(response_format="text"), "response_format"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(user=5), "user"),
+    (chat(unknown_extension={"anything": [1, 2]}), "unknown_extension"),
+    (chat(messages=[{"role": "user", "content": "hi", "colour": "red"}]), "messages[0].colour"),
+    (chat(stream=True, stream_options={"include_usage": True, "x": 1}), "stream_options.x"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
+     "messages[0].content"),
+    (chat(metadata={"k": 1}), "metadata.k"),
+    (chat(logit_bias={"50": 5}), "logit_bias"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tool_choice=3), "tool_choice"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+    (chat(modalities=["text", "audio"]), "modalities"),
+    (chat(audio={"voice": "x", "format": "mp3"}), "audio"),
+    (chat(prediction={"type": "content", "content": "x"}), "prediction"),
+    (chat(web_search_options={}), "web_search_options"),
+    (chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
+     "messages[0].tool_calls"),
+    (chat(min_tokens=3), "min_tokens"),
+    (chat(repetition_penalty=1.2), "repetition_penalty"),
+    (chat(top_k=2**31), "top_k"),
+    (b'{"model": "m", "model": "m", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    (b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}', "role"),
 ]
 
 BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
@@ -152,6 +173,8 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(logprobs=1), "logprobs"),
     (completion(n=3), "n"),
     (completion(temperature=3), "temperature"),
+    (completion(messages=MESSAGES), "messages"),
+    (completion(logit_bias={"1": -100}), "logit_bias"),
 ]
 
 
@@ -188,14 +211,42 @@ def test_errors_never_echo_large_input(body: bytes) -> None:
     assert len(text) < 1500
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(**{LONG: 1}),
+        chat(metadata={LONG: 1}),
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "", LONG: 1}]}]),
+        chat().replace(b'{', b'{"' + LONG.encode() + b'": 1, "' + LONG.encode() + b'": 2, ', 1),
+    ],
+)
+def test_field_names_are_quoted_truncated(body: bytes) -> None:
+    err = raises_400(parse_chat_request, body)
+    text = json.dumps(err.to_body())
+    assert "Z" * 64 in text
+    assert "Z" * 65 not in text
+
+
 def test_unsupported_features_say_so() -> None:
-    assert "n=1" in raises_400(parse_chat_request, chat(n=4)).message
+    assert "n > 1 is not supported" in raises_400(parse_chat_request, chat(n=4)).message
     assert "not supported" in raises_400(parse_chat_request, chat(logprobs=True)).message
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     err = raises_400(parse_chat_request, chat(messages=[{"role": "user", "content": image}]))
     assert "text" in err.message
     err = raises_400(parse_completion_request, completion(prompt=["a", "b"]))
     assert "one prompt" in err.message
+
+
+def test_unknown_fields_use_openai_wording() -> None:
+    err = raises_400(parse_chat_request, chat(temprature=0.5))
+    assert err.message == "Unrecognized request argument supplied: temprature"
+    assert err.param == "temprature"
+
+
+def test_duplicate_keys_are_named() -> None:
+    err = raises_400(parse_completion_request, completion().replace(b'{', b'{"seed": 1, ', 1)[:-1]
+                     + b', "seed": 2}')
+    assert (err.message, err.param) == ("Duplicate key 'seed' in the request body", "seed")
 
 
 def test_minimal_chat_request_defaults() -> None:
@@ -215,7 +266,8 @@ def test_full_chat_request_converts() -> None:
         stream=True, stream_options={"include_usage": True}, stop="END", stop_token_ids=[7, 9],
         seed=1234, ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=False,
         top_logprobs=0, response_format={"type": "text"}, user="u1", tools=[],
-        unknown_extension={"anything": [1, 2]}, metadata={"k": "v"},
+        metadata={"k": "v"}, store=False, parallel_tool_calls=True, tool_choice="none",
+        service_tier="auto", logit_bias={}, min_tokens=0, repetition_penalty=1.0,
     )  # fmt: skip
     req = parse_chat_request(body)
     assert req.messages[1].content == "one\ntwo"

@@ -299,3 +299,48 @@ def test_removed_workers_are_not_picked() -> None:
     reg.register(register("p1"))
     assert reg.remove("p1") is not None and reg.remove("p1") is None
     assert reg.pick_prefill() is None
+
+
+def beat(reg: Registry, worker_id: str, progress: int, running: int = 0,
+         waiting: int = 0) -> None:
+    assert reg.heartbeat(Heartbeat(worker_id, "i0", 0, 100, running, waiting,
+                                   progress=progress))
+
+
+def stall_registry(stall_timeout_s: float) -> Registry:
+    reg = Registry(FP, 30.0, 1, 1, stall_timeout_s)
+    reg.register(register("p1"))
+    reg.register(register("d1", "decode"))
+    return reg
+
+
+def test_a_worker_with_work_and_no_progress_stalls_after_the_timeout() -> None:
+    reg = stall_registry(0.2)
+    beat(reg, "p1", progress=10, waiting=2)
+    beat(reg, "d1", progress=10, running=1)
+    assert reg.newly_stalled() == []
+    time.sleep(0.25)
+    beat(reg, "p1", progress=11, waiting=2)  # moving: fine
+    beat(reg, "d1", progress=10, running=1)
+    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    assert reg.newly_stalled() == []  # reported once
+    assert reg.pick_decode() is None and not reg.ready()
+    assert [w.worker_id for w in reg.alive("decode")] == ["d1"]  # still a member
+
+
+def test_an_idle_worker_never_stalls() -> None:
+    reg = stall_registry(0.1)
+    beat(reg, "d1", progress=5)
+    time.sleep(0.15)
+    beat(reg, "d1", progress=5)
+    assert reg.newly_stalled() == [] and reg.ready()
+
+
+def test_only_progress_clears_a_stall() -> None:
+    reg = stall_registry(0.0)
+    beat(reg, "d1", progress=5, running=1)
+    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    beat(reg, "d1", progress=5)  # its requests were moved away: idle, yet not progressing
+    assert reg.workers["d1"].stalled and reg.pick_decode() is None
+    beat(reg, "d1", progress=6, running=1)
+    assert not reg.workers["d1"].stalled and picked(reg.pick_decode()) == "d1"

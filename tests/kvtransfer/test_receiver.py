@@ -4,17 +4,31 @@ why; and the good chunk after it still arrives."""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import zmq
 
+from core.config import KVTransferConfig
+from core.curve import CurveKeys, generate, load
 from core.messages import Abort, encode
-from kvtransfer import KVNotice, KVReceiver, KVRejected, KVSender
+from kvtransfer import (
+    KVNotice,
+    KVReceiver,
+    KVRejected,
+    KVSender,
+    TransferError,
+    make_receiver,
+    make_sender,
+)
 from kvtransfer.wire import (
     FORWARD_CODEC,
     RELEASE_CODEC,
@@ -232,3 +246,71 @@ def test_inline_chunks_are_not_released(receiver: KVReceiver, dealer: zmq.Socket
     dealer.send(FORWARD_CODEC.encode(KVNotice("a", 0, b"")))
     receive(receiver, 2)
     assert not dealer.poll(100, zmq.POLLIN)
+
+
+# --- CURVE -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> CurveKeys:
+    generate(tmp_path / "keys")
+    return load(tmp_path / "keys")
+
+
+@pytest.fixture
+def curve_receiver(context: zmq.Context, bind: str, keys: CurveKeys) -> Iterator[KVReceiver]:
+    receiver = make_receiver(context, bind, keys)
+    yield receiver
+    receiver.close()
+
+
+def wait_for_rejections(receiver: KVReceiver, count: int) -> None:
+    deadline = time.monotonic() + 5.0
+    while receiver.rejected_peers < count:
+        assert time.monotonic() < deadline, f"{receiver.rejected_peers} rejected"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm"])
+def test_with_curve_the_clusters_senders_get_through(
+    curve_receiver: KVReceiver, context: zmq.Context, keys: CurveKeys, backend: str,
+) -> None:
+    sender = make_sender(context, KVTransferConfig(backend=backend, buffer_mb=1), keys)
+    try:
+        k, v = kv(3)
+        sender.send_layers(curve_receiver.address, "a", 0, 0, k, v)
+        sender.notify(curve_receiver.address, "a", 0, b"meta")
+        payload, notice = receive(curve_receiver, 2)
+        assert isinstance(payload, KVPayload) and torch.equal(payload.k, k)
+        assert notice == KVNotice("a", 0, b"meta")
+        deadline = time.monotonic() + 5.0
+        while sender.staged:  # a placed chunk's release came back over CURVE
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert curve_receiver.rejected_peers == 0
+    finally:
+        sender.close()
+
+
+def test_with_curve_peers_without_the_keys_get_nothing_through_and_are_counted(
+    curve_receiver: KVReceiver, context: zmq.Context, keys: CurveKeys,
+) -> None:
+    plain = context.socket(zmq.DEALER)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(curve_receiver.address)
+    # Not blocking: after a refused handshake a DEALER may have no pipe to queue on.
+    for frames in (good_chunk(1, "from-plain")[0], [pickle.dumps(("not", "unpickled"))]):
+        with contextlib.suppress(zmq.Again):
+            plain.send_multipart(frames, flags=zmq.NOBLOCK)
+    stranger_keys = CurveKeys(keys.server_public, b"", *zmq.curve_keypair(), frozenset())
+    stranger = make_sender(context, keys=stranger_keys)
+    with pytest.raises(TransferError, match="not reachable"):
+        stranger.send_layers(curve_receiver.address, "from-stranger", 0, 0, *kv(2))
+    wait_for_rejections(curve_receiver, 2)
+    assert receive_nothing_more(curve_receiver) == []
+    assert curve_receiver.dropped == Counter() and curve_receiver.counters.chunks == 0
+    sender = make_sender(context, keys=keys)
+    sender.send_layers(curve_receiver.address, "good", 0, 0, *kv(3))
+    assert [p.header.request_id for p in payloads(receive(curve_receiver, 1))] == ["good"]
+    for closing in (plain, stranger, sender):
+        closing.close()

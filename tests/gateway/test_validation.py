@@ -1,0 +1,418 @@
+"""Malformed requests against the real app: each one a 4xx OpenAI error, and the app keeps serving.
+
+Every case is posted to the in-process gateway (real registry with no workers, see served_app);
+the reply must be a 4xx with the OpenAI error JSON, a capped message that never quotes the long
+marker string the body carries, and a valid request right after must still reach dispatch.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types import completion_create_params as text_params
+from openai.types.chat import completion_create_params as chat_params
+from pydantic import BaseModel
+from starlette.testclient import TestClient
+
+from gateway.protocol import (
+    TEXT_PART_FIELDS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+)
+from tests.gateway.served_app import (
+    MODEL,
+    NO_WORKER,
+    ROUTES,
+    assert_still_serving,
+    error_of,
+    serve_without_workers,
+    valid_body,
+)
+
+CHAT, TEXT = ROUTES
+MARKER = "MARKER-" + "q" * 5000 + "-END"
+REQUEST_MODELS: dict[str, type[BaseModel]] = {CHAT: ChatCompletionRequest, TEXT: CompletionRequest}
+
+
+@pytest.fixture(scope="module")
+def client(real_model_dir: Path) -> Iterator[TestClient]:
+    with serve_without_workers(real_model_dir) as client:
+        yield client
+
+
+@dataclass(frozen=True)
+class Case:
+    """One malformed request: its raw body and what the error must say."""
+
+    name: str
+    body: bytes
+    param: str | None = None  # the error's `param`, when the case pins it
+    says: str = ""  # a phrase the message must contain
+    status: int = 400
+
+
+def _json(route: str, **fields: Any) -> bytes:
+    return json.dumps(valid_body(route, **{"user": MARKER, **fields})).encode()
+
+
+def _with_raw(route: str, field: str, raw: bytes) -> bytes:
+    """A valid body plus `"field": raw`, for what json.dumps cannot write."""
+    return _json(route)[:-1] + b', "' + field.encode() + b'": ' + raw + b"}"
+
+
+def _nested(depth: int, opening: bytes, closing: bytes) -> bytes:
+    return opening * depth + closing * depth
+
+
+def common_cases(route: str) -> list[Case]:
+    """What either route must refuse."""
+    body = _json(route)
+    deep_lists = _nested(100_000, b"[", b"]")
+    deep_objects = _nested(100_000, b'{"a":', b"}")
+    cases = [
+        Case("empty body", b""),
+        Case("null", b"null"),
+        Case("string", b'"x"'),
+        Case("array", b"[]"),
+        Case("empty object", b"{}"),
+        Case("number", b"42"),
+        Case("truncated", body[: len(body) // 2]),
+        Case("truncated by one", body[:-1]),
+        Case("bad utf-8 body", b"\xff\xfe" + body),
+        Case("bad utf-8 in a string", _json(route, user="x").replace(b'"x"', b'"\xc3\x28"')),
+        Case("lone surrogate", _json(route, user="x").replace(b'"x"', b'"\\ud800"')),
+        Case("trailing garbage", body + b"}"),
+        Case("two documents", body + body),
+        Case("missing model", json.dumps({**json.loads(body), "model": None}).encode(), "model"),
+        Case("no model", json.dumps({k: v for k, v in json.loads(body).items()
+                                      if k != "model"}).encode(), "model"),
+        Case("empty model", _json(route, model=""), "model"),
+        Case("unknown model", _json(route, model=MARKER[:256]), "model", status=404),
+        Case("n=0", _json(route, n=0), "n"),
+        Case("n=2", _json(route, n=2), "n", says="n > 1 is not supported yet"),
+        Case("n huge", _json(route, n=10**30), "n", says="not supported"),
+        Case("max_tokens -1", _json(route, max_tokens=-1), "max_tokens"),
+        Case("max_tokens 0", _json(route, max_tokens=0), "max_tokens"),
+        Case("max_tokens 10**12", _json(route, max_tokens=10**12), "max_tokens",
+             says="maximum context length"),
+        Case("max_tokens 2**63", _json(route, max_tokens=2**63 - 1), "max_tokens",
+             says="maximum context length"),
+        Case("max_tokens 2**64", _json(route, max_tokens=2**64), "max_tokens"),
+        Case("max_tokens 4000 digits", _with_raw(route, "max_tokens", b"9" * 4000), "max_tokens"),
+        Case("max_tokens 4300 digits", _with_raw(route, "max_tokens", b"9" * 4300), "max_tokens"),
+        Case("max_tokens 4305 digits", _with_raw(route, "max_tokens", b"9" * 4305)),
+        Case("max_tokens 10**5000", _with_raw(route, "max_tokens", b"1" + b"0" * 5000)),
+        Case("max_tokens float", _json(route, max_tokens=16.0), "max_tokens"),
+        Case("temperature NaN", _with_raw(route, "temperature", b"NaN"), "temperature"),
+        Case("temperature Infinity", _with_raw(route, "temperature", b"Infinity"), "temperature"),
+        Case("temperature -Infinity", _with_raw(route, "temperature", b"-Infinity"),
+             "temperature"),
+        Case("temperature 1e400", _with_raw(route, "temperature", b"1e400"), "temperature"),
+        Case("temperature -1", _json(route, temperature=-1), "temperature"),
+        Case("top_p 0", _json(route, top_p=0), "top_p"),
+        Case("top_p -1", _json(route, top_p=-1), "top_p"),
+        Case("top_p 1.5", _json(route, top_p=1.5), "top_p"),
+        Case("top_p NaN", _with_raw(route, "top_p", b"NaN"), "top_p"),
+        Case("top_k huge", _json(route, top_k=2**64), "top_k"),
+        Case("seed huge", _json(route, seed=2**64), "seed"),
+        Case("unknown field", _json(route, temprature=0.5), "temprature",
+             says="Unrecognized request argument supplied: temprature"),
+        Case("unknown long field", _json(route, **{MARKER: 1})),
+        Case("10k stop strings", _json(route, stop=[f"s{i}" for i in range(10_000)]), "stop",
+             says="at most"),
+        Case("1 MB stop string", _json(route, stop=MARKER + "s" * 1_000_000), "stop"),
+        Case("1 MB stop string in a list", _json(route, stop=["a", MARKER * 200]), "stop"),
+        Case("stop number", _json(route, stop=7), "stop"),
+        Case("stop nested", _json(route, stop=[[MARKER]]), "stop"),
+        Case("stop_token_ids beyond the vocabulary", _json(route, stop_token_ids=[10**9]),
+             "stop_token_ids"),
+        Case("deep lists as a value", _with_raw(route, "user", deep_lists)),
+        Case("deep lists as the body", deep_lists),
+        Case("deep objects as the body", deep_objects),
+        Case("deep unclosed lists", b"[" * 100_000),
+        Case("duplicate key", _with_raw(route, "model", b'"' + MODEL.encode() + b'"'), "model",
+             says="Duplicate key"),
+        Case("duplicate key, long value", _with_raw(route, "user", json.dumps(MARKER).encode()),
+             "user", says="Duplicate key"),
+        Case("logit_bias", _json(route, logit_bias={"50": 100}), "logit_bias",
+             says="not supported"),
+    ]
+    return cases
+
+
+def chat_cases() -> list[Case]:
+    """What /v1/chat/completions must refuse beyond the common cases."""
+    def with_messages(messages: Any) -> bytes:
+        return _json(CHAT, messages=messages)
+
+    def content(value: Any) -> bytes:
+        return with_messages([{"role": "user", "content": value}])
+
+    return [
+        Case("missing messages", json.dumps({"model": MODEL, "user": MARKER}).encode(),
+             "messages"),
+        Case("empty messages", with_messages([]), "messages"),
+        Case("messages object", with_messages({"role": "user", "content": MARKER}), "messages"),
+        Case("message not an object", with_messages([MARKER]), "messages[0]"),
+        Case("message without role", with_messages([{"content": MARKER}]), "messages[0].role"),
+        Case("unknown role", with_messages([{"role": MARKER, "content": "x"}]),
+             "messages[0].role"),
+        Case("message unknown field", with_messages([{"role": "user", "content": "x",
+                                                       "colour": MARKER}]), "messages[0].colour"),
+        Case("content number", content(42), "messages[0].content"),
+        Case("content float", content(4.2), "messages[0].content"),
+        Case("content bool", content(True), "messages[0].content"),
+        Case("content null", content(None), "messages[0].content"),
+        Case("content object", content({"text": MARKER}), "messages[0].content"),
+        Case("content nested object", content({"a": {"b": [MARKER]}}), "messages[0].content"),
+        Case("content list of strings", content([MARKER]), "messages[0].content"),
+        Case("content list of numbers", content([1, 2]), "messages[0].content"),
+        Case("content list of lists", content([[{"type": "text", "text": MARKER}]]),
+             "messages[0].content"),
+        Case("content image part", content([{"type": "image_url", "image_url": {"url": MARKER}}]),
+             "messages[0].content", says="text"),
+        Case("content part text number", content([{"type": "text", "text": 5}]),
+             "messages[0].content"),
+        Case("content part unknown field", content([{"type": "text", "text": "x", "y": MARKER}]),
+             "messages[0].content", says="unknown field 'y'"),
+        Case("tool calls", with_messages([{"role": "assistant", "content": "",
+                                           "tool_calls": [{"id": MARKER}]}]),
+             "messages[0].tool_calls", says="not supported"),
+        Case("tools", _json(CHAT, tools=[{"type": "function", "function": {"name": MARKER}}]),
+             "tools", says="not supported"),
+        Case("tool_choice required", _json(CHAT, tool_choice="required"), "tool_choice",
+             says="not supported"),
+        Case("logprobs", _json(CHAT, logprobs=True), "logprobs", says="not supported"),
+        Case("response_format json", _json(CHAT, response_format={"type": "json_object"}),
+             "response_format.type"),
+        Case("audio", _json(CHAT, audio={"voice": MARKER, "format": "wav"}), "audio",
+             says="not supported"),
+        Case("modalities audio", _json(CHAT, modalities=["text", "audio"]), "modalities",
+             says="not supported"),
+        Case("stream_options without stream", _json(CHAT, stream_options={"include_usage": True}),
+             "stream_options"),
+        Case("max_completion_tokens 10**12", _json(CHAT, max_completion_tokens=10**12),
+             "max_tokens", says="maximum context length"),
+        Case("max_completion_tokens 2**64", _json(CHAT, max_completion_tokens=2**64),
+             "max_completion_tokens"),
+    ]
+
+
+def completion_cases() -> list[Case]:
+    """What /v1/completions must refuse beyond the common cases."""
+    return [
+        Case("missing prompt", json.dumps({"model": MODEL, "user": MARKER}).encode(), "prompt"),
+        Case("prompt null", _json(TEXT, prompt=None), "prompt"),
+        Case("prompt number", _json(TEXT, prompt=42), "prompt"),
+        Case("prompt object", _json(TEXT, prompt={"text": MARKER}), "prompt"),
+        Case("prompt empty list", _json(TEXT, prompt=[]), "prompt"),
+        Case("prompt list of objects", _json(TEXT, prompt=[{"a": MARKER}]), "prompt"),
+        Case("prompt two strings", _json(TEXT, prompt=[MARKER, MARKER]), "prompt"),
+        Case("prompt floats", _json(TEXT, prompt=[1.5]), "prompt"),
+        Case("prompt bools", _json(TEXT, prompt=[True]), "prompt"),
+        Case("prompt negative id", _json(TEXT, prompt=[-1]), "prompt"),
+        Case("prompt id beyond the vocabulary", _json(TEXT, prompt=[2**64]), "prompt"),
+        Case("prompt too long", _json(TEXT, prompt=list(range(3000))), "max_tokens",
+             says="maximum context length"),
+        Case("messages on completions", _json(TEXT, messages=[{"role": "user", "content": "x"}]),
+             "messages"),
+        Case("echo", _json(TEXT, echo=True), "echo", says="not supported"),
+        Case("suffix", _json(TEXT, suffix=MARKER), "suffix", says="not supported"),
+        Case("best_of", _json(TEXT, best_of=3), "best_of"),
+    ]
+
+
+# One value of each JSON type; a field gets those its schema does not allow.
+WRONG_VALUES: dict[str, Any] = {
+    "null": None, "boolean": True, "integer": 7, "number": 2.5, "string": MARKER,
+    "array": [MARKER], "object": {"k": MARKER},
+}
+# Types a field accepts beyond its schema (a `mode="before"` validator normalizes them).
+ALSO_ACCEPTED: dict[str, set[str]] = {"stop": {"string"}}
+
+
+def _json_types(schema: dict[str, Any]) -> set[str]:
+    """The JSON types a property's schema allows; empty for a schema that allows anything."""
+    if "$ref" in schema:
+        return {"object"}
+    if "anyOf" in schema:
+        return set().union(*(_json_types(branch) for branch in schema["anyOf"]))
+    if "type" not in schema:
+        return set()
+    types = {schema["type"]}
+    return types | {"integer"} if "number" in types else types
+
+
+def wrong_type_cases(route: str) -> list[Case]:
+    """For every top-level field, a value of each JSON type it does not accept."""
+    properties = REQUEST_MODELS[route].model_json_schema()["properties"]
+    cases = []
+    for field, schema in properties.items():
+        allowed = _json_types(schema) | ALSO_ACCEPTED.get(field, set())
+        if not allowed:
+            continue  # typed Any: the unsupported-feature cases cover it
+        for kind, value in WRONG_VALUES.items():
+            if kind not in allowed:
+                body = json.dumps({**valid_body(route, user="u"), field: value}).encode()
+                cases.append(Case(f"{field} as {kind}", body, field))
+    return cases
+
+
+CASES = [(route, case) for route in ROUTES for case in common_cases(route)]
+CASES += [(CHAT, case) for case in chat_cases()]
+CASES += [(TEXT, case) for case in completion_cases()]
+CASES += [(route, case) for route in ROUTES for case in wrong_type_cases(route)]
+
+
+@pytest.mark.parametrize(("route", "case"), CASES, ids=[f"{r[4:]}-{c.name}" for r, c in CASES])
+def test_malformed_request_is_a_4xx(client: TestClient, route: str, case: Case) -> None:
+    response = client.post(route, content=case.body,
+                           headers={"content-type": "application/json"})
+    assert response.status_code == case.status, response.text
+    error = error_of(response)
+    assert MARKER not in response.text
+    assert len(response.content) < 2000
+    if case.param is not None:
+        assert error["param"] == case.param, error
+    assert case.says in error["message"]
+    assert_still_serving(client, route)
+
+
+def test_every_field_has_wrong_type_cases() -> None:
+    for route, model in REQUEST_MODELS.items():
+        covered = {case.param for case in wrong_type_cases(route)}
+        typed = {name for name, field in model.model_fields.items()
+                 if field.annotation is not Any}
+        assert typed <= covered, typed - covered
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_valid_request_reaches_dispatch(client: TestClient, route: str) -> None:
+    response = client.post(route, json=valid_body(route, user=MARKER))
+    assert response.status_code == 503
+    assert error_of(response)["message"] == NO_WORKER
+    assert response.headers["retry-after"] == "1"
+
+
+def _fields(typed_dicts: tuple[type, ...]) -> set[str]:
+    return set().union(*(typing.get_type_hints(td).keys() for td in typed_dicts))
+
+
+OPENAI_FIELDS: dict[str, set[str]] = {
+    CHAT: _fields((chat_params.CompletionCreateParamsNonStreaming,
+                   chat_params.CompletionCreateParamsStreaming)),
+    TEXT: _fields((text_params.CompletionCreateParamsNonStreaming,
+                   text_params.CompletionCreateParamsStreaming)),
+}
+OPENAI_MESSAGE_FIELDS = _fields(tuple(
+    getattr(openai.types.chat, f"ChatCompletion{role}MessageParam")
+    for role in ("System", "User", "Assistant", "Tool", "Developer", "Function")
+))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_openai_client_field_is_known(route: str) -> None:
+    """A newer openai client with a new field fails here rather than getting 400s in use."""
+    assert OPENAI_FIELDS[route] - set(REQUEST_MODELS[route].model_fields) == set()
+
+
+def test_every_openai_nested_field_is_known() -> None:
+    assert OPENAI_MESSAGE_FIELDS - set(ChatMessage.model_fields) == set()
+    stream_options = _fields((openai.types.chat.ChatCompletionStreamOptionsParam,))
+    assert stream_options - set(StreamOptions.model_fields) == set()
+    text_part = _fields((openai.types.chat.ChatCompletionContentPartTextParam,))
+    assert text_part - TEXT_PART_FIELDS == set()
+
+
+# Every field the openai client can send, with a value that asks for nothing unsupported.
+CHAT_FIELDS: dict[str, Any] = {
+    "model": MODEL, "audio": None, "frequency_penalty": 0.5, "function_call": "none",
+    "functions": [], "logit_bias": {}, "logprobs": False, "max_completion_tokens": 8,
+    "max_tokens": 8, "metadata": {"k": "v"}, "modalities": ["text"], "moderation": None, "n": 1,
+    "parallel_tool_calls": False, "prediction": None, "presence_penalty": -0.5,
+    "prompt_cache_key": "k", "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+    "prompt_cache_retention": "in_memory", "reasoning_effort": "low",
+    "response_format": {"type": "text"}, "safety_identifier": "s", "seed": 1,
+    "service_tier": "auto", "stop": ["END"], "store": False, "stream": True,
+    "stream_options": {"include_usage": True, "include_obfuscation": False}, "temperature": 0.7,
+    "tool_choice": "none", "tools": [], "top_logprobs": 0, "top_p": 0.9, "user": "u",
+    "verbosity": "low", "web_search_options": None,
+    "messages": [
+        {"role": "system", "content": "be brief", "name": "s"},
+        {"role": "developer", "content": [{"type": "text", "text": "really"}], "name": "d"},
+        {"role": "user", "name": "u", "content": [
+            {"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+        {"role": "assistant", "content": "hello", "name": "a", "refusal": None,
+         "tool_calls": [], "function_call": None, "audio": None},
+        {"role": "tool", "content": "42", "tool_call_id": "call-1"},
+        {"role": "user", "content": "and?"},
+    ],
+}
+TEXT_FIELDS: dict[str, Any] = {
+    "model": MODEL, "prompt": "Once", "best_of": 1, "echo": False, "frequency_penalty": 0.5,
+    "logit_bias": {}, "logprobs": None, "max_tokens": 8, "n": 1, "presence_penalty": 0.0,
+    "seed": 2, "stop": "END", "stream": True, "stream_options": {"include_usage": False},
+    "suffix": None, "temperature": 0.0, "top_p": 1.0, "user": "u",
+}
+# Our documented extensions, passed by the openai client as `extra_body`.
+EXTENSIONS: dict[str, Any] = {
+    "top_k": 5, "ignore_eos": True, "stop_token_ids": [2], "min_tokens": 0,
+    "repetition_penalty": 1.0,
+}
+
+
+@pytest.fixture
+def openai_client(client: TestClient) -> openai.OpenAI:
+    # TestClient is an httpx.Client: the official client talks to the in-process app.
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                         http_client=client)
+
+
+@pytest.mark.parametrize(("route", "fields"), [(CHAT, CHAT_FIELDS), (TEXT, TEXT_FIELDS)])
+def test_sample_covers_every_openai_field(route: str, fields: dict[str, Any]) -> None:
+    assert OPENAI_FIELDS[route] - set(fields) == set()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_openai_client_chat_with_every_field_reaches_dispatch(
+    openai_client: openai.OpenAI, stream: bool
+) -> None:
+    fields = {**CHAT_FIELDS, "stream": stream}
+    if not stream:
+        del fields["stream_options"]
+    with pytest.raises(openai.InternalServerError) as info:
+        openai_client.chat.completions.create(**fields, extra_body=EXTENSIONS)
+    assert info.value.status_code == 503
+    assert info.value.body == {"message": NO_WORKER, "type": "service_unavailable",
+                               "param": None, "code": None}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_openai_client_completion_with_every_field_reaches_dispatch(
+    openai_client: openai.OpenAI, stream: bool
+) -> None:
+    fields = {**TEXT_FIELDS, "stream": stream}
+    if not stream:
+        del fields["stream_options"]
+    with pytest.raises(openai.InternalServerError) as info:
+        openai_client.completions.create(**fields, extra_body=EXTENSIONS)
+    assert info.value.status_code == 503
+    assert info.value.body == {"message": NO_WORKER, "type": "service_unavailable",
+                               "param": None, "code": None}
+
+
+def test_openai_client_gets_unknown_field_named(openai_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model=MODEL, prompt="x", extra_body={"tempreture": 1})
+    assert info.value.body == {"message": "Unrecognized request argument supplied: tempreture",
+                               "type": "invalid_request_error", "param": "tempreture",
+                               "code": None}
