@@ -7,6 +7,7 @@
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
+    python -m bench prefix --prefix-len 1000
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from bench import handoff as kv_handoff
 from bench import overload as flood
+from bench import prefix as prefix_cache
 from bench import runner as microbench
 from bench import transfer as kv_transfer
 from bench.launcher import ROOT, redact
@@ -290,6 +292,31 @@ def prepare_overload(args: argparse.Namespace, argv: Sequence[str]) -> Callable[
     return job
 
 
+def prefix_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench prefix`: TTFT with a cached prompt prefix against cold."""
+    parser = commands.add_parser("prefix", help="TTFT: prefix cached vs cold",
+                                 description=prefix_cache.__doc__)
+    parser.add_argument("--launch", default="--prefill 1 --decode 1",
+                        help="launch.sh flags of the server (default: %(default)s)")
+    parser.add_argument("--prefix-len", type=int, default=1000)
+    parser.add_argument("--suffix-len", type=int, default=24)
+    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.set_defaults(prepare=prepare_prefix)
+
+
+def prepare_prefix(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if min(args.prefix_len, args.suffix_len, args.output_len, args.pairs) < 1:
+        raise ValueError("--prefix-len, --suffix-len, --output-len and --pairs must be >= 1")
+    plan = prefix_cache.PrefixPlan(tuple(shlex.split(args.launch)), args.prefix_len,
+                                   args.suffix_len, args.output_len, args.pairs)
+
+    def job() -> int:
+        print(prefix_cache.markdown(plan, prefix_cache.run(plan)))
+        return 0
+    return job
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the command line) and run the chosen subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -300,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     transfer_parser(commands)
     handoff_parser(commands)
     overload_parser(commands)
+    prefix_parser(commands)
     args = parser.parse_args(argv)
     try:
         job = args.prepare(args, argv)

@@ -33,6 +33,7 @@ class RequestResult:
     chunk_times_s: tuple[float, ...] = ()  # each content chunk's arrival, from the request start
     prompt_tokens: int | None = None  # as the server's usage reports them
     output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
 
     @property
     def ok(self) -> bool:
@@ -110,6 +111,7 @@ def _succeeded(base: RequestResult, arrivals: list[float], usage: dict[str, Any]
         ttft_s=arrivals[0], e2e_s=e2e_s, chunk_times_s=tuple(arrivals),
         prompt_tokens=usage.get("prompt_tokens"),
         output_tokens=int(usage.get("completion_tokens", len(arrivals))),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     )
 
 

@@ -50,6 +50,7 @@ class WorkerConfig:
     cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning
     heartbeat_interval_s: float = 0.5
     kv_bind: str = "tcp://127.0.0.1:*"
+    prefix_caching: bool = True  # prefill: keep full KV blocks for later prompts to reuse
 
 
 KV_BACKENDS = ("zmq", "shm", "cuda_ipc")

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -21,6 +24,10 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: minus this for each token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # vLLM/HF's, over prompt + output: > 1 penalizes
+    logprobs: int | None = None  # None: none; k: the drawn token's logprob and the k best
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -29,11 +36,22 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        self._check_penalties()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _check_penalties(self) -> None:
+        if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):
+            raise ValueError("presence_penalty and frequency_penalty must be finite")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
-        """Whether the most likely token is always taken."""
-        return self.temperature == 0
+        """Whether the most likely token is always taken: at temperature 0, and below 1e-5,
+        where dividing the logits by it would overflow them to inf."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,26 @@ class GenerationTask:
     stop_token_ids: list[int]
     ignore_eos: bool
     cache_salt: str = ""  # seeds the prefix-cache block hashes: tenants never share blocks
+    min_tokens: int = 0  # stop and EOS tokens cannot be drawn before this many output tokens
+    # Where the output starts in prompt_ids: a resumed request's prompt ends with the output
+    # its client already has, which penalties and min_tokens count. None: all of it is prompt.
+    output_start: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.output_start is not None and not 0 <= self.output_start <= len(self.prompt_ids):
+            raise ValueError(f"output_start must be in [0, {len(self.prompt_ids)}]")
+
+    @property
+    def prompt_len(self) -> int:
+        """How many of prompt_ids are the client's prompt."""
+        return len(self.prompt_ids) if self.output_start is None else self.output_start
+
+    @property
+    def output_before(self) -> int:
+        """Output tokens generated in earlier epochs (the tail of prompt_ids)."""
+        return len(self.prompt_ids) - self.prompt_len
 
 
 @dataclass(frozen=True)
@@ -147,11 +185,22 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position, with its logprob."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
 class FirstToken:
     request_id: str
     epoch: int
     token_id: int
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefill worker had cached already
+    logprob: float | None = None  # the token's, when the request asked for logprobs
+    top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
 
 
 @dataclass(frozen=True)
@@ -161,6 +210,8 @@ class TokenEvent:
     index: int  # position in the output: 0 is the first token (sent by prefill)
     token_id: int
     finish_reason: str | None
+    logprob: float | None = None  # the token's, when the request asked for logprobs
+    top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from decode.incoming import IncomingKV, IncomingTable, Key
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.batch import ForwardBatch
 from engine.runner import ModelRunner
-from engine.sampler import make_generator, sample
-from engine.stopping import finish_reason
+from engine.sampler import Draw, History, draw, make_generator
+from engine.stopping import banned_tokens, finish_reason
 from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
 from kvtransfer.wire import dtype_name
 
@@ -79,20 +79,29 @@ class DecodeWorker(Worker):
             block_tables=[s.blocks for s in batch],
         ), layer_hook=self.between_layers)
         params = [s.request.task.sampling for s in batch]
-        tokens = sample(logits, params, [s.generator for s in batch])
-        events = [self._advance(s, t) for s, t in zip(batch, tokens, strict=True)]
+        draws = draw(logits, params, [s.generator for s in batch],
+                     [self._history(s) for s in batch])
+        events = [self._advance(s, d) for s, d in zip(batch, draws, strict=True)]
         self.control.send(TokenBatch(events))
         return True
 
-    def _advance(self, sequence: DecodeSequence, token: int) -> TokenEvent:
+    def _history(self, sequence: DecodeSequence) -> History:
+        """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens."""
+        task = sequence.request.task
+        banned = banned_tokens(task, sequence.num_generated, self.runner.spec.eos_token_ids)
+        return History(sequence.tokens, task.prompt_len, banned)
+
+    def _advance(self, sequence: DecodeSequence, token: Draw) -> TokenEvent:
         sequence.num_cached = len(sequence.tokens)
-        sequence.tokens.append(token)
+        sequence.tokens.append(token.token_id)
         sequence.num_generated += 1
         task = sequence.request.task
-        reason = finish_reason(task, token, sequence.num_generated, self.runner.spec.eos_token_ids)
+        eos = self.runner.spec.eos_token_ids
+        reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
         if reason is not None:
             self.scheduler.remove(sequence)
-        return TokenEvent(*sequence.key, sequence.num_generated - 1, token, reason)
+        return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
+                          token.logprob, token.top)
 
     def _on_kv(self, item: KVItem) -> None:
         key = item.key

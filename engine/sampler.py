@@ -1,10 +1,35 @@
-"""Token sampling: greedy, temperature, top-k and top-p, reproducible per request."""
+"""Token sampling: penalties, greedy, temperature, top-k and top-p, and logprobs; reproducible
+per request."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
 
-from core.messages import Sampling
+from core.messages import Sampling, TopLogprob
+
+
+@dataclass(frozen=True)
+class History:
+    """What a row's penalties and min_tokens look at."""
+
+    tokens: Sequence[int] = ()  # the prompt, then the output so far
+    output_start: int = 0  # tokens[output_start:] is the output
+    banned: Sequence[int] = ()  # ids the draw may not pick (stop tokens, under min_tokens)
+
+
+NO_HISTORY = History()
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A drawn token; its logprob and the most likely tokens' when the request asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[TopLogprob] = field(default_factory=list)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -18,19 +43,40 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(
-    logits: torch.Tensor, params: list[Sampling], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[Sampling], generators: list[torch.Generator],
+    histories: list[History] | None = None,
 ) -> list[int]:
-    """One token per row of `logits` `[B, V]`; a row's draw depends only on its own
-    logits, params and generator, never on the other rows."""
-    assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
-    greedy = logits.argmax(dim=-1).tolist()
-    return [
-        greedy[row] if p.greedy else _sample_row(logits[row].float(), p, generators[row])
-        for row, p in enumerate(params)
-    ]
+    """The token ids `draw` picks."""
+    return [d.token_id for d in draw(logits, params, generators, histories)]
 
 
-def _sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:
+def draw(
+    logits: torch.Tensor, params: list[Sampling], generators: list[torch.Generator],
+    histories: list[History] | None = None,
+) -> list[Draw]:
+    """One token per row of `logits` `[B, V]`; a row's draw depends only on its own logits,
+    params, history (none: no penalty applies) and generator, never on the other rows.
+
+    Penalties and the min_tokens ban change the logits first, before greedy argmax as before
+    temperature, top-k and top-p. Logprobs are the log-softmax of those penalized logits:
+    before temperature, top-k and top-p, so a greedy request gets the model's own numbers."""
+    rows = histories if histories is not None else [NO_HISTORY] * len(params)
+    assert logits.dim() == 2 and len(params) == len(generators) == len(rows) == logits.shape[0]
+    return [_draw_row(logits[row].float(), p, generators[row], rows[row])
+            for row, p in enumerate(params)]
+
+
+def _draw_row(
+    logits: torch.Tensor, params: Sampling, generator: torch.Generator, history: History
+) -> Draw:
+    logits = _penalized(logits, params, history)
+    token = int(logits.argmax()) if params.greedy else _race(logits, params, generator)
+    if params.logprobs is None:
+        return Draw(token)
+    return _with_logprobs(token, logits, params.logprobs)
+
+
+def _race(logits: torch.Tensor, params: Sampling, generator: torch.Generator) -> int:
     """An exponential race (argmax of p / Exp(1) noise drawn in vocabulary order): the same
     draw as sampling from p, but a logit that moves by a rounding error (another batch shape)
     only changes the pick when two tokens are that close, never by reordering near-ties."""
@@ -39,6 +85,50 @@ def _sample_row(logits: torch.Tensor, params: Sampling, generator: torch.Generat
     probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
+
+
+def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torch.Tensor:
+    """The logits after the repetition, frequency and presence penalties (vLLM's order) and
+    the ban; the same tensor when none applies. Ids outside the vocabulary are skipped."""
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1:
+        seen = _ids(history.tokens, vocab).unique()
+        logits = _repetition(logits, seen, params.repetition_penalty)
+    if params.frequency_penalty or params.presence_penalty:
+        output = _ids(history.tokens[history.output_start:], vocab)
+        logits = _frequency_presence(logits, output, params)
+    if history.banned:
+        logits = logits.index_fill(0, _ids(history.banned, vocab), float("-inf"))
+    return logits
+
+
+def _ids(tokens: Sequence[int], vocab: int) -> torch.Tensor:
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    return ids[(ids >= 0) & (ids < vocab)]
+
+
+def _repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's and vLLM's: a seen token's logit is divided by `penalty` when positive,
+    multiplied by it otherwise (both lower it when penalty > 1)."""
+    scores = logits[seen]
+    scaled = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return logits.index_put((seen,), scaled)
+
+
+def _frequency_presence(logits: torch.Tensor, output: torch.Tensor, params: Sampling
+                        ) -> torch.Tensor:
+    """OpenAI's: minus frequency_penalty per occurrence in the output, minus
+    presence_penalty once for any occurrence."""
+    counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
+    present = (counts > 0).to(logits.dtype)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * present
+
+
+def _with_logprobs(token: int, logits: torch.Tensor, k: int) -> Draw:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    values, ids = logprobs.topk(min(k, logprobs.shape[0]))
+    top = [TopLogprob(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return Draw(token, float(logprobs[token]), top)
 
 
 def _kept(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -53,5 +143,6 @@ def _kept(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep a token while the mass before it is below top_p; the first is always kept.
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits[mass_before < top_p]
+        kept = int((mass_before < top_p).sum())
+        sorted_logits = sorted_logits[:max(kept, 1)]  # NaN logits keep none: keep the first
     return logits >= sorted_logits[-1]

@@ -29,6 +29,7 @@ from core.messages import (
     RequestFailed,
     TokenBatch,
     TokenEvent,
+    TopLogprob,
 )
 from gateway.errors import service_unavailable
 from gateway.registry import Registry, WorkerInfo
@@ -41,6 +42,8 @@ class Event:
     token_id: int | None  # None for a failure
     finish_reason: str | None  # "stop", "length", or "error"
     error: str = ""
+    logprob: float | None = None  # when the request asked for logprobs
+    top: list[TopLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -58,6 +61,7 @@ class RequestHandle:
     delivered: list[int] = field(default_factory=list)  # token ids the client has got
     offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
     gap_since: float | None = None  # since when later tokens wait for a missing one
+    cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
 
 
@@ -77,7 +81,8 @@ class Dispatcher:
 
     def submit(self, task: GenerationTask) -> RequestHandle:
         """Pick a prefill and a decode worker and send the request; 503 when a pool is empty."""
-        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
+        prefill = self.registry.pick_prefill(task.prompt_ids, task.cache_salt)
+        decode = self.registry.pick_decode()
         if prefill is None or decode is None:
             raise service_unavailable("no prefill or decode worker is available", retry_after=1.0)
         handle = RequestHandle(uuid.uuid4().hex, 0, task, prefill.worker_id, decode.worker_id)
@@ -150,8 +155,10 @@ class Dispatcher:
             for event in message.events:
                 self._on_token(worker_id, event)
         elif isinstance(message, FirstToken):
+            self._note_cached(message)
             self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
-                                                 message.token_id, message.finish_reason))
+                                                 message.token_id, message.finish_reason,
+                                                 message.logprob, message.top))
         elif isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message):
                 self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
@@ -165,6 +172,13 @@ class Dispatcher:
             self._on_leave(worker_id, message)
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
+
+    def _note_cached(self, first: FirstToken) -> None:
+        """The prompt tokens the prefill worker found cached, as the client's usage reports
+        them: from the first epoch that reaches the client (a resumed one's prompt is longer)."""
+        handle = self.requests.get(first.request_id)
+        if handle is not None and handle.epoch == first.epoch and not handle.delivered:
+            handle.cached_tokens = min(first.cached_tokens, len(handle.task.prompt_ids))
 
     def _on_register(self, worker_id: str, message: Register) -> None:
         if worker_id != message.worker_id:
@@ -205,7 +219,8 @@ class Dispatcher:
         index = handle.offset + token.index  # in the client's output
         if index < handle.next_index or index in handle.early:
             return  # a duplicate
-        handle.early[index] = Event(token.token_id, token.finish_reason)
+        handle.early[index] = Event(token.token_id, token.finish_reason,
+                                    logprob=token.logprob, top=token.top)
         handle.held_at = time.monotonic()
         if token.index > 0:
             self._decode_progress(handle)
@@ -272,8 +287,13 @@ class Dispatcher:
         plus the tokens the client already has, so the stream goes on with no gap and no
         repeat (anything of the old epoch is dropped everywhere). False past the limit or
         with a pool empty."""
-        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
-        if prefill is None or decode is None or handle.retries >= _MAX_RESUMES:
+        if handle.retries >= _MAX_RESUMES:
+            return False
+        task = handle.task
+        prompt = [*task.prompt_ids, *handle.delivered]
+        prefill = self.registry.pick_prefill(prompt, task.cache_salt)
+        decode = self.registry.pick_decode()
+        if prefill is None or decode is None:
             return False
         for worker_id in (handle.prefill_worker, handle.decode_worker):
             self._send_abort(worker_id, handle.request_id, handle.epoch)
@@ -283,9 +303,7 @@ class Dispatcher:
         handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
         handle.held_at = time.monotonic()
         handle.prefill_worker, handle.decode_worker = prefill.worker_id, decode.worker_id
-        task = handle.task
-        task = replace(task, prompt_ids=[*task.prompt_ids, *handle.delivered],
-                       max_tokens=task.max_tokens - len(handle.delivered))
+        task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(handle.delivered))
         for worker in (prefill, decode):
             worker.active[handle.request_id] = len(task.prompt_ids)
         self.control.send(prefill.worker_id, PrefillRequest(

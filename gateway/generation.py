@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.dispatch import Dispatcher, Event, RequestHandle
+from gateway.logprobs import TokenLogprob, TokenPieces, finite_logprob
 from gateway.metrics import Metrics
 
 
@@ -19,14 +20,19 @@ class Delta:
     text: str
     finish_reason: str | None = None  # "stop", "length", or "error" (then `error` says why)
     error: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last delta, when asked
 
 
 KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
 
 
 class Generation:
+    """One request's text deltas; `pieces` (given when the request asked for logprobs) turns
+    the tokens' logprobs into `TokenLogprob`s that ride on the deltas."""
+
     def __init__(self, handle: RequestHandle, dispatcher: Dispatcher, metrics: Metrics,
-                 tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+                 tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
+                 pieces: TokenPieces | None = None) -> None:
         self.handle = handle
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -36,6 +42,9 @@ class Generation:
         self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.closed = False
+        self.pieces = pieces
+        self.text_chars = 0  # of the detokenized output, stop strings not applied
+        self.pending: list[TokenLogprob] = []  # logprobs not yet on a delta
         metrics.inflight.inc()
         metrics.queued.inc()
 
@@ -74,7 +83,7 @@ class Generation:
             deadline = time.monotonic() + progress_timeout_s
             delta = self._apply(event)
             if delta.text or delta.finish_reason:
-                yield delta
+                yield self._with_logprobs(delta)
             if delta.finish_reason:
                 return
 
@@ -85,17 +94,45 @@ class Generation:
         if event.token_id is None:
             return Delta("", "error", event.error)
         self._count_token()
-        # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the text.
-        text = "" if event.finish_reason == "stop" else self.detokenizer.add(event.token_id)
-        if event.finish_reason is not None:
-            text += self.detokenizer.flush()
-        emit, hit = self.stops.feed(text)
+        text = self._token_text(event.token_id, event.finish_reason)
+        self._note_logprob(event)
+        self.text_chars += len(text)
+        emit, hit = self._match_stops(text)
         if hit:
             self.abort()
             return self._finished(emit, "stop")
         if event.finish_reason is not None:
             return self._finished(emit + self.stops.flush(), event.finish_reason)
         return Delta(emit)
+
+    def _token_text(self, token_id: int, finish_reason: str | None) -> str:
+        # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the text.
+        text = "" if finish_reason == "stop" else self.detokenizer.add(token_id)
+        if finish_reason is not None:
+            text += self.detokenizer.flush()
+        return text
+
+    def _match_stops(self, text: str) -> tuple[str, bool]:
+        """Stop strings, as vLLM's min_tokens has it, only count in the text of the tokens
+        after the first min_tokens (one that straddles that point is missed)."""
+        if self.completion_tokens <= self.handle.task.min_tokens:
+            return text, False
+        return self.stops.feed(text)
+
+    def _note_logprob(self, event: Event) -> None:
+        """Queue the token's logprob entry, detokenized, for the next delta."""
+        if self.pieces is None or event.logprob is None or event.token_id is None:
+            return
+        top = [(self.pieces(t.token_id), finite_logprob(t.logprob)) for t in event.top]
+        self.pending.append(TokenLogprob(self.pieces(event.token_id),
+                                         finite_logprob(event.logprob), top, self.text_chars))
+
+    def _with_logprobs(self, delta: Delta) -> Delta:
+        """The delta, carrying the logprobs of every token since the last delta."""
+        if not self.pending:
+            return delta
+        delta, self.pending = replace(delta, logprobs=tuple(self.pending)), []
+        return delta
 
     def _finished(self, text: str, reason: str) -> Delta:
         self.metrics.e2e.observe(time.monotonic() - self.started)

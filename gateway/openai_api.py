@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -23,6 +24,7 @@ from gateway.errors import (
     service_unavailable,
 )
 from gateway.generation import KEEPALIVE, Delta, Generation
+from gateway.logprobs import TokenLogprob, TokenPieces, chat_logprobs, completion_logprobs
 from gateway.protocol import (
     GenerationParams,
     check_context,
@@ -34,6 +36,8 @@ from gateway.protocol import (
 )
 from gateway.state import GatewayState
 
+Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
+
 
 class ChatFormat:
     """Shapes of /v1/chat/completions responses."""
@@ -41,15 +45,19 @@ class ChatFormat:
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
+    def choice_delta(self, text: str, reason: str | None, first: bool,
+                     logprobs: Logprobs = None) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        shown = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, text: str, reason: str | None) -> dict[str, Any]:
+    def choice_full(self, text: str, reason: str | None,
+                    logprobs: Logprobs = None) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        shown = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": 0, "message": message, "logprobs": shown, "finish_reason": reason}
 
 
 class CompletionFormat:
@@ -58,11 +66,14 @@ class CompletionFormat:
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def choice_delta(self, text: str, reason: str | None, first: bool) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def choice_delta(self, text: str, reason: str | None, first: bool,
+                     logprobs: Logprobs = None) -> dict[str, Any]:
+        shown = None if logprobs is None else completion_logprobs(logprobs)
+        return {"index": 0, "text": text, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, text: str, reason: str | None) -> dict[str, Any]:
-        return self.choice_delta(text, reason, first=False)
+    def choice_full(self, text: str, reason: str | None,
+                    logprobs: Logprobs = None) -> dict[str, Any]:
+        return self.choice_delta(text, reason, first=False, logprobs=logprobs)
 
 
 Format = ChatFormat | CompletionFormat
@@ -72,6 +83,7 @@ class OpenAIRoutes:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.pieces = TokenPieces(state.tokenizer)
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_chat_request(await self._read_body(request))
@@ -139,17 +151,14 @@ class OpenAIRoutes:
         if not self.state.control_plane_up():
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         self._admit(len(prompt_ids))
-        task = GenerationTask(
-            prompt_ids=prompt_ids,
-            sampling=Sampling(params.temperature, params.top_p, params.top_k, params.seed),
-            max_tokens=max_tokens, stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos, cache_salt=cache_salt(request),
-        )
+        task = generation_task(params, prompt_ids, max_tokens, cache_salt(request))
         handle = self.state.dispatcher.submit(task)
         self.state.metrics.prompt_tokens.inc(len(prompt_ids))
+        logprobs = params.logprobs is not None
         generation = Generation(handle, self.state.dispatcher, self.state.metrics,
-                                self.state.tokenizer, params.stop)
-        reply = Reply(fmt, generation, self.state, params.include_usage)
+                                self.state.tokenizer, params.stop,
+                                self.pieces if logprobs else None)
+        reply = Reply(fmt, generation, self.state, params.include_usage, logprobs)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -159,17 +168,45 @@ class OpenAIRoutes:
         return response
 
 
+def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens: int,
+                    salt: str) -> GenerationTask:
+    """What the workers get for a request."""
+    sampling = Sampling(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        seed=params.seed, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
+    )
+    return GenerationTask(
+        prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        cache_salt=salt, min_tokens=params.min_tokens, output_start=len(prompt_ids),
+    )
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A generation collected to its end."""
+
+    text: str
+    finish_reason: str | None
+    error: str
+    logprobs: list[TokenLogprob]
+
+
 class Reply:
-    """One response, streamed as SSE chunks or returned whole."""
+    """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
+    carries the logprobs of its tokens."""
 
     def __init__(self, fmt: Format, generation: Generation, state: GatewayState,
-                 include_usage: bool) -> None:
+                 include_usage: bool, logprobs: bool = False) -> None:
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generation.handle.request_id}"
         self.fmt = fmt
         self.generation = generation
         self.state = state
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self.created = int(time.time())
 
     def _deltas(self) -> AsyncIterator[Delta | None]:
@@ -189,8 +226,9 @@ class Reply:
                     yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
                     return
                 else:
+                    logprobs = delta.logprobs if self.logprobs else None
                     yield self._event([self.fmt.choice_delta(delta.text, delta.finish_reason,
-                                                              first=False)])
+                                                              False, logprobs)])
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -208,29 +246,32 @@ class Reply:
                                          return_when=asyncio.FIRST_COMPLETED)
             if collector not in done:
                 return Response(status_code=499)  # nobody is listening
-            text, reason, error = collector.result()
-            if error:
+            whole = collector.result()
+            if whole.error:
                 outcome = "error"
-                return JSONResponse(_stream_error(error), status_code=503)
+                return JSONResponse(_stream_error(whole.error), status_code=503)
             outcome = "ok"
-            body = self._body([self.fmt.choice_full(text, reason)], usage=self._usage())
-            return JSONResponse(body)
+            logprobs = whole.logprobs if self.logprobs else None
+            choice = self.fmt.choice_full(whole.text, whole.finish_reason, logprobs)
+            return JSONResponse(self._body([choice], usage=self._usage()))
         finally:
             watcher.cancel()
             collector.cancel()
             self._close(outcome)
 
-    async def _collect(self) -> tuple[str, str | None, str]:
-        """(text, finish_reason, error) once the generation ends."""
+    async def _collect(self) -> _Whole:
+        """The generation, once it ends."""
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         async for delta in self._deltas():
             if delta is KEEPALIVE:
                 continue
             if delta.finish_reason == "error":
-                return "", None, delta.error
+                return _Whole("", None, delta.error, [])
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
-                return "".join(parts), delta.finish_reason, ""
+                return _Whole("".join(parts), delta.finish_reason, "", logprobs)
         raise AssertionError("a generation always ends with a finish_reason")
 
     def _close(self, outcome: str) -> None:
@@ -238,16 +279,18 @@ class Reply:
         route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
         self.state.metrics.requests.labels(route, outcome).inc()
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt, completion = self.generation.prompt_tokens, self.generation.completion_tokens
+        cached = self.generation.handle.cached_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
                 "model": self.state.model_name, "choices": choices, "usage": usage}
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         """One SSE chunk; `usage` only on the last one, when the client asked for it."""
         chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
                                  "created": self.created, "model": self.state.model_name,

@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from core.messages import MAX_LOGPROBS
 from gateway.errors import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI allows
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -166,9 +168,9 @@ class _SamplingRequest(_Request):
     frequency_penalty: Penalty | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    # vLLM-style extensions that are not implemented: only their neutral values pass.
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
+    # vLLM's extensions.
+    min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
 
     _no_logit_bias = field_validator("logit_bias")(_empty_only)
 
@@ -177,20 +179,6 @@ class _SamplingRequest(_Request):
     def _only_one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
             raise _invalid("n > 1 is not supported yet; use n=1")
-        return value
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _no_min_tokens(cls, value: int | None) -> int | None:
-        if value:
-            raise _unsupported("min_tokens")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1.0):
-            raise _unsupported("repetition_penalty")
         return value
 
     @field_validator("stop", mode="before")
@@ -256,18 +244,11 @@ class ChatCompletionRequest(_SamplingRequest):
     _missing_features = field_validator("audio", "prediction", "web_search_options",
                                         "moderation")(_none_only)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("logprobs")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise _unsupported("top_logprobs")
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _invalid("top_logprobs needs logprobs set to true")
         return value
 
     @field_validator("tools")
@@ -303,7 +284,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -331,13 +312,6 @@ class CompletionRequest(_SamplingRequest):
             raise _unsupported("suffix")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _unsupported("logprobs")
-        return value
-
 
 def _normalize_prompt(value: object, nested: bool) -> str | list[int]:
     """A string, a list of token ids, or a one-element list holding either."""
@@ -361,7 +335,8 @@ class GenerationParams:
     """What to generate, independent of the API the request came through.
 
     `max_tokens` None means "up to the context limit"; `top_k` 0 disables top-k;
-    `include_usage` asks for a final usage chunk when streaming.
+    `include_usage` asks for a final usage chunk when streaming; `logprobs` None asks for no
+    logprobs, k for each token's and the k most likely tokens'.
     """
 
     max_tokens: int | None = None
@@ -376,16 +351,16 @@ class GenerationParams:
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
     """The internal generation parameters of a validated request."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
     stream = bool(req.stream)
     return GenerationParams(
-        max_tokens=max_tokens,
+        max_tokens=_max_tokens(req),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
@@ -397,7 +372,29 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest) -> Generat
         stream=stream,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0,
+        logprobs=_logprobs(req),
     )
+
+
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The completion's length limit, if the request sets one (chat's max_completion_tokens
+    wins); a 400 when min_tokens exceeds it."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is not None and (req.min_tokens or 0) > max_tokens:
+        raise bad_request(f"min_tokens must be at most max_tokens ({max_tokens})",
+                          param="min_tokens")
+    return max_tokens
+
+
+def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many most likely tokens to show per token; None: no logprobs at all."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 _Model = TypeVar("_Model", bound=BaseModel)

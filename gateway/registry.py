@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.messages import Heartbeat, Register, RegisterReply
+from engine.block_hash import block_hashes
+from gateway.prefix_index import PrefixIndex
 
 
 @dataclass
@@ -19,6 +22,7 @@ class WorkerInfo:
     last_seen: float
     load: Heartbeat | None = None  # as last reported; routing uses `active` instead
     active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill: routed
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
 
@@ -61,10 +65,11 @@ class Registry:
             worker_id=message.worker_id, instance_id=message.instance_id, role=message.role,
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
-            progressed_at=time.monotonic(),
+            prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
             info.active = previous.active  # the same process registering again keeps its requests
+            info.prefixes = previous.prefixes
         self.workers[message.worker_id] = info
         return RegisterReply(True, ""), previous
 
@@ -123,10 +128,26 @@ class Registry:
         """Prompt tokens routed to prefill workers and not handed on to decode yet."""
         return sum(w.held_tokens for w in self.alive("prefill"))
 
-    def pick_prefill(self) -> WorkerInfo | None:
-        """The prefill worker with the fewest prompt tokens waiting on it."""
-        return min(self.serving("prefill"), key=lambda w: (w.held_tokens, len(w.active)),
-                   default=None)
+    def pick_prefill(self, prompt: Sequence[int] = (), salt: str = "") -> WorkerInfo | None:
+        """The prefill worker that would get through `prompt` first: the fewest tokens to
+        compute, those already waiting on it plus the prompt's own less the prefix it probably
+        has cached (ties: the fewest requests). The one picked learns the prompt's prefix."""
+        chains: dict[int, list[bytes]] = {}  # by block size
+
+        def chain(worker: WorkerInfo) -> list[bytes]:
+            if worker.block_size not in chains:
+                chains[worker.block_size] = block_hashes(prompt, worker.block_size, salt)
+            return chains[worker.block_size]
+
+        def cost(worker: WorkerInfo) -> tuple[int, int]:
+            cached = min(worker.prefixes.matched(chain(worker)) * worker.block_size,
+                         max(len(prompt) - 1, 0))
+            return worker.held_tokens + len(prompt) - cached, len(worker.active)
+
+        best = min(self.serving("prefill"), key=cost, default=None)
+        if best is not None:
+            best.prefixes.add(chain(best))
+        return best
 
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences."""

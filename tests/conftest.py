@@ -37,6 +37,7 @@ TINY_CONFIG: dict[str, Any] = {
 
 
 DEFAULT_FUZZ_EXAMPLES = 1500
+DEFAULT_CLUSTER_FUZZ_EXAMPLES = 150
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,12 +45,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES, metavar="N",
         help=f"examples per hypothesis fuzz test (default {DEFAULT_FUZZ_EXAMPLES})",
     )
+    parser.addoption(
+        "--cluster-fuzz-examples", type=int, default=DEFAULT_CLUSTER_FUZZ_EXAMPLES, metavar="N",
+        help="examples per strategy against a running cluster "
+             f"(default {DEFAULT_CLUSTER_FUZZ_EXAMPLES})",
+    )
 
 
 @pytest.fixture(scope="session")
 def fuzz_examples(request: pytest.FixtureRequest) -> int:
     """How many examples each fuzz test tries (`--fuzz-examples`)."""
     return int(request.config.getoption("--fuzz-examples"))
+
+
+@pytest.fixture(scope="session")
+def cluster_fuzz_examples(request: pytest.FixtureRequest) -> int:
+    """How many bodies each strategy sends to a running cluster (`--cluster-fuzz-examples`)."""
+    return int(request.config.getoption("--cluster-fuzz-examples"))
 
 
 @pytest.fixture(scope="session")

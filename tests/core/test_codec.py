@@ -27,6 +27,7 @@ from core.messages import (
     Sampling,
     TokenBatch,
     TokenEvent,
+    TopLogprob,
     decode,
     encode,
 )
@@ -54,11 +55,26 @@ SAMPLES: list[Message] = [
     DecodeRequest("r1", 1, TASK, "model|float32"),
     FirstToken("r1", 0, 42, None),
     FirstToken("r1", 0, 2, "stop"),
+    FirstToken("r1", 0, 42, None, 3, -0.25, [TopLogprob(42, -0.25), TopLogprob(7, -2.0)]),
     TokenBatch([]),
     TokenBatch([TokenEvent("r1", 0, 1, 7, None), TokenEvent("r2", 1, 5, 8, "length")]),
+    TokenBatch([TokenEvent("r1", 0, 1, 7, None, -1.5, [TopLogprob(7, -1.5)]),
+                TokenEvent("r1", 0, 2, 8, None, 0.0, [])]),
+    DecodeRequest("r3", 0, GenerationTask(
+        [1, 2, 3, 4], Sampling(0.5, 0.9, 0, None, 0.5, -0.5, 1.2, 5), 8, [2], False, "salt",
+        min_tokens=3, output_start=2), "fp"),
     Abort("r1", 2),
     RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
 ]
+
+
+NEUTRAL_EXTRAS = [0.0, 0.0, 1.0, None]  # presence, frequency, repetition penalty; logprobs
+
+
+def raw_task(sampling: list[Any]) -> list[Any]:
+    """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
+    neutral unless given)."""
+    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None]
 
 
 def packed(*items: Any) -> bytes:
@@ -109,7 +125,7 @@ def test_optional_fields_take_none_or_a_value() -> None:
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, [[1], [1, 1, 0, None], 4, [], False, ""], "fp")
+    data = packed(TAG[DecodeRequest], "r", 0, raw_task([1, 1, 0, None, 0, 0, 1]), "fp")
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
@@ -294,9 +310,11 @@ def test_a_codec_with_its_own_types() -> None:
 
 
 def test_a_token_batch_as_decode_sends_it_decodes() -> None:
-    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None], ["r", 0, 2, 8, "stop"]])
+    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, []],
+                                    ["r", 0, 2, 8, "stop", -0.5, [[8, -0.5]]]])
     assert decode(data) == TokenBatch([TokenEvent("r", 0, 1, 7, None),
-                                       TokenEvent("r", 0, 2, 8, "stop")])
+                                       TokenEvent("r", 0, 2, 8, "stop", -0.5,
+                                                  [TopLogprob(8, -0.5)])])
 
 
 def test_leave_and_register_again_are_typed() -> None:
@@ -318,14 +336,20 @@ BAD_SAMPLINGS = [
     [1.0, 1.0000001, 0, None],  # and at most 1
     [1.0, float("nan"), 0, None],
     [1.0, 1.0, -1, None],  # negative top_k
+    [1.0, 1.0, 0, None, float("nan"), 0.0, 1.0, None],  # penalties must be finite
+    [1.0, 1.0, 0, None, 0.0, float("-inf"), 1.0, None],
+    [1.0, 1.0, 0, None, 0.0, 0.0, 0.0, None],  # a repetition penalty must be above 0
+    [1.0, 1.0, 0, None, 0.0, 0.0, float("inf"), None],  # and finite
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, -1],  # logprobs in [0, 20]
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, 21],
 ]
 
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
-    bad = packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False, ""], "d", "")
+    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "")
     assert_malformed(bad)
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, [[1], sampling, 4, [], False, ""], "fp"))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp"))
     with pytest.raises(ValueError):
         Sampling(*sampling)
 
@@ -337,12 +361,30 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [2.0, 0.5, 1, None],
     [1.0, 1.0, 50_000, -3],
     [1.7976931348623157e308, 1.0, 0, None],  # the largest finite temperature
+    [1.0, 1.0, 0, None, -2, 2, 3, 0],  # ints where floats are expected, penalties too
+    [1.0, 1.0, 0, None, 1e300, -1e300, 1e-300, 20],
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, [[1], sampling, 4, [], False, ""], "d", ""))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", ""))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)
+
+
+@pytest.mark.parametrize(("min_tokens", "output_start"), [(-1, None), (0, -1), (0, 2)])
+def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
+                                                        output_start: int | None) -> None:
+    task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
+            output_start]
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp"))
+
+
+def test_a_top_logprob_must_be_a_pair_of_id_and_number() -> None:
+    good = packed(TAG[FirstToken], "r", 0, 5, None, 0, -1, [[5, -1]])
+    assert decode(good) == FirstToken("r", 0, 5, None, 0, -1.0, [TopLogprob(5, -1.0)])
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [[5]]))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [["5", -1.0]]))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, "low", []))
 
 
 @pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), float("nan")], ids=repr)

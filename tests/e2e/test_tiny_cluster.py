@@ -83,7 +83,8 @@ def test_sixteen_concurrent_streams_match_the_greedy_reference(
         assert result["events"][-1] == "[DONE]"
         n = len(prompt_ids)
         assert result["usage"] == {"prompt_tokens": n, "completion_tokens": max_tokens,
-                                   "total_tokens": n + max_tokens}
+                                   "total_tokens": n + max_tokens,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     # Both pools took part.
     assert all(f"{w} registered" in cluster.log(w) for w in ("prefill-0", "prefill-1"))
     assert cluster.metric("raging_requests_total", 'outcome="ok",route="completions"') >= 16
@@ -341,3 +342,27 @@ def test_a_200_mb_body_gets_413_without_being_buffered(cluster: Cluster) -> None
         assert b'"code":"payload_too_large"' in answer.replace(b" ", b"")
     assert gateway.memory_info().rss - before < 64 * 2**20  # the 16 MB limit, not 200 MB
     assert stream_completion(cluster, "still alive?", 2)["finish"] == ["length"]
+
+
+def test_cached_tokens_are_reported_truthfully(cluster: Cluster, tokenizer, reference) -> None:
+    """A cold prompt reports 0 cached tokens; the same 40-token prefix again reports its full
+    blocks (routed to the prefill worker that has them), never more than the prompt, and the
+    output is the same as cold."""
+    prefix = [200 + i for i in range(40)]
+
+    def usage_and_text(prompt: list[int]) -> tuple[dict, str]:
+        body = {"model": cluster.model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        reply = cluster.client.post("/v1/completions", json=body).json()
+        return reply["usage"], reply["choices"][0]["text"]
+
+    cold_usage, cold_text = usage_and_text([*prefix, 1, 2])
+    assert cold_usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    for _ in range(3):  # whichever of the 2 prefill workers, the router goes back to it
+        warm_usage, warm_text = usage_and_text([*prefix, 1, 2])
+        assert warm_usage["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert warm_text == cold_text
+    short = [*prefix[:16]]  # one exact block: its last token is computed, so nothing cached
+    assert usage_and_text(short)[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    expected = tokenizer.decode(reference([*prefix, 1, 2], 6), skip_special_tokens=True)
+    assert cold_text == expected

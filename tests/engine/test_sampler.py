@@ -99,3 +99,17 @@ def test_rounding_noise_in_the_logits_does_not_change_the_draw() -> None:
             == sample(noisy[None], [params], [make_generator(seed)])
             for seed in range(100))
         assert same >= 98, (params, same)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
+    logits = random_logits(2, seed=4)
+    params = [Sampling(temperature=temperature, top_p=0.5)] * 2
+    generators = [make_generator(0), make_generator(1)]
+    assert sample(logits, params, generators) == logits.argmax(dim=-1).tolist()
+
+
+def test_nan_logits_do_not_raise() -> None:
+    logits = torch.full((1, VOCAB), float("nan"))
+    token = sample(logits, [Sampling(temperature=0.7, top_p=0.9)], [make_generator(0)])[0]
+    assert 0 <= token < VOCAB

@@ -89,11 +89,14 @@ def encode(value: Any, ascii_only: bool) -> bytes:
 VOCAB_SIZE = 49152  # the real tokenizer's
 NARROWED: dict[str, dict[str, Any]] = {
     **{name: {"enum": [None, value]} for name, value in {
-        "n": 1, "best_of": 1, "top_logprobs": 0, "min_tokens": 0, "repetition_penalty": 1.0,
-        "echo": False, "suffix": "", "tool_choice": "none", "function_call": "none",
-        "modalities": ["text"], "logit_bias": {}, "tools": [], "functions": [],
+        "n": 1, "best_of": 1, "echo": False, "suffix": "", "tool_choice": "none",
+        "function_call": "none", "modalities": ["text"], "logit_bias": {}, "tools": [],
+        "functions": [],
+        # Above 0 it needs logprobs: true, which a schema cannot say (completions' logprobs
+        # and chat's logprobs: true still ask for logprobs).
+        "top_logprobs": 0,
     }.items()},
-    "logprobs": {"type": "null"},
+    "min_tokens": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0, "maximum": 8}]},
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
     "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0,

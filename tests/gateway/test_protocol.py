@@ -123,9 +123,11 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(ignore_eos=1), "ignore_eos"),
     (chat(presence_penalty=2.5), "presence_penalty"),
     (chat(frequency_penalty=-3), "frequency_penalty"),
-    (chat(logprobs=True), "logprobs"),
-    (chat(top_logprobs=3), "top_logprobs"),
-    (chat(top_logprobs=21), "top_logprobs"),
+    (chat(logprobs=1), "logprobs"),
+    (chat(top_logprobs=3), "top_logprobs"),  # without logprobs: true
+    (chat(logprobs=False, top_logprobs=3), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
     (chat(response_format={"type": "json_object"}), "response_format.type"),
     (chat(response_format="text"), "response_format"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
@@ -146,8 +148,13 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(web_search_options={}), "web_search_options"),
     (chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
      "messages[0].tool_calls"),
-    (chat(min_tokens=3), "min_tokens"),
-    (chat(repetition_penalty=1.2), "repetition_penalty"),
+    (chat(min_tokens=-1), "min_tokens"),
+    (chat(min_tokens=1.5), "min_tokens"),
+    (chat(min_tokens=9, max_tokens=8), "min_tokens"),
+    (chat(min_tokens=9, max_tokens=20, max_completion_tokens=8), "min_tokens"),
+    (chat(repetition_penalty=0), "repetition_penalty"),
+    (chat(repetition_penalty=-1.2), "repetition_penalty"),
+    (chat(repetition_penalty="1.2"), "repetition_penalty"),
     (chat(top_k=2**31), "top_k"),
     (b'{"model": "m", "model": "m", "messages": [{"role": "user", "content": "hi"}]}', "model"),
     (b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}', "role"),
@@ -170,7 +177,10 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(echo=True), "echo"),
     (completion(best_of=2), "best_of"),
     (completion(suffix="tail"), "suffix"),
-    (completion(logprobs=1), "logprobs"),
+    (completion(logprobs=6), "logprobs"),
+    (completion(logprobs=-1), "logprobs"),
+    (completion(logprobs=True), "logprobs"),
+    (completion(min_tokens=17), "min_tokens"),  # over the default max_tokens, 16
     (completion(n=3), "n"),
     (completion(temperature=3), "temperature"),
     (completion(messages=MESSAGES), "messages"),
@@ -180,7 +190,7 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
 
 @pytest.mark.parametrize(("body", "param"), BAD_BODIES)
 def test_bad_chat_bodies_are_400(body: bytes, param: str | None) -> None:
-    err = raises_400(parse_chat_request, body)
+    err = raises_400(lambda b: generation_params(parse_chat_request(b)), body)
     assert err.param == param
     if param is not None:
         assert param in err.message
@@ -188,7 +198,7 @@ def test_bad_chat_bodies_are_400(body: bytes, param: str | None) -> None:
 
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
 def test_bad_completion_bodies_are_400(body: bytes, param: str | None) -> None:
-    err = raises_400(parse_completion_request, body)
+    err = raises_400(lambda b: generation_params(parse_completion_request(b)), body)
     assert err.param == param
 
 
@@ -229,7 +239,7 @@ def test_field_names_are_quoted_truncated(body: bytes) -> None:
 
 def test_unsupported_features_say_so() -> None:
     assert "n > 1 is not supported" in raises_400(parse_chat_request, chat(n=4)).message
-    assert "not supported" in raises_400(parse_chat_request, chat(logprobs=True)).message
+    assert "not supported" in raises_400(parse_completion_request, completion(echo=True)).message
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     err = raises_400(parse_chat_request, chat(messages=[{"role": "user", "content": image}]))
     assert "text" in err.message
@@ -264,17 +274,18 @@ def test_full_chat_request_converts() -> None:
         messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
         max_tokens=50, max_completion_tokens=20, temperature=0, top_p=0.9, top_k=40, n=1,
         stream=True, stream_options={"include_usage": True}, stop="END", stop_token_ids=[7, 9],
-        seed=1234, ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=False,
-        top_logprobs=0, response_format={"type": "text"}, user="u1", tools=[],
+        seed=1234, ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True,
+        top_logprobs=5, response_format={"type": "text"}, user="u1", tools=[],
         metadata={"k": "v"}, store=False, parallel_tool_calls=True, tool_choice="none",
-        service_tier="auto", logit_bias={}, min_tokens=0, repetition_penalty=1.0,
+        service_tier="auto", logit_bias={}, min_tokens=20, repetition_penalty=1.3,
     )  # fmt: skip
     req = parse_chat_request(body)
     assert req.messages[1].content == "one\ntwo"
     assert generation_params(req) == GenerationParams(
         max_tokens=20, temperature=0.0, top_p=0.9, top_k=40, seed=1234, stop=("END",),
         stop_token_ids=(7, 9), ignore_eos=True, include_usage=True, stream=True,
-        presence_penalty=0.5, frequency_penalty=-0.5,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_tokens=20,
+        logprobs=5,
     )  # fmt: skip
 
 
@@ -292,6 +303,15 @@ def test_full_chat_request_converts() -> None:
         ({"max_tokens": 7}, {"max_tokens": 7}),
         ({"seed": -(2**63)}, {"seed": -(2**63)}),
         ({"temperature": 2}, {"temperature": 2.0}),
+        ({"logprobs": True}, {"logprobs": 0}),
+        ({"logprobs": True, "top_logprobs": 20}, {"logprobs": 20}),
+        ({"logprobs": False, "top_logprobs": 0}, {}),
+        ({"logprobs": None, "top_logprobs": None}, {}),
+        ({"min_tokens": 0, "repetition_penalty": None}, {}),
+        ({"min_tokens": 5}, {"min_tokens": 5}),  # no max_tokens: the context limit wins
+        ({"repetition_penalty": 2}, {"repetition_penalty": 2.0}),
+        ({"presence_penalty": -2, "frequency_penalty": 2},
+         {"presence_penalty": -2.0, "frequency_penalty": 2.0}),
     ],
 )
 def test_chat_params(fields: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -322,6 +342,11 @@ def test_completion_defaults_and_params() -> None:
     )
     params = generation_params(req)
     assert (params.max_tokens, params.stop, params.seed) == (None, ("\n",), 3)
+    assert params.logprobs is None
+    for logprobs in (0, 5):
+        req = parse_completion_request(completion(logprobs=logprobs, min_tokens=16))
+        assert (generation_params(req).logprobs, generation_params(req).min_tokens) == (
+            logprobs, 16)
 
 
 def test_request_models_are_frozen() -> None:

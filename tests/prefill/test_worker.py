@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from core.config import load_config
@@ -109,11 +110,11 @@ def queue(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver,
 
 def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) -> None:
     worker, gateway, receiver = setup
-    free = worker.runner.allocator.num_free
+    free = worker.cache.num_available
     queue(worker, gateway, receiver, "a", "b")
     abort_at_layer(worker, gateway, 2, [Abort("a", 0), Abort("b", 0)])
     assert worker.step()
-    assert worker.runner.allocator.num_free == free
+    assert worker.cache.num_available == free
     assert not [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
     sent = received(receiver)
     # Layers 0 and 1 went out; the aborts arrived after layer 2 was computed: nothing more.
@@ -122,11 +123,11 @@ def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) 
 
 def test_aborting_one_request_stops_only_its_stream(setup) -> None:
     worker, gateway, receiver = setup
-    free = worker.runner.allocator.num_free
+    free = worker.cache.num_available
     queue(worker, gateway, receiver, "a", "b")
     abort_at_layer(worker, gateway, 3, [Abort("a", 0)])
     assert worker.step()
-    assert worker.runner.allocator.num_free == free
+    assert worker.cache.num_available == free
     firsts = [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)]
     assert firsts == ["b"]
     sent = received(receiver)
@@ -145,3 +146,56 @@ def test_an_abort_for_a_queued_request_removes_it_and_a_repeat_is_a_no_op(setup)
     assert not worker.step()
     assert worker.scheduler.waiting == type(worker.scheduler.waiting)()
     assert from_worker(gateway) == [] and received(receiver) == {}
+
+
+def kv_of(receiver: KVReceiver) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The K and V each request's chunks carried, all layers stacked."""
+    parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVPayload):
+            parts.setdefault(item.key[0], []).append((item.header.layer_start, item.k.clone(),
+                                                       item.v.clone()))
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        receiver.fileno_socket().poll(50)
+        receiver.drain(keep)
+    return {rid: (torch.cat([k for _, k, _ in sorted(chunks, key=lambda c: c[0])]),
+                  torch.cat([v for _, _, v in sorted(chunks, key=lambda c: c[0])]))
+            for rid, chunks in parts.items()}
+
+
+def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver,
+                request_id: str, prompt: list[int], salt: str = "") -> FirstToken:
+    task = GenerationTask(prompt, Sampling(temperature=0.0), 16, [], True, cache_salt=salt)
+    to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    assert worker.step()
+    (first,) = [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    return first
+
+
+def test_a_cached_prefix_is_reused_and_gives_the_same_kv_and_token(setup) -> None:
+    worker, gateway, receiver = setup
+    shared = list(range(100, 148))  # 3 blocks of 16
+    cold_other = prefill_one(worker, gateway, receiver, "cold", [*shared, 7, 8, 9])
+    cold = kv_of(receiver)["cold"]
+    forward = worker.runner.forward
+    computed: list[int] = []
+
+    def counting(batch, layer_hook=None):  # type: ignore[no-untyped-def]
+        computed.extend(len(tokens) for tokens in batch.token_ids)
+        return forward(batch, layer_hook=layer_hook)
+    worker.runner.forward = counting  # type: ignore[method-assign]
+    warm = prefill_one(worker, gateway, receiver, "warm", [*shared, 7, 8, 9])
+    assert warm.cached_tokens == 48 and computed == [3]
+    assert warm.token_id == cold_other.token_id and cold_other.cached_tokens == 0
+    warm_kv = kv_of(receiver)["warm"]
+    for got, expected in zip(warm_kv, cold, strict=True):
+        assert torch.allclose(got, expected, atol=1e-5)
+    other_tenant = prefill_one(worker, gateway, receiver, "other", [*shared, 7, 8, 9], "beta")
+    exact_blocks = prefill_one(worker, gateway, receiver, "exact", shared)
+    assert other_tenant.cached_tokens == 0
+    assert exact_blocks.cached_tokens == 32  # the last token is always computed
+    assert computed == [3, 51, 16]

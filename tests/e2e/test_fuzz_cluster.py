@@ -1,0 +1,74 @@
+"""The gateway's fuzz strategies (tests/gateway/test_fuzz.py) against a whole running cluster:
+bodies that pass validation are served for real, so every reply must be a 2xx with a complete
+answer or a 4xx with OpenAI error JSON; never a 5xx, and the cluster serves on afterwards.
+
+`--cluster-fuzz-examples N` sets the examples per strategy (a few hundred in CI).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
+from tests.gateway.served_app import MODEL, error_of
+from tests.gateway.test_fuzz import Body, byte_bodies, json_bodies, mutated_bodies, schema_bodies
+
+pytestmark = pytest.mark.e2e
+
+STRATEGIES = {"schema": schema_bodies(), "json": json_bodies(), "bytes": byte_bodies(),
+              "mutated": mutated_bodies()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # A short context keeps every completion the fuzz asks for short; a request stuck for
+    # 30 s ends in an error event (which fails the test) rather than hanging it.
+    gateway = {**TEST_CONFIG["gateway"], "progress_timeout_s": 30.0}
+    config = {**TEST_CONFIG, "gateway": gateway, "model": {"max_model_len": 256}}
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config) as running:
+        yield running
+
+
+def check_served(cluster: Cluster, route: str, body: bytes) -> int:
+    """Post one body (naming the cluster's model where it names one): a complete answer or a
+    4xx OpenAI error. Returns the status code."""
+    body = body.replace(json.dumps(MODEL).encode(), json.dumps(cluster.model).encode())
+    headers = {"content-type": "application/json"}
+    with cluster.client.stream("POST", route, content=body, headers=headers) as response:
+        raw = response.read()
+    if response.status_code != 200:
+        assert 400 <= response.status_code < 500, raw[:500]
+        error_of(httpx.Response(response.status_code, content=raw))
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events[-3:]
+    else:
+        assert json.loads(raw)["choices"][0]["finish_reason"] in ("stop", "length"), raw[:500]
+    return response.status_code
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fuzz_against_a_running_cluster(cluster: Cluster, strategy: str,
+                                        cluster_fuzz_examples: int) -> None:
+    statuses: Counter[int] = Counter()
+
+    @settings(max_examples=cluster_fuzz_examples, deadline=None, derandomize=True,
+              database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                    HealthCheck.data_too_large])
+    @given(STRATEGIES[strategy])
+    def run(body: Body) -> None:
+        statuses[check_served(cluster, *body)] += 1
+
+    run()
+    print(f"{strategy}: {sum(statuses.values())} bodies, replies by status: "
+          f"{dict(sorted(statuses.items()))}")
+    if strategy == "schema":
+        assert statuses[200] >= sum(statuses.values()) // 3  # most are served for real
+    assert cluster.client.get("/health").status_code == 200
