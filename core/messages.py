@@ -14,6 +14,7 @@ from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
+JSON_OBJECT = "json_object"  # GenerationTask.grammar for any JSON object (else a schema's text)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class GenerationTask:
     # Where the output starts in prompt_ids: a resumed request's prompt ends with the output
     # its client already has, which penalties and min_tokens count. None: all of it is prompt.
     output_start: int | None = None
+    # Structured output: "" for none, JSON_OBJECT, or a JSON schema's text the output must match.
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:

@@ -16,6 +16,8 @@ from engine.block_allocator import BlockAllocator, blocks_needed
 if TYPE_CHECKING:
     import torch
 
+    from engine.grammar import Constraint
+
 
 @dataclass(eq=False)
 class DecodeSequence:
@@ -27,6 +29,7 @@ class DecodeSequence:
     received_kv: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
     num_cached: int = 0
     blocks: list[int] = field(default_factory=list)
+    constraint: Constraint | None = None  # its grammar's state, when it asked for one
 
     @property
     def key(self) -> tuple[str, int]:

@@ -15,6 +15,7 @@ from core.messages import (
     DecodeRequest,
     DropCount,
     FirstToken,
+    GenerationTask,
     Heartbeat,
     Held,
     Message,
@@ -28,6 +29,7 @@ from core.worker import Worker, WorkerIdentity
 from decode.incoming import IncomingKV, IncomingTable, Key
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.batch import ForwardBatch
+from engine.grammar import Constraint, GrammarError, Grammars
 from engine.runner import ModelRunner
 from engine.sampler import Draw, History, draw, make_generator
 from engine.stopping import banned_tokens, finish_reason
@@ -56,6 +58,7 @@ class DecodeWorker(Worker):
                                       config.kv_transfer.lease_s)
         self.aborted: dict[Key, float] = {}  # aborts that may beat their KV here
         self.rejected_requests = 0
+        self.grammars = Grammars(runner.model_dir, spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Abort):
@@ -86,15 +89,20 @@ class DecodeWorker(Worker):
         return True
 
     def _history(self, sequence: DecodeSequence) -> History:
-        """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens."""
+        """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens; the
+        tokens its grammar allows."""
         task = sequence.request.task
         banned = banned_tokens(task, sequence.num_generated, self.runner.spec.eos_token_ids)
-        return History(sequence.tokens, task.prompt_len, banned)
+        constraint = sequence.constraint
+        allowed = None if constraint is None else constraint.allowed()
+        return History(sequence.tokens, task.prompt_len, banned, allowed)
 
     def _advance(self, sequence: DecodeSequence, token: Draw) -> TokenEvent:
         sequence.num_cached = len(sequence.tokens)
         sequence.tokens.append(token.token_id)
         sequence.num_generated += 1
+        if sequence.constraint is not None:
+            sequence.constraint.advance(token.token_id)
         task = sequence.request.task
         eos = self.runner.spec.eos_token_ids
         reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
@@ -143,15 +151,28 @@ class DecodeWorker(Worker):
         if not self.incoming.is_complete(entry):
             self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
             return
+        try:
+            constraint = self._constraint(request.task, first_token)
+        except GrammarError as exc:
+            self._fail(key, f"invalid grammar: {exc}")
+            return
         sequence = DecodeSequence(
             request=request, tokens=[*request.task.prompt_ids, first_token],
             num_generated=1, received_kv=entry.layers,
             generator=make_generator(_decode_seed(request.task.sampling.seed)),
+            constraint=constraint,
         )
         if not self.scheduler.fits_at_all(sequence):
             self._fail(key, "the request does not fit the decode KV pool")
             return
         self.scheduler.add(sequence)
+
+    def _constraint(self, task: GenerationTask, first_token: int) -> Constraint | None:
+        """The task's grammar state after its first token; None without a grammar."""
+        constraint = self.grammars.constraint(task, self.runner.spec.eos_token_ids)
+        if constraint is not None:
+            constraint.advance(first_token)
+        return constraint
 
     def _fail(self, key: Key, reason: str) -> None:
         self.rejected_requests += 1

@@ -34,7 +34,8 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.spec = load_spec(Path(model_dir))
+        self.model_dir = Path(model_dir)
+        self.spec = load_spec(self.model_dir)
         self.block_size = block_size
         self.model = LlamaModel(self.spec, load_weights(Path(model_dir), dtype))
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype)

@@ -18,6 +18,7 @@ class History:
     tokens: Sequence[int] = ()  # the prompt, then the output so far
     output_start: int = 0  # tokens[output_start:] is the output
     banned: Sequence[int] = ()  # ids the draw may not pick (stop tokens, under min_tokens)
+    allowed: torch.Tensor | None = None  # bool [vocab]: the only ids a grammar lets it pick
 
 
 NO_HISTORY = History()
@@ -57,9 +58,10 @@ def draw(
     """One token per row of `logits` `[B, V]`; a row's draw depends only on its own logits,
     params, history (none: no penalty applies) and generator, never on the other rows.
 
-    Penalties and the min_tokens ban change the logits first, before greedy argmax as before
-    temperature, top-k and top-p. Logprobs are the log-softmax of those penalized logits:
-    before temperature, top-k and top-p, so a greedy request gets the model's own numbers."""
+    Penalties, the grammar's mask and the min_tokens ban change the logits first, before
+    greedy argmax as before temperature, top-k and top-p. Logprobs are the log-softmax of
+    those penalized logits: before temperature, top-k and top-p, so a greedy request gets the
+    model's own numbers."""
     rows = histories if histories is not None else [NO_HISTORY] * len(params)
     assert logits.dim() == 2 and len(params) == len(generators) == len(rows) == logits.shape[0]
     return [_draw_row(logits[row].float(), p, generators[row], rows[row])
@@ -88,8 +90,9 @@ def _race(logits: torch.Tensor, params: Sampling, generator: torch.Generator) ->
 
 
 def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torch.Tensor:
-    """The logits after the repetition, frequency and presence penalties (vLLM's order) and
-    the ban; the same tensor when none applies. Ids outside the vocabulary are skipped."""
+    """The logits after the repetition, frequency and presence penalties (vLLM's order), the
+    grammar's mask and the ban; the same tensor when none applies. Ids outside the vocabulary
+    are skipped."""
     vocab = logits.shape[0]
     if params.repetition_penalty != 1:
         seen = _ids(history.tokens, vocab).unique()
@@ -97,9 +100,20 @@ def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torc
     if params.frequency_penalty or params.presence_penalty:
         output = _ids(history.tokens[history.output_start:], vocab)
         logits = _frequency_presence(logits, output, params)
-    if history.banned:
-        logits = logits.index_fill(0, _ids(history.banned, vocab), float("-inf"))
-    return logits
+    if history.allowed is not None:
+        logits = logits.masked_fill(~history.allowed, float("-inf"))
+    return _banned(logits, history)
+
+
+def _banned(logits: torch.Tensor, history: History) -> torch.Tensor:
+    """The ban; under a grammar it yields when it would leave no token: a finished JSON value
+    must end, min_tokens or not."""
+    if not history.banned:
+        return logits
+    banned = logits.index_fill(0, _ids(history.banned, logits.shape[0]), float("-inf"))
+    if history.allowed is not None and not bool(banned.isfinite().any()):
+        return logits
+    return banned
 
 
 def _ids(tokens: Sequence[int], vocab: int) -> torch.Tensor:

@@ -11,7 +11,9 @@ completion into the model's context.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
@@ -24,10 +26,11 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from core.messages import MAX_LOGPROBS
+from core.messages import JSON_OBJECT, MAX_LOGPROBS
 from gateway.errors import APIError, bad_request
 
 if TYPE_CHECKING:
@@ -44,6 +47,8 @@ _INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 _INT32_MAX = 2**31 - 1
 _MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
+_MAX_SCHEMA_ERROR_CHARS = 300
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[17:40:21] /path/file.cc:94: "
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -92,18 +97,54 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # ignored: chunks are never padded
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: the JSON schema the output must match."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
+    strict: bool | None = None  # ignored: the output always matches the schema here
+
+
 class ResponseFormat(_Request):
-    """`response_format`: only plain text is supported."""
+    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
 
-    type: str
-    json_schema: Any = None  # only meaningful with type 'json_schema', which is refused
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, value: str) -> str:
-        if value != "text":
-            raise _invalid("only response_format type 'text' is supported")
-        return value
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _invalid("json_schema is required with type 'json_schema', and only then")
+        problem = _schema_problem(self.grammar) if self.type == "json_schema" else None
+        if problem is not None:
+            raise PydanticCustomError("invalid_value", "invalid JSON schema: {problem}",
+                                      {"problem": problem})
+        return self
+
+    @property
+    def grammar(self) -> str:
+        """What GenerationTask.grammar says for this format."""
+        if self.type == "text":
+            return ""
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return JSON_OBJECT
+        return json.dumps(self.json_schema.schema_)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(grammar: str) -> str | None:
+    """Why the workers could not compile `grammar`'s schema; None when they can."""
+    # Imported here: xgrammar loads torch, which the gateway otherwise never needs.
+    import xgrammar
+
+    if grammar == JSON_OBJECT:
+        return None
+    try:
+        xgrammar.Grammar.from_json_schema(grammar, any_whitespace=False, strict_mode=True)
+    except RuntimeError as exc:  # xgrammar's error for a bad or unsupported schema
+        return _XGRAMMAR_PREFIX.sub("", str(exc).strip())[:_MAX_SCHEMA_ERROR_CHARS]
+    return None
 
 
 class ChatMessage(_Request):
@@ -171,6 +212,7 @@ class _SamplingRequest(_Request):
     # vLLM's extensions.
     min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
 
     _no_logit_bias = field_validator("logit_bias")(_empty_only)
 
@@ -218,7 +260,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # ignored: there are no tools to call
@@ -354,6 +395,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    grammar: str = ""  # structured output, as GenerationTask.grammar
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
@@ -375,6 +417,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest) -> Generat
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_tokens=req.min_tokens or 0,
         logprobs=_logprobs(req),
+        grammar=req.response_format.grammar if req.response_format else "",
     )
 
 

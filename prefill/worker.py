@@ -24,6 +24,7 @@ from core.worker import Worker, WorkerIdentity
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.block_hash import block_hashes
+from engine.grammar import GrammarError, Grammars
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampler import Draw, History, draw, make_generator
@@ -64,17 +65,30 @@ class PrefillWorker(Worker):
         self.prefix_caching = config.prefill.prefix_caching
         self.in_batch: set[tuple[str, int]] = set()  # the batch being prefilled
         self.aborted_in_batch: set[tuple[str, int]] = set()
+        self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
             if (message.request_id, message.epoch) not in self.in_batch:  # not a repeat
-                self.scheduler.add(message)
+                self._add(message)
         elif isinstance(message, Abort):
             key = (message.request_id, message.epoch)
             if not self.scheduler.abort(*key) and key in self.in_batch:
                 self.aborted_in_batch.add(key)  # it stops streaming at the next layer
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
+
+    def _add(self, request: PrefillRequest) -> None:
+        """Queue the request, once its grammar (if any) compiles; compiled now, it is cached
+        for the draw and for later requests."""
+        if request.task.grammar:
+            try:
+                self.grammars.compiled(request.task.grammar)
+            except GrammarError as exc:
+                self.control.send(RequestFailed(request.request_id, request.epoch,
+                                                f"invalid grammar: {exc}"))
+                return
+        self.scheduler.add(request)
 
     def step(self) -> bool:
         batch = self.scheduler.schedule(self.cache.num_available)
@@ -133,9 +147,12 @@ class PrefillWorker(Worker):
         return draw(logits, params, generators, [self._history(r.task) for r in batch])
 
     def _history(self, task: GenerationTask) -> History:
-        """The prompt, for the penalties; EOS and stop tokens banned under min_tokens."""
-        banned = banned_tokens(task, 0, self.runner.spec.eos_token_ids)
-        return History(task.prompt_ids, task.prompt_len, banned)
+        """The prompt, for the penalties; EOS and stop tokens banned under min_tokens; the
+        tokens its grammar allows."""
+        eos = self.runner.spec.eos_token_ids
+        constraint = self.grammars.constraint(task, eos)
+        allowed = None if constraint is None else constraint.allowed()
+        return History(task.prompt_ids, task.prompt_len, banned_tokens(task, 0, eos), allowed)
 
     def _hand_off(self, request: PrefillRequest, token: Draw, stream: LayerStream,
                   cached_tokens: int) -> None:

@@ -63,6 +63,8 @@ SAMPLES: list[Message] = [
     DecodeRequest("r3", 0, GenerationTask(
         [1, 2, 3, 4], Sampling(0.5, 0.9, 0, None, 0.5, -0.5, 1.2, 5), 8, [2], False, "salt",
         min_tokens=3, output_start=2), "fp"),
+    DecodeRequest("r4", 0, GenerationTask([1], Sampling(), 8, [], False,
+                                           grammar='{"type": "object"}'), "fp"),
     Abort("r1", 2),
     RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
 ]
@@ -74,7 +76,7 @@ NEUTRAL_EXTRAS = [0.0, 0.0, 1.0, None]  # presence, frequency, repetition penalt
 def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
-    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None]
+    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, ""]
 
 
 def packed(*items: Any) -> bytes:
@@ -375,7 +377,7 @@ def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
 def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
     task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
-            output_start]
+            output_start, ""]
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp"))
 
 

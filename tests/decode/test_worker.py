@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from transformers import AutoTokenizer
 
 from core.config import Config, load_config
 from core.messages import (
@@ -54,8 +56,8 @@ def task(max_tokens: int = 100) -> GenerationTask:
 
 
 def announce(worker: DecodeWorker, request_id: str, max_tokens: int = 100,
-             fingerprint: str = "fingerprint") -> None:
-    expect = DecodeRequest(request_id, 0, task(max_tokens), fingerprint)
+             fingerprint: str = "fingerprint", job: GenerationTask | None = None) -> None:
+    expect = DecodeRequest(request_id, 0, job or task(max_tokens), fingerprint)
     worker._on_kv(KVNotice(request_id, 0, encode(expect)))
 
 
@@ -74,18 +76,21 @@ def send_layer(worker: DecodeWorker, request_id: str, layer: int, k: torch.Tenso
     worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1], borrowed))
 
 
-def first_token(worker: DecodeWorker, request_id: str, finish_reason: str | None = None) -> None:
-    worker._on_kv(KVNotice(request_id, 0, encode(FirstToken(request_id, 0, 5, finish_reason))))
+def first_token(worker: DecodeWorker, request_id: str, finish_reason: str | None = None,
+                token_id: int = 5) -> None:
+    first = FirstToken(request_id, 0, token_id, finish_reason)
+    worker._on_kv(KVNotice(request_id, 0, encode(first)))
 
 
-def arrive(worker: DecodeWorker, request_id: str, max_tokens: int) -> None:
+def arrive(worker: DecodeWorker, request_id: str, max_tokens: int,
+           job: GenerationTask | None = None, token_id: int = 5) -> None:
     """A request lands as the receiver would hand it over: its notice, its (random but
     well-formed) KV layer by layer, then its first token."""
-    announce(worker, request_id, max_tokens)
+    announce(worker, request_id, max_tokens, job=job)
     k, v = layer_kv(worker)
     for layer in range(worker.runner.spec.num_layers):
         send_layer(worker, request_id, layer, k, v)
-    first_token(worker, request_id)
+    first_token(worker, request_id, token_id=token_id)
 
 
 def sent_to_gateway(worker: DecodeWorker, gateway: zmq.Socket) -> list[Message]:
@@ -333,3 +338,32 @@ def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker)
     assert len(decode_worker.scheduler.running) == 1 and not decode_worker.scheduler.waiting
     assert decode_worker.runner.allocator.num_free == free
     assert decode_worker.incoming.dropped["duplicate request"] == 1
+
+
+def grammar_task(grammar: str) -> GenerationTask:
+    return GenerationTask(list(range(10, 10 + PROMPT_LEN)), Sampling(temperature=1.0, seed=4),
+                          100, [], False, grammar=grammar)
+
+
+def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) -> None:
+    decode_worker, gateway = worker
+    tokenizer = AutoTokenizer.from_pretrained(decode_worker.runner.model_dir)
+    schema = {"type": "object", "properties": {"k": {"enum": ["v", "w"]}}, "required": ["k"]}
+    (brace,) = tokenizer.encode("{")
+    arrive(decode_worker, "json", 100, grammar_task(json.dumps(schema)), token_id=brace)
+    output, finish = [brace], None
+    while finish is None:
+        assert decode_worker.step()
+        (event,) = [e for m in sent_to_gateway(decode_worker, gateway)
+                    if isinstance(m, TokenBatch) for e in m.events]
+        output.append(event.token_id)
+        finish = event.finish_reason
+    assert (finish, output[-1]) == ("stop", 2)
+    assert json.loads(tokenizer.decode(output[:-1]))["k"] in ("v", "w")
+
+
+def test_a_grammar_that_does_not_compile_fails_at_admission(worker: Served) -> None:
+    decode_worker, gateway = worker
+    arrive(decode_worker, "bad", 100, grammar_task(json.dumps({"type": "bogus"})))
+    (failed,) = failures(sent_to_gateway(decode_worker, gateway))
+    assert "invalid grammar" in failed.reason and admitted(decode_worker) == []

@@ -128,7 +128,11 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(logprobs=False, top_logprobs=3), "top_logprobs"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
-    (chat(response_format={"type": "json_object"}), "response_format.type"),
+    (chat(response_format={"type": "yaml"}), "response_format.type"),
+    (chat(response_format={"type": "json_schema"}), "response_format"),
+    (chat(response_format={"type": "text", "json_schema": {"name": "s"}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "string", "pattern": "[a"}}}), "response_format"),
     (chat(response_format="text"), "response_format"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(user=5), "user"),
@@ -312,6 +316,14 @@ def test_full_chat_request_converts() -> None:
         ({"repetition_penalty": 2}, {"repetition_penalty": 2.0}),
         ({"presence_penalty": -2, "frequency_penalty": 2},
          {"presence_penalty": -2.0, "frequency_penalty": 2.0}),
+        ({"response_format": {"type": "text"}}, {}),
+        ({"response_format": {"type": "json_object"}}, {"grammar": "json_object"}),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "description": "d", "strict": True,
+            "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}},
+         {"grammar": '{"type": "object", "properties": {"b": {}, "a": {}}}'}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+         {"grammar": "json_object"}),
     ],
 )
 def test_chat_params(fields: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -347,6 +359,8 @@ def test_completion_defaults_and_params() -> None:
         req = parse_completion_request(completion(logprobs=logprobs, min_tokens=16))
         assert (generation_params(req).logprobs, generation_params(req).min_tokens) == (
             logprobs, 16)
+    req = parse_completion_request(completion(response_format={"type": "json_object"}))
+    assert generation_params(req).grammar == "json_object"
 
 
 def test_request_models_are_frozen() -> None:

@@ -193,8 +193,11 @@ def chat_cases() -> list[Case]:
              says="not supported"),
         Case("top_logprobs without logprobs", _json(CHAT, top_logprobs=2), "top_logprobs",
              says="logprobs"),
-        Case("response_format json", _json(CHAT, response_format={"type": "json_object"}),
+        Case("response_format xml", _json(CHAT, response_format={"type": "xml"}),
              "response_format.type"),
+        Case("response_format bad schema", _json(CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": MARKER}}}),
+             "response_format", says="invalid JSON schema"),
         Case("audio", _json(CHAT, audio={"voice": MARKER, "format": "wav"}), "audio",
              says="not supported"),
         Case("modalities audio", _json(CHAT, modalities=["text", "audio"]), "modalities",

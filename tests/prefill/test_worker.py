@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
+from transformers import AutoTokenizer
 
 from core.config import load_config
 from core.messages import (
+    JSON_OBJECT,
     Abort,
     FirstToken,
     GenerationTask,
     Message,
     PrefillRequest,
+    RequestFailed,
     Sampling,
     decode,
     encode,
@@ -166,8 +171,10 @@ def kv_of(receiver: KVReceiver) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver,
-                request_id: str, prompt: list[int], salt: str = "") -> FirstToken:
-    task = GenerationTask(prompt, Sampling(temperature=0.0), 16, [], True, cache_salt=salt)
+                request_id: str, prompt: list[int] | None = None, salt: str = "",
+                grammar: str = "", task: GenerationTask | None = None) -> FirstToken:
+    task = task or GenerationTask(prompt or [], Sampling(temperature=0.0), 16, [], True,
+                                  cache_salt=salt, grammar=grammar)
     to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
     time.sleep(0.1)
     worker.take_control()
@@ -199,3 +206,32 @@ def test_a_cached_prefix_is_reused_and_gives_the_same_kv_and_token(setup) -> Non
     assert other_tenant.cached_tokens == 0
     assert exact_blocks.cached_tokens == 32  # the last token is always computed
     assert computed == [3, 51, 16]
+
+
+def grammar_task(grammar: str, prompt: list[int]) -> GenerationTask:
+    return GenerationTask(prompt, Sampling(temperature=0.0), 16, [], False, grammar=grammar)
+
+
+def test_a_grammar_that_does_not_compile_fails_the_request(setup) -> None:
+    worker, gateway, receiver = setup
+    bad = grammar_task(json.dumps({"type": "bogus"}), list(range(10, 20)))
+    to_worker(gateway, PrefillRequest("bad", 0, bad, "decode-0", receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    assert not worker.step()
+    (failed,) = from_worker(gateway)
+    assert isinstance(failed, RequestFailed) and "invalid grammar" in failed.reason
+
+
+def test_the_first_token_follows_the_grammar_after_resumed_output(setup) -> None:
+    worker, gateway, receiver = setup
+    tokenizer = AutoTokenizer.from_pretrained(worker.runner.model_dir)
+    prompt = list(range(10, 20))
+    first = prefill_one(worker, gateway, receiver, "object", prompt, grammar=JSON_OBJECT)
+    assert tokenizer.decode([first.token_id]).startswith("{")
+    # Resumed with the whole value streamed already: only EOS may follow, and it ends it.
+    schema = json.dumps({"type": "object", "properties": {"k": {"enum": ["v"]}}})
+    output = tokenizer.encode('{"k": "v"}')
+    task = replace(grammar_task(schema, [*prompt, *output]), output_start=len(prompt))
+    first = prefill_one(worker, gateway, receiver, "resumed", task=task)
+    assert (first.token_id, first.finish_reason) == (2, "stop")
