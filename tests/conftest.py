@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import zmq
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.prepare import resolve_model
@@ -56,6 +57,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def fuzz_examples(request: pytest.FixtureRequest) -> int:
     """How many examples each fuzz test tries (`--fuzz-examples`)."""
     return int(request.config.getoption("--fuzz-examples"))
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context]:
+    """A ZeroMQ context of the test's own, destroyed after it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")

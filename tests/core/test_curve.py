@@ -105,13 +105,6 @@ def test_the_command_line_generates_keys(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def server(context: zmq.Context, keys: CurveKeys) -> Iterator[tuple[zmq.Socket, CurveServer]]:
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)

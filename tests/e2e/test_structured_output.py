@@ -16,28 +16,14 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.cluster import Cluster, launch
+from tests.engine.test_grammar import SCHEMA
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["Describe a pet", "Once upon a time", "def fibonacci(n):", "日本の首都は"]
 SAMPLING: list[dict[str, Any]] = [{"temperature": 0}, {"temperature": 1.0, "seed": 7},
                                   {"temperature": 0.8, "top_p": 0.9, "seed": 11}]
-MAX_TOKENS = 300  # room for the longest value SCHEMA allows
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "species": {"enum": ["cat", "dog", "parrot"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-        "owner": {
-            "type": "object",
-            "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 150},
-                           "verified": {"type": "boolean"}},
-            "required": ["age", "verified"],
-        },
-    },
-    "required": ["name", "species", "tags", "owner"],
-}
+MAX_TOKENS = 300  # room for the longest value SCHEMA allows (a pet: bounded strings, enums)
 JSON_SCHEMA_FORMAT = {"type": "json_schema",
                       "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
 

@@ -22,13 +22,6 @@ SHAPE = (2, 5, 3, 8)  # [layers, tokens, kv_heads, head_dim]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 @pytest.fixture(params=["tcp", "ipc"])
 def bind(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Where a receiver binds: loopback tcp, or an ipc socket in this test's folder."""

@@ -76,13 +76,6 @@ def flush_releases(sender: KVSender) -> None:
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def receiver(context: zmq.Context) -> Iterator[KVReceiver]:
     receiver = make_receiver(context, "tcp://127.0.0.1:*")
     receiver.readers.setdefault("cuda_ipc", CudaIpcReader())

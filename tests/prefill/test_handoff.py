@@ -62,13 +62,6 @@ def runner(tiny_model_dir: Path) -> ModelRunner:
 
 
 @pytest.fixture
-def context() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def receiver(context: zmq.Context) -> Iterator[KVReceiver]:
     receiver = make_receiver(context, "tcp://127.0.0.1:*")
     yield receiver
