@@ -30,9 +30,11 @@ class Constraint:
     Stop tokens are allowed only where the grammar can end; once one is taken (kept going by
     ignore_eos), only stop tokens remain allowed."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int,
+                 forbidden: torch.Tensor | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.forbidden = forbidden  # bool [vocab]: never allowed inside the value
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def allowed(self) -> torch.Tensor:
@@ -40,7 +42,8 @@ class Constraint:
         if self.matcher.is_terminated():
             return self._only(self.matcher.stop_token_ids)
         self.matcher.fill_next_token_bitmask(self._bitmask)
-        return unpack_bitmask(self._bitmask[0], self.vocab_size)
+        mask = unpack_bitmask(self._bitmask[0], self.vocab_size)
+        return mask if self.forbidden is None else mask & ~self.forbidden
 
     def advance(self, token_id: int) -> None:
         """Take `token_id`; one the grammar does not allow is logged and skipped."""
@@ -70,10 +73,23 @@ class Grammars:
         self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
 
     @functools.cached_property
-    def compiler(self) -> xgr.GrammarCompiler:
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+
+    @functools.cached_property
+    def compiler(self) -> xgr.GrammarCompiler:
+        return xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+
+    @functools.cached_property
+    def control_tokens(self) -> torch.Tensor:
+        """Tokens holding a control byte (below 0x20): JSON allows none unescaped, and with
+        compact separators not even as whitespace, yet xgrammar's string rule lets them in."""
+        vocab = self.tokenizer_info.decoded_vocab
+        has_control = [any(byte < 0x20 for byte in token) for token in vocab]
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[:len(has_control)] = torch.tensor(has_control[:self.vocab_size])
+        return mask
 
     def compiled(self, grammar: str) -> xgr.CompiledGrammar:
         """The compiled grammar of a task's `grammar` text; GrammarError if it has none."""
@@ -90,7 +106,9 @@ class Grammars:
             return None
         stops = list(stop_tokens(task, eos_token_ids) or eos_token_ids) or None
         matcher = xgr.GrammarMatcher(self.compiled(task.grammar), override_stop_tokens=stops)
-        constraint = Constraint(matcher, self.vocab_size)
+        forbidden = self.control_tokens.clone()
+        forbidden[[t for t in (stops or []) if 0 <= t < self.vocab_size]] = False
+        constraint = Constraint(matcher, self.vocab_size, forbidden)
         for token_id in task.prompt_ids[task.prompt_len:]:
             constraint.advance(token_id)
         return constraint

@@ -188,3 +188,16 @@ def test_a_random_model_writes_json_objects(
             for prompt, params in [*settings, (PROMPTS[1], Sampling(seed=3))]]
     assert any(ended for _, ended in runs)
     assert all(isinstance(json.loads(text), dict) for text, ended in runs if ended)
+
+
+def test_no_raw_control_character_inside_a_string(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    """JSON allows none unescaped, though xgrammar's string rule lets them in (a random model
+    once wrote a \\x01 into a name)."""
+    c = constraint(grammars, json.dumps(SCHEMA))
+    for token in tokenizer.encode('{"name": "ab'):
+        c.advance(token)
+    allowed = allowed_ids(c)
+    control = {t for t in allowed if any(ch < " " for ch in tokenizer.decode([t]))}
+    assert allowed and control == set()
+    assert grammars.control_tokens[tokenizer.convert_tokens_to_ids("ā")]  # byte 0x01
