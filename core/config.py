@@ -38,6 +38,9 @@ class GatewayConfig:
     progress_timeout_s: float = 300.0  # a request with no new token for this long fails
     keepalive_s: float = 10.0
     max_body_bytes: int = 16 * 1024 * 1024
+    # Conditional disaggregation: which prompts a decode worker prefills itself.
+    local_prefill_max_tokens: int = 32  # prompts this short (0: none, unless no prefill pool)
+    prefill_saturated_tokens: int = 4096  # every prefill worker holds this much: decode helps
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class WorkerConfig:
     num_kv_blocks: int = 4096
     block_size: int = 16
     max_batch_tokens: int = 2048
+    chunk_tokens: int = 512  # prompt tokens per step at most: longer prompts go in chunks
     max_running: int = 64
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
     cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning

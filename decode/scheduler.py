@@ -1,7 +1,9 @@
 """Continuous batching for decode: admit, grow, preempt (by recompute), finish. Pure bookkeeping.
 
-A sequence's KV covers `tokens[:num_cached]`; each step feeds `tokens[num_cached:]` (one token
-in steady state, the whole sequence after a preemption) and appends the sampled token.
+A sequence's KV covers `tokens[:num_cached]`; each step feeds the next `num_scheduled` of the
+rest: one token in steady state, a chunk of them for a prompt prefilled here or for a
+preempted sequence's recompute. A step's chunks share one token budget, so a long prompt never
+holds the running sequences' next tokens back by more than one chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class DecodeSequence:
     # (first layer, K, V) chunks as received, written into the cache at admission
     received_kv: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
     num_cached: int = 0
+    num_scheduled: int = 0  # tokens this step feeds, from num_cached on
     blocks: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # its grammar's state, when it asked for one
 
@@ -37,10 +40,13 @@ class DecodeSequence:
 
 
 class DecodeScheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
+                 chunk_tokens: int = 512) -> None:
+        assert chunk_tokens > 0
         self.allocator = allocator
         self.block_size = block_size
         self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
         self.waiting: deque[DecodeSequence] = deque()
         self.running: list[DecodeSequence] = []
         self.preemptions = 0
@@ -70,6 +76,27 @@ class DecodeScheduler:
             self.running.append(sequence)
             admitted.append(sequence)
         return admitted, list(self.running)
+
+    def chunk(self, batch: list[DecodeSequence]) -> list[DecodeSequence]:
+        """Set each sequence's `num_scheduled` for this step, once admitted KV is written:
+        every decoding sequence its one token; sequences with more to compute, oldest first,
+        what is left of the chunk budget. Returns those with something to compute."""
+        budget = self.chunk_tokens
+        planned: list[DecodeSequence] = []
+        for sequence in batch:
+            pending = len(sequence.tokens) - sequence.num_cached
+            assert pending > 0, "a running sequence always has its last token to feed"
+            sequence.num_scheduled = pending if pending == 1 else min(pending, budget)
+            if sequence.num_scheduled > 0:
+                budget -= sequence.num_scheduled if pending > 1 else 0
+                planned.append(sequence)
+        return planned
+
+    @property
+    def prompt_tokens_pending(self) -> int:
+        """Tokens still to prefill here, before their sequences' first draw."""
+        return sum(len(s.tokens) - s.num_cached
+                   for s in [*self.running, *self.waiting] if s.num_generated == 0)
 
     def remove(self, sequence: DecodeSequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks."""

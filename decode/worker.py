@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 import zmq
 
 from core.codec import MalformedMessage
@@ -15,10 +16,10 @@ from core.messages import (
     DecodeRequest,
     DropCount,
     FirstToken,
-    GenerationTask,
     Heartbeat,
     Held,
     Message,
+    PrefillRequest,
     RequestFailed,
     TokenBatch,
     TokenEvent,
@@ -48,7 +49,7 @@ class DecodeWorker(Worker):
                          config.decode.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
-                                         config.decode.max_running)
+                                         config.decode.max_running, config.decode.chunk_tokens)
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
@@ -56,13 +57,16 @@ class DecodeWorker(Worker):
         self.incoming = IncomingTable(spec.num_layers, (spec.num_kv_heads, spec.head_dim),
                                       dtype_name(runner.cache.dtype), fingerprint,
                                       config.kv_transfer.lease_s)
-        self.aborted: dict[Key, float] = {}  # aborts that may beat their KV here
+        # Requests ended here (aborted, finished): a late or repeated request for one is dropped
+        self.ended: dict[Key, float] = {}
         self.rejected_requests = 0
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Abort):
             self._abort((message.request_id, message.epoch))
+        elif isinstance(message, PrefillRequest):
+            self._prefill_here(message)
         else:
             log.warning("decode worker ignored %s", type(message).__name__)
 
@@ -71,22 +75,31 @@ class DecodeWorker(Worker):
             self.receiver.drain(self._on_kv)
 
     def step(self) -> bool:
-        admitted, batch = self.scheduler.schedule()
+        admitted, running = self.scheduler.schedule()
         for sequence in admitted:
             self._write_received_kv(sequence)
+        batch = self.scheduler.chunk(running)
         if not batch:
             return False
         logits = self.runner.forward(ForwardBatch(
-            token_ids=[s.tokens[s.num_cached:] for s in batch],
+            token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
             start_positions=[s.num_cached for s in batch],
             block_tables=[s.blocks for s in batch],
         ), layer_hook=self.between_layers)
-        params = [s.request.task.sampling for s in batch]
-        draws = draw(logits, params, [s.generator for s in batch],
-                     [self._history(s) for s in batch])
-        events = [self._advance(s, d) for s, d in zip(batch, draws, strict=True)]
-        self.control.send(TokenBatch(events))
+        for sequence in batch:
+            sequence.num_cached += sequence.num_scheduled
+        rows = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
+        self._sample([batch[i] for i in rows], logits[rows])
         return True
+
+    def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor) -> None:
+        """Draw the next token of each sequence whose KV is complete; stream them."""
+        if not ready:
+            return  # only prompt chunks this step
+        draws = draw(logits, [s.request.task.sampling for s in ready],
+                     [s.generator for s in ready], [self._history(s) for s in ready])
+        self.control.send(TokenBatch([self._advance(s, d) for s, d in zip(ready, draws,
+                                                                          strict=True)]))
 
     def _history(self, sequence: DecodeSequence) -> History:
         """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens; the
@@ -98,16 +111,18 @@ class DecodeWorker(Worker):
         return History(sequence.tokens, task.prompt_len, banned, allowed)
 
     def _advance(self, sequence: DecodeSequence, token: Draw) -> TokenEvent:
-        sequence.num_cached = len(sequence.tokens)
         sequence.tokens.append(token.token_id)
         sequence.num_generated += 1
+        task = sequence.request.task
+        if sequence.num_generated == 1:  # prefilled here: the rest draws as decode would
+            sequence.generator = make_generator(_decode_seed(task.sampling.seed))
         if sequence.constraint is not None:
             sequence.constraint.advance(token.token_id)
-        task = sequence.request.task
         eos = self.runner.spec.eos_token_ids
         reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
         if reason is not None:
             self.scheduler.remove(sequence)
+            self.ended[sequence.key] = time.monotonic() + _TOMBSTONE_TTL_S
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
                           token.logprob, token.top)
 
@@ -135,7 +150,7 @@ class DecodeWorker(Worker):
         if isinstance(message, DecodeRequest):
             if self.scheduler.find(key) is not None:
                 self.incoming.dropped["duplicate request"] += 1  # a repeated hand-off
-            elif key not in self.aborted:
+            elif key not in self.ended:
                 problem = self.incoming.expect(message, time.monotonic())
                 if problem is not None:
                     self._fail(key, problem)
@@ -151,27 +166,43 @@ class DecodeWorker(Worker):
         if not self.incoming.is_complete(entry):
             self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
             return
+        self._queue(DecodeSequence(
+            request=request, tokens=[*request.task.prompt_ids, first_token],
+            num_generated=1, received_kv=entry.layers,
+            generator=make_generator(_decode_seed(request.task.sampling.seed))))
+
+    def _prefill_here(self, message: PrefillRequest) -> None:
+        """Conditional disaggregation: the gateway sent the prompt to this worker, which
+        prefills it in chunks inside its decode batches and draws its first token itself."""
+        key = (message.request_id, message.epoch)
+        if self.scheduler.find(key) is not None or key in self.ended:
+            return  # a repeat, or already aborted
+        task = message.task
+        request = DecodeRequest(*key, task, self.identity.fingerprint)
+        self._queue(DecodeSequence(request=request, tokens=list(task.prompt_ids),
+                                   num_generated=0,
+                                   generator=make_generator(task.sampling.seed)))
+
+    def _queue(self, sequence: DecodeSequence) -> None:
+        """Queue the sequence for a decode slot, once its grammar compiles and it fits."""
+        key = sequence.key
         try:
-            constraint = self._constraint(request.task, first_token)
+            sequence.constraint = self._constraint(sequence)
         except GrammarError as exc:
             self._fail(key, f"invalid grammar: {exc}")
             return
-        sequence = DecodeSequence(
-            request=request, tokens=[*request.task.prompt_ids, first_token],
-            num_generated=1, received_kv=entry.layers,
-            generator=make_generator(_decode_seed(request.task.sampling.seed)),
-            constraint=constraint,
-        )
         if not self.scheduler.fits_at_all(sequence):
             self._fail(key, "the request does not fit the decode KV pool")
             return
         self.scheduler.add(sequence)
 
-    def _constraint(self, task: GenerationTask, first_token: int) -> Constraint | None:
-        """The task's grammar state after its first token; None without a grammar."""
+    def _constraint(self, sequence: DecodeSequence) -> Constraint | None:
+        """The task's grammar state after the tokens generated so far; None without one."""
+        task = sequence.request.task
         constraint = self.grammars.constraint(task, self.runner.spec.eos_token_ids)
         if constraint is not None:
-            constraint.advance(first_token)
+            for token in sequence.tokens[len(task.prompt_ids):]:
+                constraint.advance(token)
         return constraint
 
     def _fail(self, key: Key, reason: str) -> None:
@@ -190,17 +221,19 @@ class DecodeWorker(Worker):
         sequence = self.scheduler.find(key)
         if sequence is not None:
             self.scheduler.remove(sequence)
-        elif self.incoming.take(key) is None:
-            self.aborted[key] = time.monotonic() + _TOMBSTONE_TTL_S
+        else:
+            self.incoming.take(key)
+        self.ended[key] = time.monotonic() + _TOMBSTONE_TTL_S
 
     def heartbeat(self) -> Heartbeat:
         now = time.monotonic()
-        self.aborted = {k: t for k, t in self.aborted.items() if t > now}
+        self.ended = {k: t for k, t in self.ended.items() if t > now}
         for key in self.incoming.expire(now):
             self._fail(key, "the KV did not arrive in time")
         dropped = self.receiver.dropped + self.incoming.dropped
         return Heartbeat(
-            worker_id=self.worker_id, instance_id=self.instance_id, queued_tokens=0,
+            worker_id=self.worker_id, instance_id=self.instance_id,
+            queued_tokens=self.scheduler.prompt_tokens_pending,
             free_blocks=self.runner.allocator.num_free, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
             transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],

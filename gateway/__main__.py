@@ -12,7 +12,7 @@ from engine.spec import load_spec
 from gateway.app import build_app
 from gateway.auth import KeysError, with_keys
 from gateway.metrics import Metrics
-from gateway.registry import Registry
+from gateway.registry import LocalPrefill, Registry
 from gateway.state import GatewayState
 
 
@@ -37,7 +37,9 @@ def main() -> None:
     spec = load_spec(folder)
     gateway = config.gateway
     registry = Registry(kv_fingerprint(spec, config.model.dtype), gateway.heartbeat_timeout_s,
-                        gateway.expect_prefill, gateway.expect_decode, gateway.stall_timeout_s)
+                        gateway.expect_prefill, gateway.expect_decode, gateway.stall_timeout_s,
+                        LocalPrefill(gateway.local_prefill_max_tokens,
+                                     gateway.prefill_saturated_tokens))
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,

@@ -32,7 +32,7 @@ from core.messages import (
     TopLogprob,
 )
 from gateway.errors import service_unavailable
-from gateway.registry import Registry, WorkerInfo
+from gateway.registry import Registry, Route, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -80,25 +80,32 @@ class Dispatcher:
         self.reaborted: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def submit(self, task: GenerationTask) -> RequestHandle:
-        """Pick a prefill and a decode worker and send the request; 503 when a pool is empty."""
-        prefill = self.registry.pick_prefill(task.prompt_ids, task.cache_salt)
-        decode = self.registry.pick_decode()
-        if prefill is None or decode is None:
-            raise service_unavailable("no prefill or decode worker is available", retry_after=1.0)
-        handle = RequestHandle(uuid.uuid4().hex, 0, task, prefill.worker_id, decode.worker_id)
-        self.control.send(prefill.worker_id, PrefillRequest(
-            handle.request_id, handle.epoch, task, decode.worker_id, decode.kv_address))
+        """Route the request and send it; 503 when no decode worker is available."""
+        route = self.registry.route(task.prompt_ids, task.cache_salt)
+        if route is None:
+            raise service_unavailable("no decode worker is available", retry_after=1.0)
+        handle = RequestHandle(uuid.uuid4().hex, 0, task, route.prefill.worker_id,
+                               route.decode.worker_id)
+        self._send(handle, route, task)
         self.requests[handle.request_id] = handle
-        for worker in (prefill, decode):
-            worker.active[handle.request_id] = len(task.prompt_ids)
         return handle
+
+    def _send(self, handle: RequestHandle, route: Route, task: GenerationTask) -> None:
+        """The PrefillRequest of the handle's epoch, to whichever worker prefills it."""
+        handle.prefill_worker = route.prefill.worker_id
+        handle.decode_worker = route.decode.worker_id
+        self.control.send(route.prefill.worker_id, PrefillRequest(
+            handle.request_id, handle.epoch, task, route.decode.worker_id,
+            route.decode.kv_address))
+        for worker in (route.prefill, route.decode):
+            worker.active[handle.request_id] = len(task.prompt_ids)
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request that has not finished (client gone, stop string): tell its workers."""
         if handle.done:
             return
         self._finish(handle)
-        for worker_id in (handle.prefill_worker, handle.decode_worker):
+        for worker_id in _workers_of(handle):
             self._send_abort(worker_id, handle.request_id, handle.epoch)
             self._remember_abort(worker_id, handle.request_id)
 
@@ -236,7 +243,8 @@ class Dispatcher:
 
     def _decode_progress(self, handle: RequestHandle) -> None:
         """The decode worker holds the request now: prefill is done with it."""
-        self._release(handle.request_id, handle.prefill_worker)
+        if handle.prefill_worker != handle.decode_worker:
+            self._release(handle.request_id, handle.prefill_worker)
         decode = self.registry.workers.get(handle.decode_worker)
         if decode is not None and handle.request_id in decode.active:
             decode.active[handle.request_id] += 1
@@ -259,7 +267,7 @@ class Dispatcher:
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True
         self.requests.pop(handle.request_id, None)
-        for worker_id in (handle.prefill_worker, handle.decode_worker):
+        for worker_id in _workers_of(handle):
             self._release(handle.request_id, worker_id)
 
     def _release(self, request_id: str, worker_id: str) -> None:
@@ -291,22 +299,22 @@ class Dispatcher:
             return False
         task = handle.task
         prompt = [*task.prompt_ids, *handle.delivered]
-        prefill = self.registry.pick_prefill(prompt, task.cache_salt)
-        decode = self.registry.pick_decode()
-        if prefill is None or decode is None:
+        route = self.registry.route(prompt, task.cache_salt)
+        if route is None:
             return False
-        for worker_id in (handle.prefill_worker, handle.decode_worker):
+        for worker_id in _workers_of(handle):
             self._send_abort(worker_id, handle.request_id, handle.epoch)
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
         handle.retries += 1
         handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
         handle.held_at = time.monotonic()
-        handle.prefill_worker, handle.decode_worker = prefill.worker_id, decode.worker_id
         task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(handle.delivered))
-        for worker in (prefill, decode):
-            worker.active[handle.request_id] = len(task.prompt_ids)
-        self.control.send(prefill.worker_id, PrefillRequest(
-            handle.request_id, handle.epoch, task, decode.worker_id, decode.kv_address))
+        self._send(handle, route, task)
         self.resumed += 1
         return True
+
+
+def _workers_of(handle: RequestHandle) -> list[str]:
+    """The workers serving the handle's epoch (one, when its decode worker prefills it)."""
+    return list(dict.fromkeys((handle.prefill_worker, handle.decode_worker)))

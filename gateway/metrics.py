@@ -93,6 +93,7 @@ class Metrics:
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
         transfers.register(RejectedPeersCollector(membership, rejected_peers))
+        transfers.register(DecisionCollector(membership))
         return generate_latest(self.registry) + generate_latest(transfers)
 
 
@@ -146,4 +147,20 @@ class RejectedPeersCollector(Collector):
         for worker in self.membership.workers.values():
             if worker.role == "decode" and worker.load is not None:
                 family.add_metric([worker.worker_id], worker.load.rejected_peers)
+        yield family
+
+
+class DecisionCollector(Collector):
+    """Conditional disaggregation: the routes the gateway has taken, by path."""
+
+    def __init__(self, membership: Registry) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("raging_disagg_decision",
+                                     "Requests routed, by path: disaggregated (a prefill worker) "
+                                     "or prefilled on the decode worker (local_*)",
+                                     labels=["path"])
+        for path in ("disaggregated", "local_short", "local_saturated", "local_no_prefill"):
+            family.add_metric([path], self.membership.decisions[path])
         yield family

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,15 +42,38 @@ class WorkerInfo:
         return sum(self.active.values())
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: the worker that prefills it (a prefill worker, or the decode
+    worker itself) and the decode worker, with why (`Registry.route`)."""
+
+    prefill: WorkerInfo
+    decode: WorkerInfo
+    path: str  # disaggregated | local_short | local_saturated | local_no_prefill
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """When a decode worker prefills a prompt itself rather than a prefill worker: prompts of
+    at most `max_tokens` (0: none), and any prompt while every prefill worker holds at least
+    `saturated_tokens` (0: never) and the decode worker has headroom."""
+
+    max_tokens: int = 0
+    saturated_tokens: int = 0
+
+
 class Registry:
     def __init__(self, fingerprint: str, heartbeat_timeout_s: float,
-                 expect_prefill: int, expect_decode: int, stall_timeout_s: float = 10.0) -> None:
+                 expect_prefill: int, expect_decode: int, stall_timeout_s: float = 10.0,
+                 local: LocalPrefill = LocalPrefill()) -> None:
         self.fingerprint = fingerprint
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.expected = {"prefill": expect_prefill, "decode": expect_decode}
         self.workers: dict[str, WorkerInfo] = {}
         self.refused = 0
+        self.local = local
+        self.decisions: Counter[str] = Counter()  # routes taken, by path
 
     def register(self, message: Register) -> tuple[RegisterReply, WorkerInfo | None]:
         """Admit a worker whose KV layout matches; a re-registering id replaces the old one."""
@@ -120,7 +144,7 @@ class Registry:
 
     def capacity_tokens(self) -> int | None:
         """The longest sequence every live worker can hold (None while a pool is empty)."""
-        if not all(self.alive(role) for role in self.expected):
+        if not self.alive("decode"):
             return None
         return min(w.capacity_tokens for w in self.workers.values())
 
@@ -149,8 +173,41 @@ class Registry:
             best.prefixes.add(chain(best))
         return best
 
+    def route(self, prompt: Sequence[int], salt: str = "") -> Route | None:
+        """Pick the workers for a prompt (None while no decode worker serves). Conditional
+        disaggregation: the decode worker prefills it itself when the prompt is short, when
+        the prefill pool is saturated and it has headroom, or when there is no prefill pool
+        (colocated mode, or every prefill worker gone); otherwise a prefill worker does."""
+        decode = self.pick_decode()
+        if decode is None:
+            return None
+        path = self._local_path(len(prompt), decode)
+        prefill = decode if path else self.pick_prefill(prompt, salt)
+        assert prefill is not None
+        route = Route(prefill, decode, path or "disaggregated")
+        self.decisions[route.path] += 1
+        return route
+
+    def _local_path(self, prompt_len: int, decode: WorkerInfo) -> str:
+        """Why the decode worker should prefill the prompt itself; "" when it should not."""
+        pool = self.serving("prefill")
+        if not pool:
+            return "local_no_prefill"
+        if prompt_len <= self.local.max_tokens:
+            return "local_short"
+        saturated = self.local.saturated_tokens > 0 and all(
+            w.held_tokens >= self.local.saturated_tokens for w in pool)
+        return "local_saturated" if saturated and _has_headroom(decode) else ""
+
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences."""
         return max(self.serving("decode"),
                    key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
                    default=None)
+
+
+def _has_headroom(decode: WorkerInfo) -> bool:
+    """Room to prefill a prompt among its sequences: no prompt of its own waiting, and at
+    least half its KV free."""
+    queued = decode.load.queued_tokens if decode.load is not None else 0
+    return queued == 0 and decode.held_tokens * 2 <= decode.capacity_tokens

@@ -2,7 +2,8 @@
 # Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
 #                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin] [--kv-backend shm]
-#                     [--api-key KEY[:TENANT]]... [--api-key-file FILE]
+#                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
+#   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
@@ -18,12 +19,14 @@ fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND=""
-GATEWAY_AUTH=()
+GATEWAY_AUTH=() SETTINGS=() COLOCATED=0
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prefill) PREFILL="$2"; shift 2 ;;
     --decode) DECODE="$2"; shift 2 ;;
+    --colocated) DECODE="$2"; PREFILL=0; COLOCATED=1; shift 2 ;;
+    --set) SETTINGS+=(--set "$2"); shift 2 ;;
     --host) HOST="$2"; shift 2 ;;
     --port) PORT="$2"; shift 2 ;;
     --config) CONFIG="$2"; shift 2 ;;
@@ -39,13 +42,14 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
 done
-[[ "$PREFILL" =~ ^[1-9][0-9]*$ && "$DECODE" =~ ^[1-9][0-9]*$ ]] || { echo "--prefill and --decode take positive counts" >&2; exit 2; }
+[[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[1-9][0-9]*$ ]] || { echo "--prefill, --decode and --colocated take positive counts" >&2; exit 2; }
+[[ $PREFILL -gt 0 || $COLOCATED == 1 ]] || { echo "--prefill 0: use --colocated N" >&2; exit 2; }
 
 source "$ROOT/scripts/setup.sh"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$RUN_DIR"
 CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
-COMMON=(--config "$CONFIG" --control-address "$CONTROL")
+COMMON=(--config "$CONFIG" --control-address "$CONTROL" "${SETTINGS[@]}")
 [[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
 [[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
 # Fresh CURVE keys for this run (folder 0700, files 0600): only these processes may talk on the
@@ -65,12 +69,14 @@ expand_cpus() {  # "0,2-3" -> "0 2 3"
 }
 CPUS=($(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))'))
 HALF=$(( ${#CPUS[@]} / 2 > 0 ? ${#CPUS[@]} / 2 : 1 ))
+[[ $COLOCATED == 1 ]] && HALF=0  # colocated workers share every CPU
 PREFILL_POOL=($(expand_cpus "${PREFILL_CPUS:-$(echo "${CPUS[@]:0:$HALF}" | tr ' ' ,)}"))
 DECODE_POOL=($(expand_cpus "${DECODE_CPUS:-$(echo "${CPUS[@]:$HALF}" | tr ' ' ,)}"))
 [[ ${#DECODE_POOL[@]} -gt 0 ]] || DECODE_POOL=("${PREFILL_POOL[@]}")
-pin_args() {  # pin_args POOL_NAME INDEX: the --cpus flag for worker INDEX of that pool
+pin_args() {  # pin_args POOL_NAME INDEX COUNT: the --cpus flag for worker INDEX of COUNT
   [[ $PIN == 1 ]] || return 0
   local -n pool="$1"
+  if [[ $3 == 1 ]]; then echo "--cpus $(echo "${pool[@]}" | tr ' ' ,)"; return; fi  # all of it
   echo "--cpus ${pool[$(( $2 % ${#pool[@]} ))]}"
 }
 
@@ -105,10 +111,10 @@ start() {  # start NAME ARGS...: one process, logged to its own file
 start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
   --expect-prefill "$PREFILL" --expect-decode "$DECODE" "${GATEWAY_AUTH[@]}"
 for i in $(seq 0 $((PREFILL - 1))); do
-  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i")
+  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i" "$PREFILL")
 done
 for i in $(seq 0 $((DECODE - 1))); do
-  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i")
+  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i" "$DECODE")
 done
 
 URL="http://$HOST:$PORT"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from core.messages import (
     FirstToken,
     GenerationTask,
     Message,
+    PrefillRequest,
     RequestFailed,
     Sampling,
     TokenBatch,
@@ -36,18 +38,28 @@ WAIT_S = 5.0
 Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing in for the gateway
 
 
-@pytest.fixture
-def worker(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[DecodeWorker, zmq.Socket]]:
-    control = f"ipc://{tmp_path}/control.sock"
+@contextmanager
+def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512) -> Iterator[Served]:
+    """A decode worker on the tiny model, and the ROUTER standing in for its gateway."""
+    control = f"ipc://{folder}/control.sock"
     config: Config = load_config(None, {"gateway.control_address": control,
-                                        "decode.kv_bind": f"ipc://{tmp_path}/kv.sock"})
+                                        "decode.kv_bind": f"ipc://{folder}/kv.sock",
+                                        "decode.chunk_tokens": str(chunk_tokens)})
     gateway = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
-    runner = ModelRunner(tiny_model_dir, num_blocks=256, block_size=16)
+    runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
     decode_worker = DecodeWorker("decode-0", config, runner, "fingerprint")
-    yield decode_worker, gateway
-    decode_worker.close()
-    gateway.close(linger=0)
+    try:
+        yield decode_worker, gateway
+    finally:
+        decode_worker.close()
+        gateway.close(linger=0)
+
+
+@pytest.fixture
+def worker(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Served]:
+    with serving(tiny_model_dir, tmp_path) as served:
+        yield served
 
 
 def task(max_tokens: int = 100) -> GenerationTask:
@@ -367,3 +379,61 @@ def test_a_grammar_that_does_not_compile_fails_at_admission(worker: Served) -> N
     arrive(decode_worker, "bad", 100, grammar_task(json.dumps({"type": "bogus"})))
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
     assert "invalid grammar" in failed.reason and admitted(decode_worker) == []
+
+
+def prefill_here(worker: DecodeWorker, request_id: str, prompt: list[int],
+                 max_tokens: int) -> None:
+    """The gateway sends the prompt itself: conditional disaggregation's local path."""
+    job = GenerationTask(prompt, Sampling(temperature=0.0), max_tokens, [], True)
+    worker.handle(PrefillRequest(request_id, 0, job, worker.worker_id, worker.kv_address))
+
+
+def output_of(worker: DecodeWorker, gateway: zmq.Socket, request_id: str) -> list[int]:
+    """Step until idle; the request's tokens in order, checked to be indexed 0, 1, ..."""
+    while worker.step():
+        pass
+    events = [e for m in sent_to_gateway(worker, gateway) if isinstance(m, TokenBatch)
+              for e in m.events if e.request_id == request_id]
+    assert [e.index for e in events] == list(range(len(events)))
+    assert events[-1].finish_reason is not None
+    return [e.token_id for e in events]
+
+
+def test_a_prompt_prefilled_here_in_chunks_matches_one_pass(tiny_model_dir, tmp_path) -> None:
+    prompt = list(range(3, 73))  # 70 tokens: chunks of 16, 16, 16, 16 and 6
+    outputs = []
+    for chunk_tokens in (16, 512):
+        (tmp_path / str(chunk_tokens)).mkdir()
+        with serving(tiny_model_dir, tmp_path / str(chunk_tokens), chunk_tokens) as (w, g):
+            prefill_here(w, "r", prompt, max_tokens=12)
+            outputs.append(output_of(w, g, "r"))
+            assert w.runner.allocator.num_free == 256 and not admitted(w)
+    assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
+
+
+def test_a_long_prompt_here_holds_a_running_sequence_back_by_one_chunk(
+        tiny_model_dir, tmp_path) -> None:
+    with serving(tiny_model_dir, tmp_path, chunk_tokens=16) as (w, gateway):
+        arrive(w, "running", max_tokens=100)
+        assert events_of_next_step(w, gateway) == {"running": None}
+        prefill_here(w, "long", list(range(5, 69)), max_tokens=4)  # 64 tokens: 4 chunks
+        assert w.heartbeat().queued_tokens == 64
+        steps = [events_of_next_step(w, gateway) for _ in range(4)]
+        assert steps[:3] == [{"running": None}] * 3  # a token every step, a chunk beside it
+        assert steps[3] == {"running": None, "long": None}  # the last chunk: its first token
+        assert w.heartbeat().queued_tokens == 0
+
+
+def test_an_abort_between_chunks_frees_the_prompt_blocks(tiny_model_dir, tmp_path) -> None:
+    with serving(tiny_model_dir, tmp_path, chunk_tokens=16) as (w, gateway):
+        prefill_here(w, "long", list(range(5, 69)), max_tokens=4)
+        assert w.step() and w.scheduler.running[0].num_cached == 16
+        w.handle(Abort("long", 0))
+        assert not admitted(w) and w.runner.allocator.num_free == 256
+        assert not w.step()
+        prefill_here(w, "long", list(range(5, 69)), max_tokens=4)  # a late repeat: stays dead
+        w.handle(Abort("early", 0))  # an abort that beats its request
+        prefill_here(w, "early", [1, 2, 3], max_tokens=4)
+        assert not admitted(w) and not w.step()
+        assert not [m for m in sent_to_gateway(w, gateway)
+                    if isinstance(m, TokenBatch | RequestFailed)]

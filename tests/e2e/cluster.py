@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Small pools so that tests start fast and leave memory for the rest of the suite.
 TEST_CONFIG: dict[str, Any] = {
-    "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0},
+    # Pure disaggregation (tests/e2e/test_conditional.py covers the decode-side prefill).
+    "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0, "local_prefill_max_tokens": 0,
+                "prefill_saturated_tokens": 0},
     "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
     "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1},
 }

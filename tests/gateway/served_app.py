@@ -27,7 +27,7 @@ from gateway.state import GatewayState
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048
 ROUTES = ("/v1/chat/completions", "/v1/completions")
-NO_WORKER = "no prefill or decode worker is available"
+NO_WORKER = "no decode worker is available"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 

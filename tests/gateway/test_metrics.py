@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.messages import DropCount, Heartbeat, Register, TransferTotals
 from gateway.metrics import Metrics
-from gateway.registry import Registry
+from gateway.registry import LocalPrefill, Registry
 
 FP = "tiny|float32|layers=2|kv_heads=2|head_dim=16"
 SEND = TransferTotals("shm", "send", chunks=60, bytes=3 * 2**30, seconds=1.25, failures=2)
@@ -136,3 +136,16 @@ def test_rejected_peers_are_exported_for_the_gateway_and_each_decode_worker() ->
     family = next(f for f in text_string_to_metric_families(
         Metrics().render(registry, 0).decode()) if f.name == "raging_internal_rejected")
     assert family.type == "counter"
+
+
+def test_disaggregation_decisions_are_counted_by_path() -> None:
+    registry = membership()
+    for prompt_len in (3, 40, 50):
+        assert registry.route(list(range(prompt_len))) is not None
+    registry.local = LocalPrefill(max_tokens=8)
+    assert registry.route([1, 2]) is not None
+    families = {f.name: f for f in text_string_to_metric_families(
+        Metrics().render(registry, dropped=0).decode())}
+    counts = {s.labels["path"]: s.value for s in families["raging_disagg_decision"].samples}
+    assert counts == {"disaggregated": 3, "local_short": 1, "local_saturated": 0,
+                      "local_no_prefill": 0}

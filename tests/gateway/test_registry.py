@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from core.messages import Heartbeat, Register
-from gateway.registry import Registry, WorkerInfo
+from gateway.registry import LocalPrefill, Registry, WorkerInfo
 
 FP = "smollm2|float32|30|3|64|16"
 
@@ -236,7 +236,7 @@ def test_pick_decode_ties_go_to_the_fewest_active() -> None:
     assert picked(reg.pick_decode()) == "d2"
 
 
-def test_capacity_tokens_is_none_until_both_pools_have_a_worker() -> None:
+def test_capacity_tokens_is_none_until_a_decode_worker_registers() -> None:
     reg = registry()
     assert reg.capacity_tokens() is None
     reg.register(register("p1", num_blocks=50))
@@ -244,6 +244,8 @@ def test_capacity_tokens_is_none_until_both_pools_have_a_worker() -> None:
     reg.register(register("d1", "decode", num_blocks=100))
     assert reg.capacity_tokens() == 50 * 16
     reg.remove("p1")
+    assert reg.capacity_tokens() == 100 * 16  # decode prefills for itself now
+    reg.remove("d1")
     assert reg.capacity_tokens() is None
 
 
@@ -344,3 +346,52 @@ def test_only_progress_clears_a_stall() -> None:
     assert reg.workers["d1"].stalled and reg.pick_decode() is None
     beat(reg, "d1", progress=6, running=1)
     assert not reg.workers["d1"].stalled and picked(reg.pick_decode()) == "d1"
+
+
+def conditional(max_tokens: int = 8, saturated_tokens: int = 100) -> Registry:
+    reg = Registry(FP, 3.0, 1, 1, local=LocalPrefill(max_tokens, saturated_tokens))
+    for worker_id, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+        reg.register(register(worker_id, role, num_blocks=10))  # 160 tokens each
+    return reg
+
+
+def route_path(reg: Registry, prompt_len: int) -> tuple[str, str, str]:
+    route = reg.route(list(range(prompt_len)))
+    assert route is not None
+    return route.prefill.worker_id, route.decode.worker_id, route.path
+
+
+def test_route_sends_short_prompts_to_the_decode_worker_itself() -> None:
+    reg = conditional(max_tokens=8)
+    assert route_path(reg, 8) == ("d1", "d1", "local_short")
+    assert route_path(reg, 9) == ("p1", "d1", "disaggregated")
+    assert reg.decisions == {"local_short": 1, "disaggregated": 1}
+
+
+def test_route_prefills_on_decode_only_when_every_prefill_worker_is_saturated() -> None:
+    reg = conditional(saturated_tokens=100)
+    reg.workers["p1"].active["a"] = 100
+    assert route_path(reg, 50) == ("p2", "d1", "disaggregated")  # p2 is idle
+    reg.workers["p2"].active["b"] = 120
+    assert route_path(reg, 50) == ("d1", "d1", "local_saturated")
+    reg.workers["d1"].active["c"] = 81  # over half of decode's 160 tokens: no headroom
+    assert route_path(reg, 50)[2] == "disaggregated"
+    reg.workers["d1"].active["c"] = 10
+    reg.heartbeat(heartbeat("d1", queued=30))  # a prompt of its own still to prefill
+    assert route_path(reg, 50)[2] == "disaggregated"
+
+
+def test_route_with_saturation_off_never_goes_local_for_long_prompts() -> None:
+    reg = conditional(max_tokens=0, saturated_tokens=0)
+    reg.workers["p1"].active["a"] = reg.workers["p2"].active["b"] = 10**6
+    assert route_path(reg, 1)[2] == "disaggregated"
+
+
+def test_route_without_a_prefill_pool_prefills_on_decode() -> None:
+    reg = Registry(FP, 3.0, 0, 2)  # colocated
+    assert reg.route([1, 2, 3]) is None
+    reg.register(register("d1", "decode"))
+    reg.register(register("d2", "decode"))
+    reg.workers["d1"].active["x"] = 5
+    assert route_path(reg, 3) == ("d2", "d2", "local_no_prefill")
+    assert reg.ready() and reg.capacity_tokens() == 1600

@@ -1,0 +1,118 @@
+"""Prefill on the decode worker, end to end on a tiny random Llama: colocated mode
+(`launch.sh --colocated 2`) and conditional disaggregation (short prompts stay on decode)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
+
+pytestmark = pytest.mark.e2e
+
+SHORT = ["Hello", "A", "Roses are red,", "Le chat est"]  # 8 tokens or fewer
+LONG = ["The quick brown fox jumps over the lazy dog " * 4, "Once upon a time, " * 9,
+        "def fibonacci(n):\n    if n < 2:\n        return n\n" * 3]
+
+
+def config(**gateway: int) -> dict[str, Any]:
+    """Chunks of 16 tokens, so that every long prompt is prefilled in several."""
+    settings = copy.deepcopy(TEST_CONFIG)
+    settings["gateway"].update(gateway)
+    settings["decode"]["chunk_tokens"] = 16
+    return settings
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config(),
+                flags=["--colocated", "2"]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def conditional(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=1, decode=1,
+                config=config(local_prefill_max_tokens=8)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    return greedy_reference(tiny_model_dir)
+
+
+def complete(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, **extra}
+    response = cluster.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def decisions(cluster: Cluster) -> dict[str, float]:
+    paths = ("disaggregated", "local_short", "local_saturated", "local_no_prefill")
+    return {p: cluster.metric("raging_disagg_decision_total", f'path="{p}"') for p in paths}
+
+
+def test_colocated_workers_serve_greedy_streams_equal_to_transformers(
+        colocated: Cluster, tokenizer: PreTrainedTokenizerBase, reference) -> None:
+    prompts = (SHORT + LONG) * 2
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda p: complete(colocated, p, 16, temperature=0), prompts))
+    for prompt, reply in zip(prompts, replies, strict=True):
+        ids = tokenizer.encode(prompt)
+        expected = tokenizer.decode(reference(ids, 16), skip_special_tokens=True)
+        assert reply["choices"][0]["text"] == expected, prompt
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert decisions(colocated)["local_no_prefill"] >= len(prompts)
+    assert colocated.metric("raging_workers", 'role="prefill"') == 0
+    for worker in ("decode-0", "decode-1"):
+        assert colocated.metric("raging_worker_running", f'worker="{worker}"') == 0
+
+
+def test_conditional_keeps_short_prompts_on_decode_and_sends_long_ones_to_prefill(
+        conditional: Cluster, tokenizer: PreTrainedTokenizerBase, reference) -> None:
+    before = decisions(conditional)
+    assert all(len(tokenizer.encode(p)) <= 8 < len(tokenizer.encode(q))
+               for p in SHORT for q in LONG)
+    for prompt in SHORT + LONG:
+        reply = complete(conditional, prompt, 8, temperature=0, logprobs=2)
+        expected = tokenizer.decode(reference(tokenizer.encode(prompt), 8),
+                                    skip_special_tokens=True)
+        choice = choice_of(reply)
+        assert choice["text"] == expected, prompt
+        assert len(choice["logprobs"]["tokens"]) == 8  # the first token's too, either path
+    after = decisions(conditional)
+    assert after["local_short"] - before["local_short"] == len(SHORT)
+    assert after["disaggregated"] - before["disaggregated"] == len(LONG)
+
+
+def choice_of(reply: dict[str, Any]) -> dict[str, Any]:
+    (choice,) = reply["choices"]
+    return choice
+
+
+def test_seeded_sampling_is_the_same_on_either_path(
+        colocated: Cluster, conditional: Cluster) -> None:
+    """A long prompt is prefilled by a prefill worker in one cluster and by the decode worker
+    in the other: with the same seed, the same text."""
+    before = decisions(conditional)["disaggregated"]
+    for seed, prompt in enumerate(LONG):
+        texts = [choice_of(complete(c, prompt, 12, temperature=1.0, seed=seed))["text"]
+                 for c in (conditional, colocated)]
+        assert texts[0] == texts[1], prompt
+    assert decisions(conditional)["disaggregated"] - before == len(LONG)
