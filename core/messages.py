@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
 
@@ -47,6 +47,13 @@ class Sampling:
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(
                 f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+
+    def for_choice(self, index: int) -> Sampling:
+        """Choice `index` of a request with n > 1 choices: its own seed, so the choices differ
+        yet each is reproducible (no seed: each draws from fresh entropy anyway)."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % 2**64)
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +181,9 @@ class PrefillRequest:
     task: GenerationTask
     decode_worker: str
     decode_address: str
+    # n > 1: the other choices' request ids. The prompt is prefilled once and its KV forked
+    # on decode, where choice i draws with `task.sampling.for_choice(i)` from its first token.
+    siblings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,12 @@ class DecodeRequest:
     epoch: int
     task: GenerationTask
     fingerprint: str
+    siblings: list[str] = field(default_factory=list)  # as in PrefillRequest
+
+
+def choice_keys(request_id: str, epoch: int, siblings: list[str]) -> list[tuple[str, int]]:
+    """The (request id, epoch) of each choice of a request: itself, then its siblings."""
+    return [(request_id, epoch), *((sibling, epoch) for sibling in siblings)]
 
 
 @dataclass(frozen=True)

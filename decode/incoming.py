@@ -1,8 +1,11 @@
 """KV arriving for requests not yet admitted, collected layer by layer. Pure bookkeeping.
 
-A request is expected from its `DecodeRequest` notice on; its chunks must then come in layer
-order with the request's shape. A chunk for a request not expected here (never announced,
-aborted, finished, or an older epoch) is dropped and counted; it never touches the KV cache.
+A request is expected from its `DecodeRequest` notice on; its chunks must then come in order:
+the prompt's tokens in consecutive ranges (one range when the prompt was prefilled in one
+pass, one per prefill chunk otherwise), each range's layers in order before the next range
+starts. The request's KV is complete once every layer of every prompt token is in. A chunk for
+a request not expected here (never announced, aborted, finished, or an older epoch) is dropped
+and counted; it never touches the KV cache.
 """
 
 from __future__ import annotations
@@ -13,17 +16,30 @@ from dataclasses import dataclass, field
 import torch
 
 from core.messages import DecodeRequest
-from kvtransfer import KVPayload
+from kvtransfer import KVHeader, KVPayload
 
 Key = tuple[str, int]  # (request id, epoch)
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """K and V (`[layers, tokens, kv_heads, head_dim]`) of layers layer_start.. of the prompt
+    tokens from token_start on, as received."""
+
+    token_start: int
+    layer_start: int
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 @dataclass
 class IncomingKV:
     request: DecodeRequest
     deadline: float  # the lease: past it, the KV is dropped and the request failed
-    layers: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    next_layer: int = 0
+    layers: list[ReceivedKV] = field(default_factory=list)
+    next_layer: int = 0  # of the token range arriving now
+    token_start: int = 0  # the token range arriving now: token_start..token_end-1
+    token_end: int = 0
 
 
 class IncomingTable:
@@ -61,26 +77,41 @@ class IncomingTable:
             stale = any(k[0] == header.request_id and k[1] > header.epoch for k in self.pending)
             self.dropped["stale epoch" if stale else "unknown request"] += 1
             return None
-        tokens = len(entry.request.task.prompt_ids)
         layers = header.layer_end - header.layer_start
-        if (header.layer_start != entry.next_layer or header.layer_end > self.num_layers
-                or header.shape != [layers, tokens, *self.kv_dims] or header.dtype != self.dtype):
+        if (not self._in_order(entry, header) or header.layer_end > self.num_layers
+                or header.shape != [layers, header.num_tokens, *self.kv_dims]
+                or header.dtype != self.dtype):
             del self.pending[key]
             self.dropped["wrong shape"] += 1
             return "the KV did not match its request"
         k, v = payload.k, payload.v
         if payload.borrowed:  # it views the sender's buffer, which is released at the next drain
             k, v = k.clone(), v.clone()
-        entry.layers.append((header.layer_start, k, v))
+        entry.layers.append(ReceivedKV(header.token_start, header.layer_start, k, v))
+        entry.token_start = header.token_start
+        entry.token_end = header.token_start + header.num_tokens
         entry.next_layer = header.layer_end
         return None
+
+    def _in_order(self, entry: IncomingKV, header: KVHeader) -> bool:
+        """Whether the chunk is the next one due: the next layers of the token range arriving
+        now, or, once that range has all its layers, the first layers of the next range."""
+        if entry.next_layer in (0, self.num_layers):  # a new token range starts
+            prompt_len = len(entry.request.task.prompt_ids)
+            return (header.layer_start == 0 and header.token_start == entry.token_end
+                    and header.token_start + header.num_tokens <= prompt_len)
+        return (header.layer_start == entry.next_layer
+                and header.token_start == entry.token_start
+                and header.token_start + header.num_tokens == entry.token_end)
 
     def take(self, key: Key) -> IncomingKV | None:
         """Stop collecting the request's KV and return what arrived (None if not expected)."""
         return self.pending.pop(key, None)
 
     def is_complete(self, entry: IncomingKV) -> bool:
-        return entry.next_layer == self.num_layers
+        """Every layer of every prompt token is in."""
+        return (entry.next_layer == self.num_layers
+                and entry.token_end == len(entry.request.task.prompt_ids))
 
     def expire(self, now: float) -> list[Key]:
         """Drop the entries whose lease ran out; their keys."""

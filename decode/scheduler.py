@@ -18,6 +18,7 @@ from engine.block_allocator import BlockAllocator, blocks_needed
 if TYPE_CHECKING:
     import torch
 
+    from decode.incoming import ReceivedKV
     from engine.grammar import Constraint
 
 
@@ -27,8 +28,7 @@ class DecodeSequence:
     tokens: list[int]  # prompt + generated
     num_generated: int
     generator: torch.Generator | None = None  # this request's own random stream
-    # (first layer, K, V) chunks as received, written into the cache at admission
-    received_kv: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    received_kv: list[ReceivedKV] | None = None  # as received, written in at admission
     num_cached: int = 0
     num_scheduled: int = 0  # tokens this step feeds, from num_cached on
     blocks: list[int] = field(default_factory=list)
@@ -97,6 +97,25 @@ class DecodeScheduler:
         """Tokens still to prefill here, before their sequences' first draw."""
         return sum(len(s.tokens) - s.num_cached
                    for s in [*self.running, *self.waiting] if s.num_generated == 0)
+
+    def fork(self, parent: DecodeSequence, child: DecodeSequence) -> tuple[int, int] | None:
+        """Start `child` on `parent`'s KV of its first `child.num_cached` tokens, copy on
+        write: the full blocks shared (ref counted; nobody writes a full block again), a
+        partial last one to be copied. Returns (source, target) of that copy, if any. A child
+        that does not fit now waits, to be computed from scratch."""
+        assert parent in self.running and child.num_cached <= parent.num_cached
+        shared = child.num_cached // self.block_size
+        fresh = self._need(child) - shared
+        if len(self.running) >= self.max_running or not self.allocator.can_allocate(fresh):
+            child.num_cached = 0
+            self.waiting.append(child)
+            return None
+        self.allocator.incref(parent.blocks[:shared])
+        child.blocks = parent.blocks[:shared] + self.allocator.allocate(fresh)
+        self.running.append(child)
+        if child.num_cached % self.block_size == 0:
+            return None
+        return parent.blocks[shared], child.blocks[shared]
 
     def remove(self, sequence: DecodeSequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks."""

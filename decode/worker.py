@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 import zmq
@@ -24,6 +25,7 @@ from core.messages import (
     TokenBatch,
     TokenEvent,
     TransferTotals,
+    choice_keys,
     decode,
 )
 from core.worker import Worker, WorkerIdentity
@@ -59,6 +61,7 @@ class DecodeWorker(Worker):
                                       config.kv_transfer.lease_s)
         # Requests ended here (aborted, finished): a late or repeated request for one is dropped
         self.ended: dict[Key, float] = {}
+        self.forks: dict[Key, list[DecodeSequence]] = {}  # n > 1: choices waiting on a prompt
         self.rejected_requests = 0
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
 
@@ -77,7 +80,11 @@ class DecodeWorker(Worker):
     def step(self) -> bool:
         admitted, running = self.scheduler.schedule()
         for sequence in admitted:
-            self._write_received_kv(sequence)
+            if sequence.received_kv is not None:
+                self._write_received_kv(sequence)
+                # a choice with no first token yet draws it from its prompt's last token
+                sequence.num_cached = min(sequence.num_cached, len(sequence.tokens) - 1)
+                self._fork(sequence, drawing=False)
         batch = self.scheduler.chunk(running)
         if not batch:
             return False
@@ -93,13 +100,36 @@ class DecodeWorker(Worker):
         return True
 
     def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor) -> None:
-        """Draw the next token of each sequence whose KV is complete; stream them."""
-        if not ready:
+        """Draw the next token of each sequence whose KV is complete, and the first token of
+        each choice forked from a prompt prefilled here just now; stream them."""
+        drawing: list[DecodeSequence] = []
+        rows: list[int] = []
+        for row, sequence in enumerate(ready):
+            forked = self._fork(sequence, drawing=True) if sequence.num_generated == 0 else []
+            drawing += [sequence, *forked]
+            rows += [row] * (1 + len(forked))
+        if not drawing:
             return  # only prompt chunks this step
-        draws = draw(logits, [s.request.task.sampling for s in ready],
-                     [s.generator for s in ready], [self._history(s) for s in ready])
-        self.control.send(TokenBatch([self._advance(s, d) for s, d in zip(ready, draws,
+        draws = draw(logits[rows], [s.request.task.sampling for s in drawing],
+                     [s.generator for s in drawing], [self._history(s) for s in drawing])
+        self.control.send(TokenBatch([self._advance(s, d) for s, d in zip(drawing, draws,
                                                                           strict=True)]))
+
+    def _fork(self, parent: DecodeSequence, drawing: bool) -> list[DecodeSequence]:
+        """Start the choices waiting on `parent`'s prompt KV (n > 1) on a copy-on-write fork
+        of it. `drawing`: they draw their first token from the parent's logits of this step;
+        else they feed their last token next step. Returns the forks now running."""
+        running = []
+        for child in self.forks.pop(parent.key, []):
+            if child.key in self.ended:
+                continue  # aborted meanwhile
+            child.num_cached = len(child.tokens) - (0 if drawing else 1)
+            copy = self.scheduler.fork(parent, child)
+            if copy is not None:
+                self.runner.cache.copy_block(*copy)
+            if child.blocks:
+                running.append(child)
+        return running
 
     def _history(self, sequence: DecodeSequence) -> History:
         """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens; the
@@ -156,45 +186,80 @@ class DecodeWorker(Worker):
                     self._fail(key, problem)
             return
         entry = self.incoming.take(key)
-        if entry is not None and message.finish_reason is None:
-            self._admit(entry, message.token_id)
+        if entry is not None:
+            self._admit(entry, message.token_id, message.finish_reason is not None)
 
-    def _admit(self, entry: IncomingKV, first_token: int) -> None:
-        """All layers and the first token are here: queue the sequence for a decode slot."""
+    def _admit(self, entry: IncomingKV, first_token: int, first_finished: bool) -> None:
+        """All layers and the first token are here: queue the choices still going, the
+        first with the received KV, the others (n > 1) to fork it once it is written."""
         request = entry.request
-        key = (request.request_id, request.epoch)
         if not self.incoming.is_complete(entry):
-            self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
+            for key in choice_keys(request.request_id, request.epoch, request.siblings):
+                self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
             return
-        self._queue(DecodeSequence(
-            request=request, tokens=[*request.task.prompt_ids, first_token],
-            num_generated=1, received_kv=entry.layers,
-            generator=make_generator(_decode_seed(request.task.sampling.seed))))
+        choices = self._choices(request, [first_token])
+        if first_finished:  # as prefill found: the request's own choice ends there
+            choices = [c for c in choices if c.key != (request.request_id, request.epoch)]
+        if choices:
+            choices[0].received_kv = entry.layers
+            self._queue(choices[0], choices[1:])
+
+    def _choices(self, request: DecodeRequest, first_tokens: list[int]) -> list[DecodeSequence]:
+        """A sequence per choice of the request not ended yet: with its first token when
+        drawn already (`first_tokens[i]`), else to draw it."""
+        choices = []
+        for i, key in enumerate(choice_keys(request.request_id, request.epoch,
+                                            request.siblings)):
+            task = replace(request.task, sampling=request.task.sampling.for_choice(i))
+            first = first_tokens[i] if i < len(first_tokens) else None
+            if key in self.ended:
+                continue
+            choices.append(DecodeSequence(
+                request=DecodeRequest(*key, task, request.fingerprint),
+                tokens=[*task.prompt_ids, *([] if first is None else [first])],
+                num_generated=0 if first is None else 1,
+                generator=make_generator(task.sampling.seed if first is None
+                                         else _decode_seed(task.sampling.seed))))
+        return choices
 
     def _prefill_here(self, message: PrefillRequest) -> None:
         """Conditional disaggregation: the gateway sent the prompt to this worker, which
-        prefills it in chunks inside its decode batches and draws its first token itself."""
+        prefills it in chunks inside its decode batches and draws its first token itself
+        (and with n > 1, each choice's, from the same logits)."""
         key = (message.request_id, message.epoch)
         if self.scheduler.find(key) is not None or key in self.ended:
             return  # a repeat, or already aborted
-        task = message.task
-        request = DecodeRequest(*key, task, self.identity.fingerprint)
-        self._queue(DecodeSequence(request=request, tokens=list(task.prompt_ids),
-                                   num_generated=0,
-                                   generator=make_generator(task.sampling.seed)))
+        request = DecodeRequest(*key, message.task, self.identity.fingerprint, message.siblings)
+        choices = self._choices(request, [])
+        self._queue(choices[0], choices[1:])
 
-    def _queue(self, sequence: DecodeSequence) -> None:
-        """Queue the sequence for a decode slot, once its grammar compiles and it fits."""
-        key = sequence.key
+    def _queue(self, sequence: DecodeSequence, forks: list[DecodeSequence]) -> None:
+        """Queue the sequence for a decode slot, once its grammar compiles and it fits;
+        `forks` (the request's other choices) start from its prompt KV."""
+        problem = self._prepare(sequence)
+        servable = []
+        for fork in forks:
+            failure = problem or self._prepare(fork)
+            if failure:
+                self._fail(fork.key, failure)
+            else:
+                servable.append(fork)
+        if problem:
+            self._fail(sequence.key, problem)
+            return
+        self.scheduler.add(sequence)
+        if servable:
+            self.forks[sequence.key] = servable
+
+    def _prepare(self, sequence: DecodeSequence) -> str:
+        """Compile its grammar; why it cannot be served ("" when it can)."""
         try:
             sequence.constraint = self._constraint(sequence)
         except GrammarError as exc:
-            self._fail(key, f"invalid grammar: {exc}")
-            return
+            return f"invalid grammar: {exc}"
         if not self.scheduler.fits_at_all(sequence):
-            self._fail(key, "the request does not fit the decode KV pool")
-            return
-        self.scheduler.add(sequence)
+            return "the request does not fit the decode KV pool"
+        return ""
 
     def _constraint(self, sequence: DecodeSequence) -> Constraint | None:
         """The task's grammar state after the tokens generated so far; None without one."""
@@ -212,8 +277,9 @@ class DecodeWorker(Worker):
     def _write_received_kv(self, sequence: DecodeSequence) -> None:
         if sequence.received_kv is None:
             return  # resumed after preemption: recomputed in the step
-        for layer_start, k, v in sequence.received_kv:
-            self.runner.cache.write(sequence.blocks, 0, k, v, layer_start)
+        for part in sequence.received_kv:
+            self.runner.cache.write(sequence.blocks, part.token_start, part.k, part.v,
+                                    part.layer_start)
         sequence.num_cached = len(sequence.request.task.prompt_ids)
         sequence.received_kv = None
 
@@ -223,6 +289,9 @@ class DecodeWorker(Worker):
             self.scheduler.remove(sequence)
         else:
             self.incoming.take(key)
+        for fork in self.forks.pop(key, []):  # the other choices go on, computing the prompt
+            fork.num_cached = 0
+            self.scheduler.add(fork)
         self.ended[key] = time.monotonic() + _TOMBSTONE_TTL_S
 
     def heartbeat(self) -> Heartbeat:
@@ -244,8 +313,12 @@ class DecodeWorker(Worker):
         )
 
     def holding(self) -> list[Held]:
-        sequences = [*self.scheduler.running, *self.scheduler.waiting]
-        return [Held(*key) for key in [*self.incoming.pending, *(s.key for s in sequences)]]
+        sequences = [*self.scheduler.running, *self.scheduler.waiting,
+                     *(fork for forks in self.forks.values() for fork in forks)]
+        arriving = [key for entry in self.incoming.pending.values()
+                    for key in choice_keys(entry.request.request_id, entry.request.epoch,
+                                           entry.request.siblings)]
+        return [Held(*key) for key in [*arriving, *(s.key for s in sequences)]]
 
     def close(self) -> None:
         self.receiver.close()

@@ -43,18 +43,26 @@ class PagedKVCache:
         table = torch.tensor(block_table, dtype=torch.long)
         return slot_mapping(table, torch.arange(start, end), self.block_size)
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy every layer's K and V of block `source` into block `target` (copy-on-write)."""
+        size = self.block_size
+        for cache in (self.k, self.v):
+            cache[:, target * size:(target + 1) * size] = cache[:, source * size:
+                                                                (source + 1) * size]
+
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `num_tokens` tokens, each `[num_layers, num_tokens, H, D]`."""
         slots = self.slots(block_table, 0, num_tokens)
         return self.k.index_select(1, slots), self.v.index_select(1, slots)
 
     def read_layers(
-        self, start: int, end: int, block_table: list[int], num_tokens: int
+        self, start: int, end: int, block_table: list[int], num_tokens: int,
+        token_start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layers start..end-1 for the first `num_tokens` tokens, each
-        `[end - start, num_tokens, H, D]`."""
+        """K and V of layers start..end-1 for token positions token_start..num_tokens-1, each
+        `[end - start, num_tokens - token_start, H, D]`."""
         assert 0 <= start < end <= self.num_layers
-        slots = self.slots(block_table, 0, num_tokens)
+        slots = self.slots(block_table, token_start, num_tokens)
         return self.k[start:end].index_select(1, slots), self.v[start:end].index_select(1, slots)
 
     def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor,

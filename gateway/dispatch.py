@@ -63,6 +63,7 @@ class RequestHandle:
     gap_since: float | None = None  # since when later tokens wait for a missing one
     cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
+    forked: bool = False  # another choice of an n > 1 request: decode draws its first token
 
 
 _REABORT_MEMORY = 4096
@@ -81,24 +82,36 @@ class Dispatcher:
 
     def submit(self, task: GenerationTask) -> RequestHandle:
         """Route the request and send it; 503 when no decode worker is available."""
+        return self.submit_choices(task, 1)[0]
+
+    def submit_choices(self, task: GenerationTask, n: int) -> list[RequestHandle]:
+        """A request for `n` choices: one handle each, choice i sampling with
+        `for_choice(i)`. The prompt goes out once; its decode worker forks the KV. Each
+        choice is a request of its own from then on (resumed, aborted, finished alone)."""
         route = self.registry.route(task.prompt_ids, task.cache_salt)
         if route is None:
             raise service_unavailable("no decode worker is available", retry_after=1.0)
-        handle = RequestHandle(uuid.uuid4().hex, 0, task, route.prefill.worker_id,
-                               route.decode.worker_id)
-        self._send(handle, route, task)
-        self.requests[handle.request_id] = handle
-        return handle
+        handles = [RequestHandle(uuid.uuid4().hex, 0,
+                                 replace(task, sampling=task.sampling.for_choice(i)),
+                                 route.prefill.worker_id, route.decode.worker_id, forked=i > 0)
+                   for i in range(n)]
+        self._send(handles[0], route, task, [h.request_id for h in handles[1:]])
+        for handle in handles:
+            self.requests[handle.request_id] = handle
+        return handles
 
-    def _send(self, handle: RequestHandle, route: Route, task: GenerationTask) -> None:
-        """The PrefillRequest of the handle's epoch, to whichever worker prefills it."""
+    def _send(self, handle: RequestHandle, route: Route, task: GenerationTask,
+              siblings: list[str] | None = None) -> None:
+        """The PrefillRequest of the handle's epoch (with its `siblings`' choices), to
+        whichever worker prefills it. The prompt's tokens count once on each worker."""
         handle.prefill_worker = route.prefill.worker_id
         handle.decode_worker = route.decode.worker_id
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
-            route.decode.kv_address))
+            route.decode.kv_address, siblings or []))
         for worker in (route.prefill, route.decode):
             worker.active[handle.request_id] = len(task.prompt_ids)
+            worker.active.update(dict.fromkeys(siblings or [], 0))
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request that has not finished (client gone, stop string): tell its workers."""
@@ -218,7 +231,8 @@ class Dispatcher:
         if handle is None or handle.epoch != token.epoch:
             self._reabort(worker_id, token)  # it ended here; the worker may not know yet
             return
-        expected = handle.prefill_worker if token.index == 0 else handle.decode_worker
+        first_from = handle.decode_worker if handle.forked else handle.prefill_worker
+        expected = first_from if token.index == 0 else handle.decode_worker
         if worker_id != expected:
             log.warning("token for %s from %s, not its worker: dropped", handle.request_id,
                         worker_id)
@@ -307,6 +321,7 @@ class Dispatcher:
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
         handle.retries += 1
+        handle.forked = False
         handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
         handle.held_at = time.monotonic()
         task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(handle.delivered))

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -16,15 +13,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from core.messages import GenerationTask, Sampling
 from gateway.auth import cache_salt
 from gateway.errors import (
-    APIError,
     bad_request,
     not_found,
     payload_too_large,
     rate_limited,
     service_unavailable,
 )
-from gateway.generation import KEEPALIVE, Delta, Generation
-from gateway.logprobs import TokenLogprob, TokenPieces, chat_logprobs, completion_logprobs
+from gateway.generation import Generation
+from gateway.logprobs import TokenPieces
 from gateway.protocol import (
     GenerationParams,
     check_context,
@@ -34,49 +30,8 @@ from gateway.protocol import (
     render_chat_prompt,
     tokenize_prompt,
 )
+from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
 from gateway.state import GatewayState
-
-Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
-
-
-class ChatFormat:
-    """Shapes of /v1/chat/completions responses."""
-
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-
-    def choice_delta(self, text: str, reason: str | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-        if text and not first:
-            delta["content"] = text
-        shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": reason}
-
-    def choice_full(self, text: str, reason: str | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": 0, "message": message, "logprobs": shown, "finish_reason": reason}
-
-
-class CompletionFormat:
-    """Shapes of /v1/completions responses."""
-
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-
-    def choice_delta(self, text: str, reason: str | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
-        shown = None if logprobs is None else completion_logprobs(logprobs)
-        return {"index": 0, "text": text, "logprobs": shown, "finish_reason": reason}
-
-    def choice_full(self, text: str, reason: str | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
-        return self.choice_delta(text, reason, first=False, logprobs=logprobs)
-
-
-Format = ChatFormat | CompletionFormat
 
 
 class OpenAIRoutes:
@@ -152,13 +107,13 @@ class OpenAIRoutes:
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         self._admit(len(prompt_ids))
         task = generation_task(params, prompt_ids, max_tokens, cache_salt(request))
-        handle = self.state.dispatcher.submit(task)
+        handles = self.state.dispatcher.submit_choices(task, params.n)
         self.state.metrics.prompt_tokens.inc(len(prompt_ids))
         logprobs = params.logprobs is not None
-        generation = Generation(handle, self.state.dispatcher, self.state.metrics,
-                                self.state.tokenizer, params.stop,
-                                self.pieces if logprobs else None)
-        reply = Reply(fmt, generation, self.state, params.include_usage, logprobs)
+        generations = [Generation(handle, self.state.dispatcher, self.state.metrics,
+                                  self.state.tokenizer, params.stop,
+                                  self.pieces if logprobs else None) for handle in handles]
+        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -185,126 +140,6 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
     )
 
 
-@dataclass(frozen=True)
-class _Whole:
-    """A generation collected to its end."""
-
-    text: str
-    finish_reason: str | None
-    error: str
-    logprobs: list[TokenLogprob]
-
-
-class Reply:
-    """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
-    carries the logprobs of its tokens."""
-
-    def __init__(self, fmt: Format, generation: Generation, state: GatewayState,
-                 include_usage: bool, logprobs: bool = False) -> None:
-        prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
-        self.id = f"{prefix}-{generation.handle.request_id}"
-        self.fmt = fmt
-        self.generation = generation
-        self.state = state
-        self.include_usage = include_usage
-        self.logprobs = logprobs
-        self.created = int(time.time())
-
-    def _deltas(self) -> AsyncIterator[Delta | None]:
-        gateway = self.state.config.gateway
-        return self.generation.deltas(gateway.keepalive_s, gateway.progress_timeout_s)
-
-    async def sse(self) -> AsyncIterator[str]:
-        outcome = "aborted"
-        try:
-            if isinstance(self.fmt, ChatFormat):
-                yield self._event([self.fmt.choice_delta("", None, first=True)])
-            async for delta in self._deltas():
-                if delta is KEEPALIVE:
-                    yield ": keepalive\n\n"
-                elif delta.finish_reason == "error":
-                    outcome = "error"
-                    yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
-                    return
-                else:
-                    logprobs = delta.logprobs if self.logprobs else None
-                    yield self._event([self.fmt.choice_delta(delta.text, delta.finish_reason,
-                                                              False, logprobs)])
-            outcome = "ok"
-            if self.include_usage:
-                yield self._event([], usage=self._usage())
-            yield "data: [DONE]\n\n"
-        finally:
-            self._close(outcome)
-
-    async def whole(self, request: Request) -> Response:
-        """The complete response; a client that disconnects first aborts the request."""
-        watcher = asyncio.create_task(_wait_for_disconnect(request))
-        collector = asyncio.create_task(self._collect())
-        outcome = "aborted"
-        try:
-            done, _ = await asyncio.wait({watcher, collector},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if collector not in done:
-                return Response(status_code=499)  # nobody is listening
-            whole = collector.result()
-            if whole.error:
-                outcome = "error"
-                return JSONResponse(_stream_error(whole.error), status_code=503)
-            outcome = "ok"
-            logprobs = whole.logprobs if self.logprobs else None
-            choice = self.fmt.choice_full(whole.text, whole.finish_reason, logprobs)
-            return JSONResponse(self._body([choice], usage=self._usage()))
-        finally:
-            watcher.cancel()
-            collector.cancel()
-            self._close(outcome)
-
-    async def _collect(self) -> _Whole:
-        """The generation, once it ends."""
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        async for delta in self._deltas():
-            if delta is KEEPALIVE:
-                continue
-            if delta.finish_reason == "error":
-                return _Whole("", None, delta.error, [])
-            parts.append(delta.text)
-            logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                return _Whole("".join(parts), delta.finish_reason, "", logprobs)
-        raise AssertionError("a generation always ends with a finish_reason")
-
-    def _close(self, outcome: str) -> None:
-        self.generation.close()
-        route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
-        self.state.metrics.requests.labels(route, outcome).inc()
-
-    def _usage(self) -> dict[str, Any]:
-        prompt, completion = self.generation.prompt_tokens, self.generation.completion_tokens
-        cached = self.generation.handle.cached_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
-                "model": self.state.model_name, "choices": choices, "usage": usage}
-
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        """One SSE chunk; `usage` only on the last one, when the client asked for it."""
-        chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
-                                 "created": self.created, "model": self.state.model_name,
-                                 "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
-
-
-def _stream_error(message: str) -> dict[str, Any]:
-    return APIError(503, message, "server_error", code="generation_failed").to_body()
-
-
 def client_request_id(request: Request) -> dict[str, str]:
     """The client's X-Request-Id to echo back, if it is a sane one. It is only echoed: the
     server names requests itself, so two requests with the same id never share state."""
@@ -314,6 +149,3 @@ def client_request_id(request: Request) -> dict[str, str]:
     return {}
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 16  # n: the most choices one request may ask for
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI allows
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -218,9 +219,9 @@ class _SamplingRequest(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise _invalid("n > 1 is not supported yet; use n=1")
+    def _at_most_max_choices(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_CHOICES:
+            raise _invalid(f"n must be at most {MAX_CHOICES}")
         return value
 
     @field_validator("stop", mode="before")
@@ -396,6 +397,7 @@ class GenerationParams:
     min_tokens: int = 0
     logprobs: int | None = None
     grammar: str = ""  # structured output, as GenerationTask.grammar
+    n: int = 1  # choices: the prompt is prefilled once, each choice samples on its own
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
@@ -418,6 +420,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest) -> Generat
         min_tokens=req.min_tokens or 0,
         logprobs=_logprobs(req),
         grammar=req.response_format.grammar if req.response_format else "",
+        n=req.n or 1,
     )
 
 

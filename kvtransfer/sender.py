@@ -54,8 +54,9 @@ class KVSender:
         self.counters = TransferCounters()
 
     def send_layers(self, address: str, request_id: str, epoch: int, layer_start: int,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
-        """Send K and V of layers layer_start.. ([layers, tokens, kv_heads, head_dim])."""
+                    k: torch.Tensor, v: torch.Tensor, token_start: int = 0) -> None:
+        """Send K and V of layers layer_start.. ([layers, tokens, kv_heads, head_dim]) of the
+        tokens from position `token_start` of the request's prompt."""
         started = time.perf_counter()
         socket = self._writable(address)
         placed = self._place(k, v)
@@ -68,7 +69,7 @@ class KVSender:
         header = KVHeader(
             request_id=request_id, epoch=epoch, layer_start=layer_start,
             layer_end=layer_start + k.shape[0], num_tokens=k.shape[1], dtype=dtype_name(k.dtype),
-            shape=list(k.shape), checksum=digest, placement=placement,
+            shape=list(k.shape), checksum=digest, placement=placement, token_start=token_start,
         )
         socket.send_multipart([FORWARD_CODEC.encode(header), *data], copy=False)
         self.counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)

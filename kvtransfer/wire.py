@@ -1,8 +1,9 @@
 """The KV plane's messages.
 
-Sender to receiver, in order on one socket: `KVHeader` (a chunk of layers; its K and V follow
-as two raw frames, or lie in a shared buffer named by its `Placement`) and `KVNotice` (a small
-control message for the receiving worker, ordered with the chunks). Receiver to sender:
+Sender to receiver, in order on one socket: `KVHeader` (a chunk: a range of layers of a range
+of tokens from `token_start`; its K and V follow as two raw frames, or lie in a shared buffer
+named by its `Placement`) and `KVNotice` (a small control message for the receiving worker,
+ordered with the chunks). Receiver to sender:
 `KVRelease`, when a placed chunk has been copied out and its region may be reused.
 
 The format is per token ([layers, tokens, kv_heads, head_dim]), not per block, so the two sides
@@ -48,6 +49,7 @@ class KVHeader:
     shape: list[int]  # of K and of V: [layers, tokens, kv_heads, head_dim]
     checksum: int  # xxh3-64 of K's bytes then V's (a device-side sum for CUDA placements)
     placement: Placement | None  # None: K and V are the next two frames
+    token_start: int = 0  # the chunk's first token position in its request's prompt
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ def header_problem(header: KVHeader) -> str | None:
     """Why a header cannot describe a chunk, or None when it can."""
     if header.dtype not in DTYPES:
         return f"unknown dtype {header.dtype!r}"
+    if header.token_start < 0:
+        return "negative token start"
     if (len(header.shape) != 4 or any(d <= 0 for d in header.shape)
             or header.shape[:2] != [header.layer_end - header.layer_start, header.num_tokens]):
         return "shape does not match the header (or holds no element)"

@@ -1,4 +1,5 @@
-"""The prefill worker: batch prompts, compute their KV, send the first token and hand off the KV."""
+"""The prefill worker: batch prompts (long ones a chunk per step), compute their KV, send the
+first token and hand off the KV, chunk by chunk and layer by layer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from core.messages import (
     PrefillRequest,
     RequestFailed,
     TransferTotals,
+    choice_keys,
 )
 from core.worker import Worker, WorkerIdentity
 from engine.batch import ForwardBatch
@@ -31,15 +33,15 @@ from engine.sampler import Draw, History, draw, make_generator
 from engine.stopping import banned_tokens, finish_reason
 from kvtransfer import make_sender
 from prefill.handoff import LayerStream
-from prefill.scheduler import PrefillScheduler
+from prefill.scheduler import Chunk, Key, PrefillScheduler
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Job:
-    """One request of a batch: its prompt's block hashes, its block table, and how many of
-    its prompt tokens were cached already."""
+    """One prompt in progress: its prompt's block hashes, its block table (for the whole
+    prompt, held across its chunks), and how many of its prompt tokens were cached already."""
 
     request: PrefillRequest
     chain: list[bytes]
@@ -47,8 +49,8 @@ class _Job:
     cached: int
 
 
-class _BatchAborted(Exception):
-    """Every request of the batch in the forward pass was aborted: stop it."""
+class _StepAborted(Exception):
+    """Every request of the step in the forward pass was aborted: stop it."""
 
 
 class PrefillWorker(Worker):
@@ -58,29 +60,35 @@ class PrefillWorker(Worker):
         super().__init__(identity, config.gateway.control_address,
                          config.prefill.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
-        self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size)
+        self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
+                                          config.prefill.chunk_tokens)
         self.sender = make_sender(self.context, config.kv_transfer, self.keys)
-        self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
+        self.stream = LayerStream(self.sender, runner.cache, fingerprint,
+                                  int(config.kv_transfer.chunk_mb * 2**20))
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching
-        self.in_batch: set[tuple[str, int]] = set()  # the batch being prefilled
-        self.aborted_in_batch: set[tuple[str, int]] = set()
+        self.jobs: dict[Key, _Job] = {}  # the prompts in progress
+        self.in_step: set[Key] = set()  # the prompts in the forward pass now
+        self.aborted_in_step: set[Key] = set()
         self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
-            if (message.request_id, message.epoch) not in self.in_batch:  # not a repeat
-                self._add(message)
+            self._add(message)
         elif isinstance(message, Abort):
             key = (message.request_id, message.epoch)
-            if not self.scheduler.abort(*key) and key in self.in_batch:
-                self.aborted_in_batch.add(key)  # it stops streaming at the next layer
+            if key in self.in_step:
+                self.aborted_in_step.add(key)  # it stops streaming at the next layer
+            elif self.scheduler.abort(*key):
+                self._drop(key)
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
 
     def _add(self, request: PrefillRequest) -> None:
-        """Queue the request, once its grammar (if any) compiles; compiled now, it is cached
-        for the draw and for later requests."""
+        """Queue the request (unless it is here already), once its grammar (if any) compiles;
+        compiled now, it is cached for the draw and for later requests."""
+        if (request.request_id, request.epoch) in self.scheduler.held():
+            return  # a repeat
         if request.task.grammar:
             try:
                 self.grammars.compiled(request.task.grammar)
@@ -91,22 +99,30 @@ class PrefillWorker(Worker):
         self.scheduler.add(request)
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule(self.cache.num_available)
-        if not batch:
+        chunks = self.scheduler.schedule(self.cache.num_available, self._start)
+        if not chunks:
             return False
-        jobs = [self._plan(request) for request in batch]
-        self.in_batch = {(r.request_id, r.epoch) for r in batch}
+        self.in_step = {c.prompt.key for c in chunks}
         try:
-            self._prefill(jobs)
-            for job in jobs:
-                self.cache.insert(job.chain, job.table)  # their KV is all written now
-        except _BatchAborted:
-            log.info("every request of a batch was aborted mid-prefill")
+            self._prefill(chunks)
+        except _StepAborted:
+            log.info("every request of a step was aborted mid-prefill")
         finally:
-            for job in jobs:
-                self.cache.release(job.table)
-            self.in_batch, self.aborted_in_batch = set(), set()
+            for key in self.aborted_in_step:
+                self.scheduler.abort(*key)
+                self._drop(key)
+            self.in_step, self.aborted_in_step = set(), set()
         return True
+
+    def _start(self, request: PrefillRequest) -> int:
+        """Admit a prompt: reserve its blocks, announce it to its decode worker; how many of
+        its tokens are cached."""
+        job = self._plan(request)
+        self.jobs[(request.request_id, request.epoch)] = job
+        # With one token to make and no other choice (n > 1) to fork, decode never sees it.
+        if request.task.max_tokens > 1 or request.siblings:
+            self.stream.start(request, job.table)
+        return job.cached
 
     def _plan(self, request: PrefillRequest) -> _Job:
         """Reuse the cached blocks of the prompt's longest cached prefix (short of its last
@@ -117,29 +133,51 @@ class PrefillWorker(Worker):
         table = reused + self.cache.allocate(blocks_needed(len(prompt), size) - len(reused))
         return _Job(request, chain, table, len(reused) * size)
 
-    def _prefill(self, jobs: list[_Job]) -> None:
-        batch = [job.request for job in jobs]
-        streamed = [(j.request, j.table) for j in jobs if j.request.task.max_tokens > 1]
-        stream = LayerStream(self.sender, self.runner.cache, self.identity.fingerprint, streamed,
-                             self.chunk_bytes)
+    def _drop(self, key: Key) -> None:
+        """Forget a prompt in progress (aborted): free its blocks, stop its stream."""
+        job = self.jobs.pop(key, None)
+        if job is not None:
+            self.cache.release(job.table)
+        self.stream.forget(key)
+
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        """One forward pass over the chunks, streaming their KV; the first token of each
+        prompt whose last chunk this was."""
+        self.stream.begin_step({c.prompt.key: c.end for c in chunks})
+        jobs = [self.jobs[c.prompt.key] for c in chunks]
 
         def after_layer(layer: int) -> None:
             self.take_control()  # aborts land here, between layers
-            for key in self.aborted_in_batch:
-                stream.abort(key)
-            if self.aborted_in_batch == self.in_batch:
-                raise _BatchAborted
-            stream.send_layer(layer)
+            for key in self.aborted_in_step:
+                self.stream.abort(key)
+            if self.aborted_in_step == self.in_step:
+                raise _StepAborted
+            self.stream.send_layer(layer)
             self.between_layers(layer)
 
         logits = self.runner.forward(ForwardBatch(
-            token_ids=[j.request.task.prompt_ids[j.cached:] for j in jobs],
-            start_positions=[j.cached for j in jobs],
+            token_ids=[c.prompt.request.task.prompt_ids[c.start:c.end] for c in chunks],
+            start_positions=[c.start for c in chunks],
             block_tables=[j.table for j in jobs],
         ), layer_hook=after_layer)
-        for job, token in zip(jobs, self._first_tokens(batch, logits), strict=True):
-            if (job.request.request_id, job.request.epoch) not in self.aborted_in_batch:
-                self._hand_off(job.request, token, stream, job.cached)
+        live = [i for i, c in enumerate(chunks) if c.prompt.key not in self.aborted_in_step]
+        for i in live:
+            self.scheduler.advance(chunks[i])
+        self._complete([jobs[i] for i in live if chunks[i].is_last],
+                       logits[[i for i in live if chunks[i].is_last]])
+
+    def _complete(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        """The prompts' KV is complete: cache their full blocks, draw and hand off their first
+        tokens, free their blocks."""
+        if not jobs:
+            return
+        tokens = self._first_tokens([j.request for j in jobs], logits)
+        for job, token in zip(jobs, tokens, strict=True):
+            request = job.request
+            del self.jobs[(request.request_id, request.epoch)]
+            self.cache.insert(job.chain, job.table)
+            self.cache.release(job.table)
+            self._hand_off(request, token, job.cached)
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
@@ -154,17 +192,19 @@ class PrefillWorker(Worker):
         allowed = None if constraint is None else constraint.allowed()
         return History(task.prompt_ids, task.prompt_len, banned_tokens(task, 0, eos), allowed)
 
-    def _hand_off(self, request: PrefillRequest, token: Draw, stream: LayerStream,
-                  cached_tokens: int) -> None:
+    def _hand_off(self, request: PrefillRequest, token: Draw, cached_tokens: int) -> None:
         """First token to the gateway, then to decode after the KV (unless it ends the request)."""
         eos = self.runner.spec.eos_token_ids
         reason = finish_reason(request.task, token.token_id, 1, eos)
         first = FirstToken(request.request_id, request.epoch, token.token_id, reason,
                            cached_tokens, token.logprob, token.top)
         self.control.send(first)
-        failure = stream.finish(first)
-        if failure is not None and reason is None:
-            self.control.send(RequestFailed(request.request_id, request.epoch, failure))
+        failure = self.stream.finish(first)
+        if failure is None:
+            return
+        for key in choice_keys(request.request_id, request.epoch, request.siblings):
+            if key[0] != request.request_id or reason is None:  # an ended choice cannot fail
+                self.control.send(RequestFailed(*key, failure))
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -178,8 +218,11 @@ class PrefillWorker(Worker):
         )
 
     def holding(self) -> list[Held]:
-        queued = [Held(r.request_id, r.epoch) for r in self.scheduler.waiting]
-        return queued + [Held(*key) for key in self.in_batch - self.aborted_in_batch]
+        """Queued and in-progress prompts, with their other choices (n > 1), but not those
+        aborted mid-step."""
+        requests = [*self.scheduler.waiting, *(p.request for p in self.scheduler.running)]
+        return [Held(*key) for r in requests if (r.request_id, r.epoch) not in self.aborted_in_step
+                for key in choice_keys(r.request_id, r.epoch, r.siblings)]
 
     def close(self) -> None:
         self.sender.close()

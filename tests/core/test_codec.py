@@ -52,7 +52,9 @@ SAMPLES: list[Message] = [
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
+    PrefillRequest("r5", 0, TASK, "d1", "ipc:///tmp/kv", ["r6", "r7"]),
     DecodeRequest("r1", 1, TASK, "model|float32"),
+    DecodeRequest("r5", 0, TASK, "model|float32", ["r6", "r7"]),
     FirstToken("r1", 0, 42, None),
     FirstToken("r1", 0, 2, "stop"),
     FirstToken("r1", 0, 42, None, 3, -0.25, [TopLogprob(42, -0.25), TopLogprob(7, -2.0)]),
@@ -127,7 +129,7 @@ def test_optional_fields_take_none_or_a_value() -> None:
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, raw_task([1, 1, 0, None, 0, 0, 1]), "fp")
+    data = packed(TAG[DecodeRequest], "r", 0, raw_task([1, 1, 0, None, 0, 0, 1]), "fp", [])
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
@@ -236,7 +238,7 @@ def _task_fields(**changes: Any) -> list[Any]:
     _task_fields(ignore_eos=0),  # int where bool
 ], ids=repr)
 def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
-    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr"))
+    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", []))
 
 
 @pytest.mark.parametrize("events", [
@@ -349,9 +351,9 @@ BAD_SAMPLINGS = [
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
-    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "")
+    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [])
     assert_malformed(bad)
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp"))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp", []))
     with pytest.raises(ValueError):
         Sampling(*sampling)
 
@@ -367,7 +369,7 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.0, 1.0, 0, None, 1e300, -1e300, 1e-300, 20],
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", ""))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", []))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)
@@ -378,7 +380,7 @@ def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
     task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
             output_start, ""]
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp"))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", []))
 
 
 def test_a_top_logprob_must_be_a_pair_of_id_and_number() -> None:

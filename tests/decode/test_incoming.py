@@ -30,14 +30,15 @@ def announce(request_id: str, epoch: int = 0, tokens: int = TOKENS,
 
 def chunk(request_id: str, layer_start: int, layer_end: int | None = None, epoch: int = 0,
           tokens: int = TOKENS, dims: tuple[int, int] = KV_DIMS, borrowed: bool = False,
-          seed: int = 0) -> KVPayload:
-    """A chunk of layers layer_start..layer_end-1 whose header matches its tensors."""
+          seed: int = 0, token_start: int = 0) -> KVPayload:
+    """A chunk of layers layer_start..layer_end-1 of `tokens` tokens from token_start, whose
+    header matches its tensors."""
     layer_end = layer_start + 1 if layer_end is None else layer_end
     shape = [layer_end - layer_start, tokens, *dims]
     generator = torch.Generator().manual_seed(seed)
     k, v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
     header = KVHeader(request_id, epoch, layer_start, layer_end, tokens, "float32", shape, 0,
-                      None)
+                      None, token_start)
     return KVPayload(header, k, v, borrowed=borrowed)
 
 
@@ -51,11 +52,41 @@ def test_a_complete_arrival_in_layer_order(table: IncomingTable) -> None:
     assert table.is_complete(entry)
     taken = table.take(("r", 0))
     assert taken is entry and table.pending == {}
-    assert [start for start, _, _ in taken.layers] == [0, 1]
-    for (_, k, v), payload in zip(taken.layers, sent, strict=True):
-        assert torch.equal(k, payload.k) and torch.equal(v, payload.v)
+    assert [(part.token_start, part.layer_start) for part in taken.layers] == [(0, 0), (0, 1)]
+    for part, payload in zip(taken.layers, sent, strict=True):
+        assert torch.equal(part.k, payload.k) and torch.equal(part.v, payload.v)
     assert table.take(("r", 0)) is None
     assert sum(table.dropped.values()) == 0
+
+
+def test_a_prompt_prefilled_in_chunks_arrives_range_by_range(table: IncomingTable) -> None:
+    table.expect(announce("r"), now=0.0)
+    entry = table.pending[("r", 0)]
+    for layer in range(NUM_LAYERS):  # tokens 0..1, every layer
+        assert table.add(chunk("r", layer, tokens=2)) is None
+    assert not table.is_complete(entry)  # tokens 2..4 are still to come
+    assert table.add(chunk("r", 0, 2, tokens=3, token_start=2)) is None
+    assert table.add(chunk("r", 2, tokens=3, token_start=2)) is None
+    assert table.is_complete(entry)
+    spans = [(p.token_start, p.layer_start, p.k.shape[1]) for p in entry.layers]
+    assert spans == [(0, 0, 2), (0, 1, 2), (0, 2, 2), (2, 0, 3), (2, 2, 3)]
+    assert sum(table.dropped.values()) == 0
+
+
+@pytest.mark.parametrize(("layers_before", "bad"), [
+    pytest.param(NUM_LAYERS, {"token_start": 3, "tokens": 2}, id="skips-tokens"),
+    pytest.param(NUM_LAYERS, {"token_start": 1, "tokens": 4}, id="repeats-tokens"),
+    pytest.param(NUM_LAYERS, {"token_start": 2, "tokens": 4}, id="past-the-prompt"),
+    pytest.param(1, {"token_start": 2, "tokens": 3}, id="next-range-before-the-last-layer"),
+    pytest.param(1, {"layer_start": 1, "token_start": 0, "tokens": 3}, id="range-grows"),
+])
+def test_token_ranges_out_of_order_fail_the_request(
+        table: IncomingTable, layers_before: int, bad: dict[str, Any]) -> None:
+    table.expect(announce("r"), now=0.0)
+    for layer in range(layers_before):
+        assert table.add(chunk("r", layer, tokens=2)) is None
+    assert table.add(chunk("r", **{"layer_start": 0, **bad}))
+    assert table.pending == {} and table.dropped == {"wrong shape": 1}
 
 
 def test_a_chunk_for_an_unannounced_request_is_dropped_and_counted(table: IncomingTable) -> None:
@@ -89,7 +120,7 @@ def test_expecting_a_newer_epoch_drops_the_older_one(table: IncomingTable) -> No
     pytest.param(0, {"layer_start": 1}, id="skips-a-layer"),
     pytest.param(1, {"layer_start": 0}, id="repeats-a-layer"),
     pytest.param(2, {"layer_start": 2, "layer_end": 4}, id="past-the-last-layer"),
-    pytest.param(0, {"tokens": TOKENS - 1}, id="too-few-tokens"),
+    pytest.param(1, {"layer_start": 1, "tokens": TOKENS - 1}, id="too-few-tokens"),
     pytest.param(1, {"layer_start": 1, "tokens": TOKENS + 1}, id="too-many-tokens"),
     pytest.param(0, {"dims": (KV_DIMS[0] + 1, KV_DIMS[1])}, id="wrong-kv-heads"),
     pytest.param(0, {"dims": (KV_DIMS[0], KV_DIMS[1] * 2)}, id="wrong-head-dim"),
@@ -124,7 +155,8 @@ def test_a_borrowed_chunk_is_copied(table: IncomingTable) -> None:
     table.add(payload)
     payload.k.fill_(7.0)  # the sender's buffer is reused after the drain
     payload.v.fill_(7.0)
-    (_, k, v), = table.pending[("r", 0)].layers
+    (part,) = table.pending[("r", 0)].layers
+    k, v = part.k, part.v
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
 
@@ -132,8 +164,8 @@ def test_an_owned_chunk_is_kept_as_is(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
     payload = chunk("r", 0, borrowed=False)
     table.add(payload)
-    (_, k, v), = table.pending[("r", 0)].layers
-    assert k is payload.k and v is payload.v  # no copy needed: the receiver gave it away
+    (part,) = table.pending[("r", 0)].layers
+    assert part.k is payload.k and part.v is payload.v  # no copy: the receiver gave it away
 
 
 def test_expire_drops_only_entries_past_their_lease(table: IncomingTable) -> None:

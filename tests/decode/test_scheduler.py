@@ -281,3 +281,47 @@ def test_random_operations_keep_every_block_accounted_for(seed: int) -> None:
     for seq in live:
         scheduler.remove(seq)
     assert allocator.num_free == allocator.num_total
+
+
+def forked(parent: DecodeSequence, request_id: str, num_cached: int) -> DecodeSequence:
+    """Another choice of `parent`'s request: the same prompt, its own first token."""
+    task = parent.request.task
+    return DecodeSequence(DecodeRequest(request_id, 0, task, "fp"),
+                          tokens=[*task.prompt_ids, 9], num_generated=1, num_cached=num_cached)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    scheduler, allocator = make(20)
+    parent = sequence("a", 11)  # 10 prompt tokens: blocks of 4, 4 and 2 (+ the first token)
+    scheduler.add(parent)
+    scheduler.schedule()
+    child = forked(parent, "b", num_cached=10)
+    assert scheduler.fork(parent, child) == (parent.blocks[2], child.blocks[2])
+    assert child.blocks[:2] == parent.blocks[:2] and child.blocks[2] != parent.blocks[2]
+    assert [allocator.ref_count(b) for b in child.blocks] == [2, 2, 1]
+    assert scheduler.running == [parent, child] and allocator.num_free == 20 - 4
+    scheduler.remove(parent)  # the shared blocks stay with the child
+    assert [allocator.ref_count(b) for b in child.blocks] == [1, 1, 1]
+    scheduler.remove(child)
+    assert allocator.num_free == 20
+
+
+def test_fork_at_a_block_boundary_copies_nothing() -> None:
+    scheduler, _ = make(20)
+    parent = sequence("a", 9)  # 8 prompt tokens: two full blocks
+    scheduler.add(parent)
+    scheduler.schedule()
+    child = forked(parent, "b", num_cached=8)
+    assert scheduler.fork(parent, child) is None
+    assert child.blocks[:2] == parent.blocks[:2] and len(child.blocks) == 3
+
+
+def test_a_fork_that_does_not_fit_waits_to_be_computed_from_scratch() -> None:
+    scheduler, allocator = make(3)
+    parent = sequence("a", 11)
+    scheduler.add(parent)
+    scheduler.schedule()
+    child = forked(parent, "b", num_cached=10)
+    assert scheduler.fork(parent, child) is None
+    assert child.blocks == [] and child.num_cached == 0 and list(scheduler.waiting) == [child]
+    assert allocator.num_free == 0 and allocator.ref_count(parent.blocks[0]) == 1

@@ -34,6 +34,7 @@ from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
 
 PROMPT_LEN = 8
+GREEDY = Sampling(temperature=0.0)
 WAIT_S = 5.0
 Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing in for the gateway
 
@@ -381,22 +382,32 @@ def test_a_grammar_that_does_not_compile_fails_at_admission(worker: Served) -> N
     assert "invalid grammar" in failed.reason and admitted(decode_worker) == []
 
 
-def prefill_here(worker: DecodeWorker, request_id: str, prompt: list[int],
-                 max_tokens: int) -> None:
+def prefill_here(worker: DecodeWorker, request_id: str, prompt: list[int], max_tokens: int,
+                 sampling: Sampling = GREEDY, siblings: tuple[str, ...] = ()) -> None:
     """The gateway sends the prompt itself: conditional disaggregation's local path."""
-    job = GenerationTask(prompt, Sampling(temperature=0.0), max_tokens, [], True)
-    worker.handle(PrefillRequest(request_id, 0, job, worker.worker_id, worker.kv_address))
+    job = GenerationTask(prompt, sampling, max_tokens, [], True)
+    worker.handle(PrefillRequest(request_id, 0, job, worker.worker_id, worker.kv_address,
+                                 list(siblings)))
 
 
 def output_of(worker: DecodeWorker, gateway: zmq.Socket, request_id: str) -> list[int]:
     """Step until idle; the request's tokens in order, checked to be indexed 0, 1, ..."""
+    return outputs_of(worker, gateway, [request_id])[0]
+
+
+def outputs_of(worker: DecodeWorker, gateway: zmq.Socket,
+               request_ids: list[str]) -> list[list[int]]:
     while worker.step():
         pass
     events = [e for m in sent_to_gateway(worker, gateway) if isinstance(m, TokenBatch)
-              for e in m.events if e.request_id == request_id]
-    assert [e.index for e in events] == list(range(len(events)))
-    assert events[-1].finish_reason is not None
-    return [e.token_id for e in events]
+              for e in m.events]
+    outputs = []
+    for request_id in request_ids:
+        mine = [e for e in events if e.request_id == request_id]
+        assert [e.index for e in mine] == list(range(len(mine)))
+        assert mine[-1].finish_reason is not None
+        outputs.append([e.token_id for e in mine])
+    return outputs
 
 
 def test_a_prompt_prefilled_here_in_chunks_matches_one_pass(tiny_model_dir, tmp_path) -> None:
@@ -437,3 +448,46 @@ def test_an_abort_between_chunks_frees_the_prompt_blocks(tiny_model_dir, tmp_pat
         assert not admitted(w) and not w.step()
         assert not [m for m in sent_to_gateway(w, gateway)
                     if isinstance(m, TokenBatch | RequestFailed)]
+
+
+def test_n_choices_prefilled_here_fork_the_prompt_and_sample_apart(tiny_model_dir,
+                                                                  tmp_path) -> None:
+    """Choice i of a seeded request draws what a lone request seeded seed + i would."""
+    prompt, seeded = list(range(3, 43)), Sampling(temperature=1.0, seed=7)  # 40 tokens
+    with serving(tiny_model_dir, tmp_path) as (w, gateway):
+        prefill_here(w, "r", prompt, 10, seeded, siblings=("r.1", "r.2"))
+        assert w.step()  # the prompt, and the three first draws from its logits
+        blocks = [s.blocks for s in w.scheduler.running]
+        assert len(blocks) == 3 and blocks[0][:2] == blocks[1][:2] == blocks[2][:2]
+        assert len({b[2] for b in blocks}) == 3  # the partial block: copied
+        assert [w.runner.allocator.ref_count(b) for b in blocks[0][:3]] == [3, 3, 1]
+        choices = outputs_of(w, gateway, ["r", "r.1", "r.2"])
+        assert w.runner.allocator.num_free == 256 and not w.forks
+        alone = []
+        for i in range(3):
+            prefill_here(w, f"alone{i}", prompt, 10, seeded.for_choice(i))
+            alone.append(output_of(w, gateway, f"alone{i}"))
+    assert choices == alone and len({tuple(c) for c in choices}) == 3
+
+
+def test_n_choices_arriving_with_kv_fork_it_once_written(worker: Served) -> None:
+    """The prompt's KV comes once; the other choices fork it and draw their first token
+    from its last prompt token; the request's own first token ended it already."""
+    decode_worker, gateway = worker
+    expect = DecodeRequest("r", 0, task(max_tokens=6), "fingerprint", ["r.1", "r.2"])
+    decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
+    assert {h.request_id for h in decode_worker.holding()} == {"r", "r.1", "r.2"}
+    k, v = layer_kv(decode_worker)
+    for layer in range(decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+    first_token(decode_worker, "r", finish_reason="stop")
+    assert decode_worker.step()  # writes the KV into r.1's blocks, forks r.2, draws both
+    owner, fork = decode_worker.scheduler.running
+    assert (owner.key[0], fork.key[0]) == ("r.1", "r.2") and owner.blocks != fork.blocks
+    for sequence in (owner, fork):  # 8 of 16 tokens: the partial block was copied
+        cached_k, cached_v = decode_worker.runner.cache.read(sequence.blocks, PROMPT_LEN - 1)
+        assert torch.equal(cached_k, k[:, :PROMPT_LEN - 1])
+        assert torch.equal(cached_v, v[:, :PROMPT_LEN - 1])
+    outputs = outputs_of(decode_worker, gateway, ["r.1", "r.2"])
+    assert [len(o) for o in outputs] == [6, 6]
+    assert decode_worker.runner.allocator.num_free == 256

@@ -1,18 +1,21 @@
-"""Prefill on the decode worker, end to end on a tiny random Llama: colocated mode
-(`launch.sh --colocated 2`) and conditional disaggregation (short prompts stay on decode)."""
+"""Work on the decode worker, end to end on a tiny random Llama: prefill in colocated mode
+(`launch.sh --colocated 2`) and under conditional disaggregation (short prompts stay on
+decode), and n > 1 choices forked from one prefill, on either path."""
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
+from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +84,8 @@ def test_colocated_workers_serve_greedy_streams_equal_to_transformers(
     assert decisions(colocated)["local_no_prefill"] >= len(prompts)
     assert colocated.metric("raging_workers", 'role="prefill"') == 0
     for worker in ("decode-0", "decode-1"):
-        assert colocated.metric("raging_worker_running", f'worker="{worker}"') == 0
+        assert settles_to_zero(colocated, "raging_worker_running", worker)
+        assert settles_to_zero(colocated, "raging_kv_blocks_used", worker)
 
 
 def test_conditional_keeps_short_prompts_on_decode_and_sends_long_ones_to_prefill(
@@ -101,6 +105,14 @@ def test_conditional_keeps_short_prompts_on_decode_and_sends_long_ones_to_prefil
     assert after["disaggregated"] - before["disaggregated"] == len(LONG)
 
 
+def settles_to_zero(cluster: Cluster, metric: str, worker: str, within_s: float = 5) -> bool:
+    """Whether the worker's gauge reads 0 within the time (heartbeats bring it)."""
+    deadline = time.monotonic() + within_s
+    while cluster.metric(metric, f'worker="{worker}"') and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return cluster.metric(metric, f'worker="{worker}"') == 0
+
+
 def choice_of(reply: dict[str, Any]) -> dict[str, Any]:
     (choice,) = reply["choices"]
     return choice
@@ -116,3 +128,51 @@ def test_seeded_sampling_is_the_same_on_either_path(
                  for c in (conditional, colocated)]
         assert texts[0] == texts[1], prompt
     assert decisions(conditional)["disaggregated"] - before == len(LONG)
+
+
+@pytest.mark.parametrize("path", ["disaggregated", "colocated"])
+def test_n_choices_are_each_what_a_lone_request_with_its_seed_gives(
+        path: str, colocated: Cluster, conditional: Cluster,
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """Choice i of a request seeded s equals a lone request seeded s + i: each choice has
+    its own sampler over the one prefilled prompt, forked on decode."""
+    cluster = conditional if path == "disaggregated" else colocated
+    prompt, before = LONG[0], decisions(cluster)
+    reply = complete(cluster, prompt, 10, temperature=1.0, seed=40, n=3)
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in reply["choices"]]
+    alone = [choice_of(complete(cluster, prompt, 10, temperature=1.0, seed=40 + i))["text"]
+             for i in range(3)]
+    assert texts == alone and len(set(texts)) == 3
+    assert reply["usage"]["completion_tokens"] == 30  # the prompt counts once
+    assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+    assert sum(decisions(cluster).values()) - sum(before.values()) == 1 + 3  # routed once
+
+
+def test_n_choices_stream_with_their_index(colocated: Cluster, tokenizer, reference) -> None:
+    body = {"model": colocated.model, "prompt": LONG[1], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "n": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with colocated.client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = list(sse_events(response))
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 32
+    texts = ["", "", "", ""]
+    finished = []
+    for event in events[:-2]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.append(choice["index"])
+    expected = tokenizer.decode(reference(tokenizer.encode(LONG[1]), 8), skip_special_tokens=True)
+    assert texts == [expected] * 4 and sorted(finished) == [0, 1, 2, 3]
+
+
+def test_n_choices_through_the_openai_client(conditional: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{conditional.url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=conditional.model, messages=[{"role": "user", "content": LONG[2]}], n=2,
+        max_tokens=6, temperature=0.8, seed=3)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in reply.choices)
+    assert reply.usage.completion_tokens == 12
+    assert settles_to_zero(conditional, "raging_kv_blocks_used", "decode-0")

@@ -50,6 +50,8 @@ def test_write_read_round_trip_across_blocks(spec: ModelSpec) -> None:
     layer_k, layer_v = cache.read_layers(1, 2, table, 19)
     assert torch.equal(layer_k, k[1:2]) and torch.equal(layer_v, v[1:2])
     assert layer_k.is_contiguous()
+    tail_k, tail_v = cache.read_layers(0, 2, table, 19, token_start=5)  # from mid-block on
+    assert torch.equal(tail_k, k[:2, 5:]) and torch.equal(tail_v, v[:2, 5:])
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[table] = False
     paged = cache.k.view(spec.num_layers, 16, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)

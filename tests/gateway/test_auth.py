@@ -45,7 +45,7 @@ class RecordingDispatcher:
         self.control = SimpleNamespace(dropped=0)
         self.aborts_sent = self.resumed = 0
 
-    def submit(self, task: GenerationTask) -> None:
+    def submit_choices(self, task: GenerationTask, n: int) -> None:
         self.tasks.append(task)
         raise service_unavailable("recorded")
 

@@ -178,13 +178,14 @@ def test_round_trip_in_one_process_is_exact(
     receiver: KVReceiver, sender: CudaIpcKVSender, seed: int,
 ) -> None:
     k, v = chunk(seed, "cuda")
-    sender.send_layers(receiver.address, "r1", 3, 4, k, v)
+    sender.send_layers(receiver.address, "r1", 3, 4, k, v, token_start=512)
     (payload,) = receive(receiver, 1)
     assert isinstance(payload, KVPayload)
     assert payload.header.placement is not None and payload.header.placement.kind == "cuda_ipc"
     assert payload.k.is_cuda and payload.v.is_cuda
     assert torch.equal(payload.k, k) and torch.equal(payload.v, v)
     assert (payload.header.layer_start, payload.header.layer_end) == (4, 6)
+    assert payload.header.token_start == 512
 
 
 @needs_cuda

@@ -105,6 +105,8 @@ def _bad_messages() -> dict[str, Bad]:
                                 not_match),
         "tokens not as the header says": Bad([bad(k, v, num_tokens=4), kb, vb], "header",
                                              not_match),
+        "negative token start": Bad([bad(k, v, token_start=-1), kb, vb], "header",
+                                    "negative token start"),
         "three dimensions": Bad([bad(k, v, shape=[2, 5, 24]), kb, vb], "header", not_match),
         "negative shape": Bad([bad(k, v, shape=[-2, 5, 3, 8]), kb, vb], "header", not_match),
         "negative inner dims": Bad([bad(k, v, shape=[2, 5, -3, -8]), kb, vb], "header",

@@ -48,13 +48,14 @@ def summary(item: KVItem) -> tuple[str, str, int]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_round_trip_is_exact(receiver: KVReceiver, sender: KVSender, dtype: torch.dtype) -> None:
     k, v = kv(0, dtype)
-    sender.send_layers(receiver.address, "r1", 3, 4, k, v)
+    sender.send_layers(receiver.address, "r1", 3, 4, k, v, token_start=64)
     (payload,) = payloads(receive(receiver, 1))
     assert payload.k.dtype == dtype and payload.v.dtype == dtype
     assert torch.equal(payload.k, k) and torch.equal(payload.v, v)
     assert payload.key == ("r1", 3) and not payload.borrowed
     header = payload.header
     assert (header.layer_start, header.layer_end, header.num_tokens) == (4, 6, 5)
+    assert header.token_start == 64
     assert header.shape == list(SHAPE) and header.dtype == dtype_name(dtype)
     assert header.placement is None
     assert receiver.rejected == 0

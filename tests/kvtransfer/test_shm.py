@@ -88,7 +88,7 @@ def test_round_trip_is_exact_and_placed(
     receiver: KVReceiver, shm_sender: ShmKVSender, dtype: torch.dtype,
 ) -> None:
     k, v = kv(0, dtype, (2, 7, 3, 5))  # odd sizes: regions are still aligned
-    shm_sender.send_layers(receiver.address, "r1", 3, 4, k, v)
+    shm_sender.send_layers(receiver.address, "r1", 3, 4, k, v, token_start=512)
     (payload,) = payloads(receive(receiver, 1))
     assert payload.borrowed and payload.key == ("r1", 3)
     placement = payload.header.placement
@@ -96,6 +96,7 @@ def test_round_trip_is_exact_and_placed(
     assert placement.segment == shm_sender.segment and placement.handle == b""
     assert torch.equal(payload.k, k) and torch.equal(payload.v, v)
     assert (payload.header.layer_start, payload.header.layer_end) == (4, 6)
+    assert payload.header.token_start == 512
     assert shm_sender.counters.chunks == receiver.counters.chunks == 1
     assert shm_sender.counters.bytes == receiver.counters.bytes == k.nbytes + v.nbytes
 

@@ -132,6 +132,16 @@ def allocate(runner: ModelRunner, requests: list[PrefillRequest]) -> list[list[i
     return tables
 
 
+def open_stream(sender: KVSender, runner: ModelRunner, requests: list[PrefillRequest],
+                tables: list[list[int]], chunk_bytes: int) -> LayerStream:
+    """A stream that announced the requests and expects their whole prompts in one step."""
+    stream = LayerStream(sender, runner.cache, FINGERPRINT, chunk_bytes)
+    for request, table in zip(requests, tables, strict=True):
+        stream.start(request, table)
+    stream.begin_step({(r.request_id, r.epoch): len(r.task.prompt_ids) for r in requests})
+    return stream
+
+
 def run_prefill(runner: ModelRunner, stream: LayerStream, requests: list[PrefillRequest],
                 tables: list[list[int]], hook: Callable[[int], None]) -> list[FirstToken]:
     logits = runner.forward(ForwardBatch(
@@ -149,8 +159,7 @@ def test_each_layer_streams_during_the_forward_then_the_first_token(
     requests = [prefill_request(r, receiver.address) for r in PROMPTS]
     tables = allocate(runner, requests)
     inbox = Inbox(receiver)
-    stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                     strict=True)), ONE_LAYER)
+    stream = open_stream(sender, runner, requests, tables, ONE_LAYER)
     seen_at_hook: list[dict[str, list[int]]] = []
 
     def hook(layer: int) -> None:
@@ -201,8 +210,7 @@ def test_an_unreachable_decode_worker_fails_only_its_request(
     tables = allocate(runner, requests)
     inbox = Inbox(receiver)
     try:
-        stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                         strict=True)), ONE_LAYER)
+        stream = open_stream(sender, runner, requests, tables, ONE_LAYER)
         firsts = run_prefill(runner, stream, requests, tables, stream.send_layer)
         failure = stream.finish(firsts[0])
         assert failure is not None and nowhere in failure
@@ -227,8 +235,7 @@ def test_a_decode_worker_lost_mid_stream_costs_one_failed_send(
     tables = allocate(runner, requests)
     inbox = Inbox(receiver)
     try:
-        stream = LayerStream(sender, runner.cache, FINGERPRINT, list(zip(requests, tables,
-                                                                         strict=True)), ONE_LAYER)
+        stream = open_stream(sender, runner, requests, tables, ONE_LAYER)
         doomed.close()  # after its notice: the first layer finds it gone
         gone_by = time.monotonic() + WAIT_S
         while sender.sockets[doomed.address].poll(0, zmq.POLLOUT):
@@ -261,8 +268,7 @@ def test_short_prompts_group_layers_into_chunks_of_about_chunk_bytes(
     requests = [prefill_request(r, receiver.address) for r in PROMPTS]
     tables = allocate(runner, requests)
     bytes_per_layer_a = len(PROMPTS["a"]) * runner.cache.bytes_per_token // 5
-    stream = LayerStream(sender, runner.cache, FINGERPRINT,
-                         list(zip(requests, tables, strict=True)), 2 * bytes_per_layer_a)
+    stream = open_stream(sender, runner, requests, tables, 2 * bytes_per_layer_a)
     chunks: dict[str, list[tuple[int, int]]] = {}
 
     def keep(item: KVItem) -> None:
@@ -283,3 +289,46 @@ def test_short_prompts_group_layers_into_chunks_of_about_chunk_bytes(
         receiver.drain(keep)
     # 11 tokens: two layers a chunk, the last layer alone; 5 tokens: four layers, then one.
     assert chunks == {"a": [(0, 2), (2, 4), (4, 5)], "b": [(0, 4), (4, 5)]}
+
+
+def test_a_prompt_in_two_chunks_streams_each_chunk_during_its_own_forward(
+        runner: ModelRunner, sender: KVSender, receiver: KVReceiver) -> None:
+    num_layers = runner.spec.num_layers
+    (request,) = requests = [prefill_request("a", receiver.address)]  # 11 tokens: 6, then 5
+    tables = allocate(runner, requests)
+    key = (request.request_id, request.epoch)
+    got: list[tuple[str, int, int, int]] = []  # (kind, token start, tokens, first layer)
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVNotice):
+            got.append((type(decode(item.meta)).__name__, 0, 0, 0))
+        else:
+            assert isinstance(item, KVPayload)
+            h = item.header
+            got.append(("KV", h.token_start, h.num_tokens, h.layer_start))
+            k, v = runner.cache.read_layers(h.layer_start, h.layer_end, tables[0],
+                                            h.token_start + h.num_tokens, h.token_start)
+            assert torch.equal(item.k, k) and torch.equal(item.v, v)
+
+    def drain() -> None:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            receiver.fileno_socket().poll(50)
+            receiver.drain(keep)
+
+    try:
+        stream = LayerStream(sender, runner.cache, FINGERPRINT, ONE_LAYER)
+        stream.start(request, tables[0])
+        for start, end in ((0, 6), (6, 11)):
+            stream.begin_step({key: end})
+            logits = runner.forward(ForwardBatch([request.task.prompt_ids[start:end]], [start],
+                                                 tables), layer_hook=stream.send_layer)
+            drain()
+            assert got[-1] == ("KV", start, end - start, num_layers - 1)  # all in, mid-prompt
+        first = FirstToken("a", 0, int(logits.argmax(dim=-1)[0]), None)
+        assert stream.finish(first) is None and stream.outgoing == {}
+        drain()
+        layers = [("KV", s, n, layer) for s, n in ((0, 6), (6, 5)) for layer in range(num_layers)]
+        assert got == [("DecodeRequest", 0, 0, 0), *layers, ("FirstToken", 0, 0, 0)]
+    finally:
+        runner.allocator.free(tables[0])

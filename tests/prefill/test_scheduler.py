@@ -1,9 +1,10 @@
-"""Prefill scheduling: oldest first, under a token budget and the free KV blocks."""
+"""Prefill scheduling: oldest first, under a token budget and the free KV blocks, long
+prompts one chunk per step."""
 
 from __future__ import annotations
 
 from core.messages import GenerationTask, PrefillRequest, Sampling
-from prefill.scheduler import PrefillScheduler
+from prefill.scheduler import Chunk, PrefillScheduler
 
 BLOCK = 4
 
@@ -13,15 +14,27 @@ def request(request_id: str, prompt_len: int, epoch: int = 0) -> PrefillRequest:
     return PrefillRequest(request_id, epoch, task, "d1", "tcp://127.0.0.1:1")
 
 
-def scheduler_with(*lengths: int, budget: int = 100) -> PrefillScheduler:
-    scheduler = PrefillScheduler(max_batch_tokens=budget, block_size=BLOCK)
+def scheduler_with(*lengths: int, budget: int = 100, chunk: int = 512) -> PrefillScheduler:
+    scheduler = PrefillScheduler(max_batch_tokens=budget, block_size=BLOCK, chunk_tokens=chunk)
     for i, length in enumerate(lengths):
         scheduler.add(request(f"r{i}", length))
     return scheduler
 
 
-def ids(batch: list[PrefillRequest]) -> list[str]:
-    return [r.request_id for r in batch]
+def ids(batch: list[Chunk] | list[PrefillRequest]) -> list[str]:
+    return [(c.prompt.request if isinstance(c, Chunk) else c).request_id for c in batch]
+
+
+def step(scheduler: PrefillScheduler, free_blocks: int = 100, **kwargs: object) -> list[Chunk]:
+    """One step, as the worker runs it: schedule, then every chunk's KV is computed."""
+    chunks = scheduler.schedule(free_blocks, **kwargs)  # type: ignore[arg-type]
+    for chunk in chunks:
+        scheduler.advance(chunk)
+    return chunks
+
+
+def spans(chunks: list[Chunk]) -> list[tuple[str, int, int, bool]]:
+    return [(c.prompt.request.request_id, c.start, c.end, c.is_last) for c in chunks]
 
 
 def test_empty_queue_schedules_nothing() -> None:
@@ -30,63 +43,63 @@ def test_empty_queue_schedules_nothing() -> None:
 
 def test_fifo_order() -> None:
     scheduler = scheduler_with(3, 1, 2, 5)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0", "r1", "r2", "r3"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r1", "r2", "r3"]
     assert not scheduler.waiting
 
 
 def test_token_budget_splits_batches_in_order() -> None:
     scheduler = scheduler_with(4, 4, 4, 4, 3, budget=10)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0", "r1"]
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r2", "r3"]
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r4"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r1"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r2", "r3"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r4"]
 
 
 def test_a_batch_may_fill_the_budget_exactly() -> None:
     scheduler = scheduler_with(6, 4, 1, budget=10)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0", "r1"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r1"]
 
 
 def test_a_later_short_prompt_does_not_jump_the_queue() -> None:
     scheduler = scheduler_with(4, 8, 1, budget=10)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0"]  # r2 would fit, but r1 is older
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r1", "r2"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0"]  # r2 would fit, but r1 is older
+    assert ids(step(scheduler, free_blocks=100)) == ["r1", "r2"]
 
 
 def test_block_limit() -> None:
     scheduler = scheduler_with(8, 8, 1)  # 2, 2 and 1 blocks
-    assert ids(scheduler.schedule(free_blocks=3)) == ["r0"]
-    assert ids(scheduler.schedule(free_blocks=1)) == []  # r1 needs 2 blocks: it waits
-    assert ids(scheduler.schedule(free_blocks=3)) == ["r1", "r2"]
+    assert ids(step(scheduler, free_blocks=3)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=1)) == []  # r1 needs 2 blocks: it waits
+    assert ids(step(scheduler, free_blocks=3)) == ["r1", "r2"]
 
 
 def test_blocks_round_up_per_prompt() -> None:
     scheduler = scheduler_with(5, 5)  # 2 blocks each, although 10 tokens fit in 3
-    assert ids(scheduler.schedule(free_blocks=3)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=3)) == ["r0"]
 
 
 def test_no_free_blocks_schedules_nothing() -> None:
     scheduler = scheduler_with(1)
-    assert scheduler.schedule(free_blocks=0) == []
-    assert ids(scheduler.schedule(free_blocks=1)) == ["r0"]
+    assert step(scheduler, free_blocks=0) == []
+    assert ids(step(scheduler, free_blocks=1)) == ["r0"]
 
 
 def test_a_prompt_over_the_budget_runs_alone() -> None:
     scheduler = scheduler_with(25, 1, budget=10)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0"]
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r1"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r1"]
 
 
 def test_a_prompt_over_the_budget_waits_for_a_batch_of_its_own() -> None:
     scheduler = scheduler_with(1, 25, 1, budget=10)
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0"]
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r1"]
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r2"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r1"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r2"]
 
 
 def test_a_prompt_over_the_budget_still_needs_its_blocks() -> None:
     scheduler = scheduler_with(25, budget=10)  # 7 blocks
-    assert scheduler.schedule(free_blocks=6) == []
-    assert ids(scheduler.schedule(free_blocks=7)) == ["r0"]
+    assert step(scheduler, free_blocks=6) == []
+    assert ids(step(scheduler, free_blocks=7)) == ["r0"]
 
 
 def test_abort_of_a_queued_request() -> None:
@@ -94,7 +107,7 @@ def test_abort_of_a_queued_request() -> None:
     assert scheduler.abort("r1", 0)
     assert ids(list(scheduler.waiting)) == ["r0", "r2"]
     assert not scheduler.abort("r1", 0)  # already gone
-    assert ids(scheduler.schedule(free_blocks=100)) == ["r0", "r2"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r2"]
 
 
 def test_abort_matches_the_epoch() -> None:
@@ -106,10 +119,10 @@ def test_abort_matches_the_epoch() -> None:
     assert [(r.request_id, r.epoch) for r in scheduler.waiting] == [("r", 0)]
 
 
-def test_abort_of_unknown_or_scheduled_request_is_false() -> None:
+def test_abort_of_unknown_or_finished_request_is_false() -> None:
     scheduler = scheduler_with(3)
     assert not scheduler.abort("nope", 0)
-    scheduler.schedule(free_blocks=100)
+    step(scheduler, free_blocks=100)
     assert not scheduler.abort("r0", 0)
 
 
@@ -118,7 +131,7 @@ def test_queued_tokens() -> None:
     assert scheduler.queued_tokens == 12
     scheduler.abort("r2", 0)
     assert scheduler.queued_tokens == 7
-    scheduler.schedule(free_blocks=100)
+    step(scheduler, free_blocks=100)
     assert scheduler.queued_tokens == 0
     assert scheduler_with().queued_tokens == 0
 
@@ -128,5 +141,96 @@ def test_a_repeated_request_is_queued_once_but_a_new_epoch_is_its_own() -> None:
     assert scheduler.add(request("r", 3))
     assert not scheduler.add(request("r", 3))
     assert scheduler.add(request("r", 3, epoch=1))
-    assert [(r.request_id, r.epoch) for r in scheduler.schedule(free_blocks=100)] == [
+    assert [c.prompt.key for c in step(scheduler, free_blocks=100)] == [
         ("r", 0), ("r", 1)]
+
+
+def test_a_long_prompt_goes_one_chunk_per_step_and_only_the_last_is_last() -> None:
+    scheduler = scheduler_with(20, chunk=8)
+    assert spans(step(scheduler)) == [("r0", 0, 8, False)]
+    assert scheduler.held() == [("r0", 0)] and scheduler.queued_tokens == 12
+    assert spans(step(scheduler)) == [("r0", 8, 16, False)]
+    assert spans(step(scheduler)) == [("r0", 16, 20, True)]
+    assert scheduler.held() == [] and step(scheduler) == []
+
+
+def test_a_short_prompt_arriving_behind_a_long_one_waits_at_most_one_chunk() -> None:
+    scheduler = scheduler_with(4000, budget=2048, chunk=512)
+    assert spans(step(scheduler, free_blocks=2000)) == [("r0", 0, 512, False)]
+    scheduler.add(request("short", 50))
+    assert spans(step(scheduler, free_blocks=2000)) == [("r0", 512, 1024, False),
+                                                         ("short", 0, 50, True)]
+
+
+def test_prompts_in_progress_go_first_each_one_chunk_within_the_budget() -> None:
+    scheduler = scheduler_with(30, 30, 5, budget=20, chunk=8)
+    assert spans(step(scheduler)) == [("r0", 0, 8, False), ("r1", 0, 8, False)]
+    # Both in progress fill 16 of 20: r2 (5 tokens) waits, nothing newer passes an older one.
+    assert spans(step(scheduler)) == [("r0", 8, 16, False), ("r1", 8, 16, False)]
+    assert ids(step(scheduler)) == ["r0", "r1"]
+    assert spans(step(scheduler)) == [("r0", 24, 30, True), ("r1", 24, 30, True),
+                                      ("r2", 0, 5, True)]  # 6 + 6 + 5 fit
+
+
+def test_an_older_prompt_in_progress_is_not_passed_when_the_budget_is_full() -> None:
+    scheduler = scheduler_with(30, 30, budget=10, chunk=8)
+    assert ids(step(scheduler)) == ["r0"]  # r1's first chunk would go over the budget
+    assert ids(step(scheduler)) == ["r0"]  # r0 in progress goes first
+    assert ids(step(scheduler)) == ["r0"]
+    assert spans(step(scheduler)) == [("r0", 24, 30, True)]
+    assert ids(step(scheduler)) == ["r1"]
+
+
+def test_a_chunk_larger_than_the_budget_runs_alone() -> None:
+    scheduler = scheduler_with(30, 2, budget=10, chunk=16)
+    assert spans(step(scheduler)) == [("r0", 0, 16, False)]
+    assert spans(step(scheduler)) == [("r0", 16, 30, True)]
+    assert ids(step(scheduler)) == ["r1"]
+
+
+def test_blocks_are_counted_for_the_whole_prompt_at_admission_only() -> None:
+    scheduler = scheduler_with(32, 4, chunk=8)  # 8 blocks, then 1
+    assert step(scheduler, free_blocks=7) == []
+    assert ids(step(scheduler, free_blocks=8)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=0)) == ["r0"]  # it holds its blocks already
+    assert ids(step(scheduler, free_blocks=1)) == ["r0", "r1"]
+
+
+def test_a_cached_prefix_is_skipped() -> None:
+    scheduler = scheduler_with(20, chunk=8)
+    started: list[str] = []
+
+    def start(request: PrefillRequest) -> int:
+        started.append(request.request_id)
+        return 12  # tokens 0..11 are in the prefix cache
+    assert spans(step(scheduler, start=start)) == [("r0", 12, 20, True)]
+    assert started == ["r0"] and scheduler.held() == []
+
+
+def test_start_is_called_once_per_prompt_when_it_is_admitted() -> None:
+    scheduler = scheduler_with(20, 3, budget=8, chunk=8)
+    started: list[str] = []
+
+    def start(request: PrefillRequest) -> int:
+        started.append(request.request_id)
+        return 0
+    for _ in range(4):
+        step(scheduler, start=start)
+    assert started == ["r0", "r1"]
+
+
+def test_abort_of_a_prompt_in_progress() -> None:
+    scheduler = scheduler_with(20, 20, chunk=8)
+    step(scheduler)
+    assert scheduler.held() == [("r0", 0), ("r1", 0)] and scheduler.queued_tokens == 24
+    assert scheduler.abort("r0", 0)
+    assert not scheduler.abort("r0", 0)
+    assert scheduler.held() == [("r1", 0)] and scheduler.queued_tokens == 12
+    assert ids(step(scheduler)) == ["r1"]
+
+
+def test_a_repeat_of_a_prompt_in_progress_is_not_queued() -> None:
+    scheduler = scheduler_with(20, chunk=8)
+    step(scheduler)
+    assert not scheduler.add(request("r0", 20))
+    assert scheduler.add(request("r0", 20, epoch=1))

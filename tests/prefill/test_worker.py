@@ -19,6 +19,7 @@ from core.messages import (
     Abort,
     FirstToken,
     GenerationTask,
+    Held,
     Message,
     PrefillRequest,
     RequestFailed,
@@ -235,3 +236,143 @@ def test_the_first_token_follows_the_grammar_after_resumed_output(setup) -> None
     task = replace(grammar_task(schema, [*prompt, *output]), output_start=len(prompt))
     first = prefill_one(worker, gateway, receiver, "resumed", task=task)
     assert (first.token_id, first.finish_reason) == (2, "stop")
+
+
+# --- chunked prefill -------------------------------------------------------------------------
+
+CHUNK = 16
+
+
+def kv_pieces(receiver: KVReceiver) -> dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
+    """Each request's chunks in arrival order: (token start, layer start, K, V)."""
+    got: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVPayload):
+            header = item.header
+            got.setdefault(item.key[0], []).append(
+                (header.token_start, header.layer_start, item.k.clone(), item.v.clone()))
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        receiver.fileno_socket().poll(50)
+        receiver.drain(keep)
+    return got
+
+
+def assembled(pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]], tokens: int,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every layer and token, put together from the pieces at their offsets."""
+    _, _, k0, _ = pieces[0]
+    k = torch.full((LAYERS, tokens, *k0.shape[2:]), float("nan"))
+    v = k.clone()
+    for token_start, layer_start, piece_k, piece_v in pieces:
+        layers, count = piece_k.shape[:2]
+        k[layer_start:layer_start + layers, token_start:token_start + count] = piece_k
+        v[layer_start:layer_start + layers, token_start:token_start + count] = piece_v
+    return k, v
+
+
+def send(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver, request_id: str,
+         prompt: list[int], salt: str = "") -> None:
+    task = GenerationTask(prompt, Sampling(temperature=0.0), 16, [], True, cache_salt=salt)
+    to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+
+
+def firsts(gateway: zmq.Socket) -> list[FirstToken]:
+    return [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+
+
+def test_a_prompt_prefilled_in_chunks_gives_the_kv_and_token_of_one_pass(setup) -> None:
+    worker, gateway, receiver = setup
+    prompt = list(range(200, 270))  # 70 tokens: chunks of 16, 16, 16, 16 and 6
+    whole = prefill_one(worker, gateway, receiver, "whole", prompt, salt="a")
+    whole_kv = assembled(kv_pieces(receiver)["whole"], len(prompt))
+    worker.scheduler.chunk_tokens = CHUNK
+    send(worker, gateway, receiver, "chunked", prompt, salt="b")  # no prefix reuse
+    for _ in range(4):
+        assert worker.step()
+        assert firsts(gateway) == []  # not before the last chunk
+        assert worker.holding() == [Held("chunked", 0)]
+    assert worker.heartbeat().queued_tokens == 6
+    assert worker.step()
+    (first,) = firsts(gateway)
+    assert first.token_id == whole.token_id and not worker.step()
+    pieces = kv_pieces(receiver)["chunked"]
+    # Chunk after chunk, each chunk's layers in order before the next chunk's.
+    assert [(t, layer) for t, layer, _, _ in pieces] == [
+        (t, layer) for t in range(0, 70, CHUNK) for layer in range(LAYERS)]
+    for got, expected in zip(assembled(pieces, len(prompt)), whole_kv, strict=True):
+        assert torch.allclose(got, expected, atol=1e-5)
+    assert worker.jobs == {} and worker.holding() == []
+
+
+def test_a_short_prompt_behind_a_long_one_waits_at_most_one_chunk(setup) -> None:
+    worker, gateway, receiver = setup
+    worker.scheduler.chunk_tokens = CHUNK
+    send(worker, gateway, receiver, "long", list(range(300, 400)))
+    assert worker.step()  # the long prompt's first chunk
+    send(worker, gateway, receiver, "short", list(range(10, 15)))
+    assert worker.step()  # its second chunk, and the short prompt whole
+    assert [f.request_id for f in firsts(gateway)] == ["short"]
+    while worker.step():
+        pass
+    assert [f.request_id for f in firsts(gateway)] == ["long"]
+
+
+def test_an_abort_between_chunks_frees_the_blocks_and_stops_the_stream(setup) -> None:
+    worker, gateway, receiver = setup
+    free = worker.cache.num_available
+    worker.scheduler.chunk_tokens = CHUNK
+    send(worker, gateway, receiver, "a", list(range(300, 350)))
+    assert worker.step() and worker.step()
+    assert worker.cache.num_available < free
+    to_worker(gateway, Abort("a", 0))
+    time.sleep(0.1)
+    worker.take_control()
+    assert worker.cache.num_available == free and worker.holding() == []
+    assert not worker.step()
+    assert firsts(gateway) == []
+    assert received(receiver)["a"] == ["DecodeRequest", *[f"layer {i}" for i in range(LAYERS)] * 2]
+
+
+def test_an_abort_inside_a_later_chunk_stops_it_between_layers(setup) -> None:
+    worker, gateway, receiver = setup
+    free = worker.cache.num_available
+    worker.scheduler.chunk_tokens = CHUNK
+    send(worker, gateway, receiver, "a", list(range(300, 350)))
+    assert worker.step()
+    abort_at_layer(worker, gateway, 2, [Abort("a", 0)])
+    assert worker.step()
+    assert worker.cache.num_available == free and worker.holding() == [] and worker.jobs == {}
+    assert not worker.step() and firsts(gateway) == []
+    layers = [f"layer {i}" for i in range(LAYERS)]
+    assert received(receiver)["a"] == ["DecodeRequest", *layers, *layers[:2]]
+
+
+def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None:
+    worker, gateway, receiver = setup
+    prompt = [*range(100, 148), *range(500, 540)]  # 3 cached blocks of 16, then 40 tokens
+    prefill_one(worker, gateway, receiver, "cold", prompt[:49])
+    cold = prefill_one(worker, gateway, receiver, "other", prompt, salt="x")  # not shared
+    cold_kv = assembled(kv_pieces(receiver)["other"], len(prompt))
+    worker.scheduler.chunk_tokens = CHUNK
+    forward = worker.runner.forward
+    computed: list[list[int]] = []
+
+    def counting(batch, layer_hook=None):  # type: ignore[no-untyped-def]
+        computed.append([len(tokens) for tokens in batch.token_ids])
+        return forward(batch, layer_hook=layer_hook)
+    worker.runner.forward = counting  # type: ignore[method-assign]
+    firsts(gateway)
+    send(worker, gateway, receiver, "warm", prompt)
+    while worker.step():
+        pass
+    (warm,) = firsts(gateway)
+    assert computed == [[16], [16], [8]] and warm.cached_tokens == 48
+    assert warm.token_id == cold.token_id
+    pieces = kv_pieces(receiver)["warm"]
+    assert sorted({t for t, _, _, _ in pieces}) == [0, 64, 80]  # the prefix goes with chunk 1
+    for got, expected in zip(assembled(pieces, len(prompt)), cold_kv, strict=True):
+        assert torch.allclose(got, expected, atol=1e-5)

@@ -1,0 +1,216 @@
+"""One response of the OpenAI routes: its choices' text deltas as SSE chunks, or whole.
+
+With n > 1, each choice is a `Generation` of its own; their deltas are merged as they come,
+each chunk naming its choice by `index`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import APIError
+from gateway.generation import KEEPALIVE, Delta, Generation
+from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from gateway.state import GatewayState
+
+Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
+
+
+class ChatFormat:
+    """Shapes of /v1/chat/completions responses."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def choice_delta(self, index: int, text: str, reason: str | None, first: bool,
+                     logprobs: Logprobs = None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        shown = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+
+    def choice_full(self, index: int, text: str, reason: str | None,
+                    logprobs: Logprobs = None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        shown = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason}
+
+
+class CompletionFormat:
+    """Shapes of /v1/completions responses."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def choice_delta(self, index: int, text: str, reason: str | None, first: bool,
+                     logprobs: Logprobs = None) -> dict[str, Any]:
+        shown = None if logprobs is None else completion_logprobs(logprobs)
+        return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+
+    def choice_full(self, index: int, text: str, reason: str | None,
+                    logprobs: Logprobs = None) -> dict[str, Any]:
+        return self.choice_delta(index, text, reason, first=False, logprobs=logprobs)
+
+
+Format = ChatFormat | CompletionFormat
+
+
+@dataclass
+class _Whole:
+    """A choice collected to its end."""
+
+    parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+_ENDED = object()  # a choice's deltas are over
+
+
+class Reply:
+    """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
+    carries the logprobs of its tokens."""
+
+    def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
+                 include_usage: bool, logprobs: bool = False) -> None:
+        assert generations, "a reply has at least one choice"
+        prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
+        self.id = f"{prefix}-{generations[0].handle.request_id}"
+        self.fmt = fmt
+        self.generations = generations
+        self.state = state
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.created = int(time.time())
+        self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
+
+    async def _deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
+        """Every choice's deltas (and KEEPALIVEs) as they come, with the choice's index."""
+        gateway = self.state.config.gateway
+        merged: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+        async def pump(index: int, generation: Generation) -> None:
+            async for delta in generation.deltas(gateway.keepalive_s,
+                                                 gateway.progress_timeout_s):
+                await merged.put((index, delta))
+            await merged.put((index, _ENDED))
+
+        self.pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        live = len(self.pumps)
+        while live:
+            index, item = await merged.get()
+            if item is _ENDED:
+                live -= 1
+                continue
+            assert item is None or isinstance(item, Delta)
+            yield index, item
+
+    async def sse(self) -> AsyncIterator[str]:
+        outcome = "aborted"
+        try:
+            if isinstance(self.fmt, ChatFormat):
+                yield self._event([self.fmt.choice_delta(i, "", None, first=True)
+                                   for i in range(len(self.generations))])
+            async for index, delta in self._deltas():
+                if delta is KEEPALIVE:
+                    yield ": keepalive\n\n"
+                elif delta.finish_reason == "error":
+                    outcome = "error"
+                    yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
+                    return
+                else:
+                    logprobs = delta.logprobs if self.logprobs else None
+                    yield self._event([self.fmt.choice_delta(
+                        index, delta.text, delta.finish_reason, False, logprobs)])
+            outcome = "ok"
+            if self.include_usage:
+                yield self._event([], usage=self._usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._close(outcome)
+
+    async def whole(self, request: Request) -> Response:
+        """The complete response; a client that disconnects first aborts the request."""
+        watcher = asyncio.create_task(_wait_for_disconnect(request))
+        collector = asyncio.create_task(self._collect())
+        outcome = "aborted"
+        try:
+            done, _ = await asyncio.wait({watcher, collector},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if collector not in done:
+                return Response(status_code=499)  # nobody is listening
+            wholes = collector.result()
+            if isinstance(wholes, str):
+                outcome = "error"
+                return JSONResponse(_stream_error(wholes), status_code=503)
+            outcome = "ok"
+            choices = [self.fmt.choice_full(i, "".join(w.parts), w.finish_reason,
+                                            w.logprobs if self.logprobs else None)
+                       for i, w in enumerate(wholes)]
+            return JSONResponse(self._body(choices, usage=self._usage()))
+        finally:
+            watcher.cancel()
+            collector.cancel()
+            self._close(outcome)
+
+    async def _collect(self) -> list[_Whole] | str:
+        """Every choice, once all have ended; or the error that ended one."""
+        wholes = [_Whole() for _ in self.generations]
+        async for index, delta in self._deltas():
+            if delta is KEEPALIVE:
+                continue
+            if delta.finish_reason == "error":
+                return delta.error
+            wholes[index].parts.append(delta.text)
+            wholes[index].logprobs.extend(delta.logprobs)
+            wholes[index].finish_reason = delta.finish_reason
+        assert all(w.finish_reason is not None for w in wholes), "each choice ends with one"
+        return wholes
+
+    def _close(self, outcome: str) -> None:
+        for task in self.pumps:
+            task.cancel()
+        for generation in self.generations:
+            generation.close()
+        route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
+        self.state.metrics.requests.labels(route, outcome).inc()
+
+    def _usage(self) -> dict[str, Any]:
+        """The prompt counts once (it was prefilled once); the choices' tokens add up."""
+        first = self.generations[0]
+        prompt = first.prompt_tokens
+        completion = sum(g.completion_tokens for g in self.generations)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": first.handle.cached_tokens}}
+
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
+                "model": self.state.model_name, "choices": choices, "usage": usage}
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        """One SSE chunk; `usage` only on the last one, when the client asked for it."""
+        chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
+                                 "created": self.created, "model": self.state.model_name,
+                                 "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _stream_error(message: str) -> dict[str, Any]:
+    return APIError(503, message, "server_error", code="generation_failed").to_body()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
