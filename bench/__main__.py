@@ -8,6 +8,8 @@
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
     python -m bench prefix --prefix-len 1000
+    python -m bench chunked --long-len 4000 --short-len 50
+    python -m bench goodput --quick
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import chunked as chunked_prefill
+from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
 from bench import overload as flood
 from bench import prefix as prefix_cache
@@ -328,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handoff_parser(commands)
     overload_parser(commands)
     prefix_parser(commands)
+    slo_goodput.add_parser(commands)
+    chunked_prefill.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         job = args.prepare(args, argv)

@@ -1,14 +1,19 @@
-"""The serve report as a PNG: latency CDFs per run, and for a sweep, figures against rate."""
+"""Benchmark PNGs: serve's latency CDFs and figures against rate; goodput's attainment and TPOT
+CDFs per mode."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
 from bench.results import ServeResults, TargetResults
 from bench.stats import GOODPUT_TARGET
+
+if TYPE_CHECKING:  # bench.goodput imports this module
+    from bench.goodput import GoodputResults
 
 
 def cdf(axes: Axes, values: list[float], label: str) -> None:
@@ -72,7 +77,50 @@ def plot_serve(results: ServeResults, path: Path) -> None:
     _latency_cdfs(results, *grid[0])
     if results.sweep:
         _against_rate(results.targets, *grid[1])
-    figure.suptitle(f"workload {results.workload.name}, {results.num_requests} requests")
+    _save(figure, path, f"workload {results.workload.name}, {results.num_requests} requests")
+
+
+def _panels(count: int, height: float = 4.0) -> tuple[Figure, list[Axes]]:
+    """A figure with `count` panels side by side."""
+    figure = Figure(figsize=(5.5 * count, height))
+    return figure, list(figure.subplots(1, count, squeeze=False)[0])
+
+
+def _save(figure: Figure, path: Path, title: str) -> None:
+    figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
+
+
+def plot_attainment(results: GoodputResults, path: Path) -> None:
+    """SLO attainment against rate, one panel per workload, one line per mode."""
+    figure, panels = _panels(len(results.plan.workloads))
+    for axes, workload in zip(panels, results.plan.workloads, strict=True):
+        for mode in results.modes:
+            points = results.points(mode, workload.name)
+            label = f"{mode.mode} (goodput {results.goodput(mode, workload.name).describe()})"
+            axes.plot([p.rate for p in points], [100 * p.attainment for p in points], "o-",
+                      label=label)
+        axes.axhline(100 * GOODPUT_TARGET, color="grey", linestyle=":", label="goodput target")
+        axes.set(title=workload.name, xlabel="rate (req/s)", ylabel="% of requests within SLO",
+                 ylim=(0, 105))
+        _legend(axes)
+    _save(figure, path, "SLO attainment against Poisson arrival rate")
+
+
+def plot_tpot_cdfs(results: GoodputResults, path: Path) -> None:
+    """TPOT CDFs per mode at each workload's comparison rate, with the TPOT SLO."""
+    figure, panels = _panels(len(results.plan.workloads))
+    for axes, workload in zip(panels, results.plan.workloads, strict=True):
+        for mode in results.modes:
+            point = results.at_compare_rate(mode, workload.name)
+            if point is not None:
+                cdf(axes, [t for r in point.run.results if (t := r.tpot_s) is not None],
+                    mode.mode)
+        axes.axvline(results.slo.tpot_s * 1000, color="grey", linestyle=":", label="TPOT SLO")
+        rate = results.plan.compare_rates[workload.name]
+        axes.set(title=f"{workload.name} @ {rate:g} req/s", xlabel="TPOT (ms)",
+                 ylabel="share of requests", ylim=(0, 1.02), xscale="log")
+        _legend(axes)
+    _save(figure, path, "TPOT CDF per mode")

@@ -8,12 +8,15 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.client import RequestResult
 from bench.results import Measured, ServeResults, TargetResults
 from bench.runner import RunnerResults
 from bench.stats import GOODPUT_TARGET, Distribution
+
+if TYPE_CHECKING:  # bench.goodput imports this module
+    from bench.goodput import GoodputResults, ModeRun, Point
 
 
 def jsonable(value: Any) -> Any:
@@ -35,14 +38,10 @@ def write_json(document: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(jsonable(document), indent=2, allow_nan=False) + "\n")
 
 
-def _request_json(result: RequestResult) -> dict[str, Any]:
-    return {**dataclasses.asdict(result), "ok": result.ok, "tpot_s": result.tpot_s}
-
-
 def _run_json(target: str, measured: Measured) -> dict[str, Any]:
     return {"label": measured.label(target), "load": measured.load,
             "summary": measured.summary,
-            "requests": [_request_json(r) for r in measured.run.results]}
+            "requests": [request_json(r) for r in measured.run.results]}
 
 
 def _target_json(target: TargetResults) -> dict[str, Any]:
@@ -174,3 +173,106 @@ def runner_markdown(results: RunnerResults) -> str:
     return "\n\n".join([
         f"model {results.model}, {results.threads} threads; same greedy next token: {same}",
         table(["measure", "ours", "transformers", "speedup (ours/transformers)"], rows)])
+
+
+def request_json(result: RequestResult) -> dict[str, Any]:
+    """One request with its derived `ok` and `tpot_s`."""
+    return {**dataclasses.asdict(result), "ok": result.ok, "tpot_s": result.tpot_s}
+
+
+def _point_json(point: Point) -> dict[str, Any]:
+    summary = point.summary
+    return {"rate": point.rate, "attainment": point.attainment, "sent": len(point.run.results),
+            "completed": summary.completed, "failed": summary.failed,
+            "errors": summary.errors, "duration_s": summary.duration_s,
+            "requests_per_s": summary.requests_per_s,
+            "output_tokens_per_s": summary.output_tokens_per_s,
+            "ttft_s": summary.ttft_s, "tpot_s": summary.tpot_s,
+            "requests": [request_json(r) for r in point.run.results]}
+
+
+def _mode_json(results: GoodputResults, mode: ModeRun) -> dict[str, Any]:
+    workloads = {w.name: {"goodput": results.goodput(mode, w.name),
+                          "compare_rate": results.plan.compare_rates[w.name],
+                          "runs": [_point_json(p) for p in results.points(mode, w.name)]}
+                 for w in results.plan.workloads}
+    return {"mode": mode.mode, "launch_flags": mode.flags, "run_dir": mode.run_dir,
+            "unloaded": mode.unloaded, "workloads": workloads}
+
+
+def goodput_json(results: GoodputResults) -> dict[str, Any]:
+    """The whole goodput report: plan, SLO, per mode its unloaded fit and every run."""
+    plan = results.plan
+    return {"benchmark": "goodput", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": results.command, "prompts": results.prompts,
+            "plan": {**dataclasses.asdict(plan),
+                     "workloads": [w.describe() for w in plan.workloads]},
+            "slo": results.slo, "goodput_target": GOODPUT_TARGET,
+            "failed_modes": results.failed,
+            "modes": [_mode_json(results, m) for m in results.modes],
+            "targets": results.targets()}
+
+
+def _slo_line(results: GoodputResults) -> str:
+    slo, plan = results.slo, results.plan
+    return (f"SLO, from the median of the modes' unloaded latencies: TTFT <= "
+            f"{slo.ttft_s * 1000:.0f} ms + {slo.ttft_per_token_s * 1e6:.0f} ms per 1,000 prompt "
+            f"tokens ({plan.ttft_factor:g}x unloaded), TPOT <= {slo.tpot_s * 1000:.0f} ms "
+            f"({plan.tpot_factor:g}x unloaded). Goodput: the rate at which fewer than "
+            f"{100 * GOODPUT_TARGET:.0f} % of requests meet both, interpolated between swept "
+            "rates.")
+
+
+def _unloaded_table(results: GoodputResults) -> str:
+    rows = [[m.mode, f"`{' '.join(m.flags)}`", _ms(m.unloaded.ttft_base_s),
+             f"{m.unloaded.ttft_per_token_s * 1e6:.0f}", _ms(m.unloaded.tpot_s)]
+            for m in results.modes]
+    return table(["mode", "launch.sh flags", "TTFT at 0 tokens (ms)",
+                  "TTFT per 1,000 tokens (ms)", "TPOT (ms)"], rows)
+
+
+def _goodput_table(results: GoodputResults) -> str:
+    rows = []
+    for workload in results.plan.workloads:
+        rate = results.plan.compare_rates[workload.name]
+        cells = []
+        for mode in results.modes:
+            point = results.at_compare_rate(mode, workload.name)
+            p99 = "-" if point is None else \
+                f"{_ms(point.summary.ttft_s.p99)} / {_ms(point.summary.tpot_s.p99)}"
+            cells.append(f"{results.goodput(mode, workload.name).describe()} ({p99})")
+        rows.append([f"{workload.name} (p99s at {rate:g} req/s)", *cells])
+    return table(["workload", *(m.mode for m in results.modes)], rows)
+
+
+def _runs_table(results: GoodputResults) -> str:
+    rows = [[w.name, m.mode, f"{p.rate:g}", f"{len(p.run.results)} / {p.summary.failed}",
+             f"{100 * p.attainment:.0f} %", _ms(p.summary.ttft_s.p99),
+             _ms(p.summary.tpot_s.p99), f"{p.summary.output_tokens_per_s:.0f}"]
+            for w in results.plan.workloads for m in results.modes
+            for p in results.points(m, w.name)]
+    return table(["workload", "mode", "rate (req/s)", "sent / failed", "SLO attainment",
+                  "p99 TTFT (ms)", "p99 TPOT (ms)", "output tokens/s"], rows)
+
+
+def _verdict_lines(results: GoodputResults) -> list[str]:
+    found = results.targets()
+    if not found:
+        return []
+    lines = [f"Targets, mixed workload (p99 TPOT at "
+             f"{results.plan.compare_rates['mixed']:g} req/s), against the best colocated mode:"]
+    lines += [f"- {v.mode}: {v.measure} {v.ratio:.2f}x the best colocated, {v.figures} "
+              f"(goal {v.goal}): {'met' if v.met else 'NOT met'}" for v in found]
+    return lines
+
+
+def goodput_markdown(results: GoodputResults) -> str:
+    """The SLO, the unloaded latencies, goodput per workload and mode, every run, the targets."""
+    failed = [f"- {mode} FAILED: {why}" for mode, why in results.failed.items()]
+    parts = ["Goodput: disaggregated against colocated serving on the same CPUs",
+             f"Command: `{' '.join(results.command)}`", _slo_line(results),
+             "Unloaded latencies (one request at a time):", _unloaded_table(results),
+             "Goodput (req/s) per workload, with p99 TTFT / p99 TPOT (ms) at the comparison "
+             "rate:", _goodput_table(results), "Every run:", _runs_table(results)]
+    tail = [line for line in (*_verdict_lines(results), *failed) if line]
+    return "\n\n".join(parts + (["\n".join(tail)] if tail else []))

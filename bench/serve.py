@@ -93,11 +93,16 @@ def measure(target: Target, plan: Plan) -> TargetResults:
                          str(server.run_dir), used)
 
 
-async def _measure_url(url: str, label: str, plan: Plan) -> tuple[str, tuple[Measured, ...]]:
-    timeout = httpx.Timeout(max(load.request_timeout_s for load in plan.loads))
+def open_client(url: str, api_key: str | None, timeout_s: float) -> httpx.AsyncClient:
+    """An HTTP client for the server at `url`: unlimited connections, `api_key` as Bearer."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=api_root(url), timeout=timeout, limits=limits,
-                                 headers=auth_headers(plan.api_key)) as client:
+    return httpx.AsyncClient(base_url=api_root(url), timeout=httpx.Timeout(timeout_s),
+                             limits=limits, headers=auth_headers(api_key))
+
+
+async def _measure_url(url: str, label: str, plan: Plan) -> tuple[str, tuple[Measured, ...]]:
+    timeout_s = max(load.request_timeout_s for load in plan.loads)
+    async with open_client(url, plan.api_key, timeout_s) as client:
         model = plan.model or await served_model(client)
         await warm_up(client, model, plan.warmup, plan.loads[0])
         runs = []

@@ -56,26 +56,40 @@ def inter_token_gaps(arrivals: Sequence[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class Slo:
-    """Latency objectives: a request is good when TTFT <= ttft_s and TPOT <= tpot_s."""
+    """Latency objectives: a request is good when TTFT <= its TTFT budget and TPOT <= tpot_s.
+
+    The TTFT budget is `ttft_s`, plus `ttft_per_token_s` per prompt token: with it, a long prompt
+    may take longer to its first token, as it does on an idle server.
+    """
 
     ttft_s: float
     tpot_s: float
+    ttft_per_token_s: float = 0.0
 
-    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+    def ttft_budget(self, prompt_tokens: int | None = None) -> float:
+        """The TTFT objective of a request with `prompt_tokens` (None: unknown, counted as 0)."""
+        return self.ttft_s + self.ttft_per_token_s * (prompt_tokens or 0)
+
+    def met(self, ttft_s: float | None, tpot_s: float | None,
+            prompt_tokens: int | None = None) -> bool:
         """Whether one request met both objectives (failed requests have ttft None: never).
 
         A one-token answer has no TPOT; it is judged on its TTFT alone.
         """
-        if ttft_s is None or ttft_s > self.ttft_s:
+        if ttft_s is None or ttft_s > self.ttft_budget(prompt_tokens):
             return False
         return tpot_s is None or tpot_s <= self.tpot_s
 
 
-def attainment(slo: Slo, samples: Sequence[tuple[float | None, float | None]]) -> float:
-    """Share of requests, given as (ttft, tpot) pairs with failures as (None, None), in SLO."""
+# (ttft, tpot) or (ttft, tpot, prompt tokens) of one request; a failure has ttft None
+Sample = tuple[float | None, float | None] | tuple[float | None, float | None, int | None]
+
+
+def attainment(slo: Slo, samples: Sequence[Sample]) -> float:
+    """Share of requests in SLO, given as `Sample`s (failures as (None, None)); NaN if none."""
     if not samples:
         return math.nan
-    return sum(slo.met(ttft, tpot_) for ttft, tpot_ in samples) / len(samples)
+    return sum(slo.met(*sample) for sample in samples) / len(samples)
 
 
 def goodput_rate(points: Sequence[tuple[float, float]],
@@ -92,3 +106,36 @@ def goodput_rate(points: Sequence[tuple[float, float]],
             break
         best = rate
     return best
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The goodput of a sweep: where SLO attainment crosses the target, between swept rates.
+
+    `rate` None: even the lowest rate missed. `censored`: every swept rate kept the target, so
+    the goodput is at least `rate` (the highest one), not exactly it.
+    """
+
+    rate: float | None
+    censored: bool = False
+
+    def describe(self) -> str:
+        """"none", "1.23" or ">= 2" (req/s)."""
+        if self.rate is None:
+            return "none"
+        return f">= {self.rate:g}" if self.censored else f"{self.rate:.2f}"
+
+
+def goodput(points: Sequence[tuple[float, float]], target: float = GOODPUT_TARGET) -> Goodput:
+    """The rate at which attainment falls below `target`, linearly interpolated between the
+    last rate of `goodput_rate` and the next swept rate (which missed)."""
+    best = goodput_rate(points, target)
+    ordered = sorted(points)
+    above = [(rate, share) for rate, share in ordered if best is not None and rate > best]
+    if best is None or not above:
+        return Goodput(best, censored=best is not None)
+    kept = max(share for rate, share in ordered if rate == best)
+    rate, missed = above[0]
+    if math.isnan(missed):
+        return Goodput(best)
+    return Goodput(best + (rate - best) * (kept - target) / (kept - missed))

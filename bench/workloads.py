@@ -9,6 +9,9 @@
   a share `long_share` of the requests (rounded) at seeded random positions; all outputs follow
   CHAT_OUTPUT.
 
+`max_output_len` (optional) caps every output length, so that a rate sweep on a slow machine stays
+about prompts and arrivals rather than hundreds of decode steps per request.
+
 Everything random is drawn from `random.Random(seed)`, so a seed gives the same requests.
 """
 
@@ -18,7 +21,7 @@ import gzip
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.prompts import PromptMaker
@@ -55,12 +58,15 @@ class Workload:
     output_len: int = 64
     long_share: float = 0.07
     seed: int = 0
+    max_output_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"unknown workload {self.name!r}: one of {WORKLOADS}")
         if self.input_len < 1 or self.output_len < 1:
             raise ValueError("input and output lengths must be >= 1")
+        if self.max_output_len is not None and self.max_output_len < 1:
+            raise ValueError("max_output_len must be >= 1")
         if not 0 <= self.long_share <= 1:
             raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
 
@@ -77,6 +83,8 @@ class Workload:
         if self.name == "mixed":
             described["long_share"] = self.long_share
             described["long_input_lengths"] = {"uniform": list(LONG_INPUT)}
+        if self.max_output_len is not None:
+            described["max_output_len"] = self.max_output_len
         return described
 
 
@@ -91,16 +99,25 @@ class RequestSpec:
     output_len: int
 
 
-def build(workload: Workload, prompts: PromptMaker, count: int) -> list[RequestSpec]:
-    """`count` requests of `workload`, their prompts made by `prompts`."""
+def build(workload: Workload, prompts: PromptMaker, count: int,
+          first_prompt: int = 0) -> list[RequestSpec]:
+    """`count` requests of `workload`, their prompts made by `prompts`.
+
+    Request i gets prompt number `first_prompt + i`: runs given disjoint numbers share no
+    prompt, so a server's prefix cache cannot carry one run's prompts into the next.
+    """
     rng = random.Random(workload.seed)
     if workload.name == "humaneval":
-        return _humaneval(workload, prompts, count, rng)
-    shapes = {"fixed": _fixed_shapes, "chat": _chat_shapes, "mixed": _mixed_shapes}
-    return [
-        RequestSpec(i, kind, prompts.prompt(i, n_in), n_in, n_out)
-        for i, (kind, n_in, n_out) in enumerate(shapes[workload.name](workload, count, rng))
-    ]
+        specs = _humaneval(workload, prompts, count, rng)
+    else:
+        shapes = {"fixed": _fixed_shapes, "chat": _chat_shapes, "mixed": _mixed_shapes}
+        specs = [
+            RequestSpec(i, kind, prompts.prompt(first_prompt + i, n_in), n_in, n_out)
+            for i, (kind, n_in, n_out) in enumerate(shapes[workload.name](workload, count, rng))
+        ]
+    cap = workload.max_output_len
+    return specs if cap is None else [replace(s, output_len=min(s.output_len, cap))
+                                      for s in specs]
 
 
 def _fixed_shapes(workload: Workload, count: int, rng: random.Random) -> list[tuple[str, int, int]]:

@@ -48,7 +48,7 @@ class WorkerConfig:
     num_kv_blocks: int = 4096
     block_size: int = 16
     max_batch_tokens: int = 2048
-    chunk_tokens: int = 512  # prompt tokens per step at most: longer prompts go in chunks
+    chunk_tokens: int = 256  # prompt tokens per step at most: longer prompts go in chunks
     max_running: int = 64
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
     cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning

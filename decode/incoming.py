@@ -68,8 +68,9 @@ class IncomingTable:
         self.pending[(request.request_id, request.epoch)] = IncomingKV(request, now + self.lease_s)
         return None
 
-    def add(self, payload: KVPayload) -> str | None:
-        """File a verified chunk; why its request must fail, or None."""
+    def add(self, payload: KVPayload, now: float) -> str | None:
+        """File a verified chunk, renewing its request's lease; why the request must fail,
+        or None."""
         header = payload.header
         key = (header.request_id, header.epoch)
         entry = self.pending.get(key)
@@ -91,6 +92,7 @@ class IncomingTable:
         entry.token_start = header.token_start
         entry.token_end = header.token_start + header.num_tokens
         entry.next_layer = header.layer_end
+        entry.deadline = now + self.lease_s
         return None
 
     def _in_order(self, entry: IncomingKV, header: KVHeader) -> bool:

@@ -164,7 +164,7 @@ class DecodeWorker(Worker):
             if self.incoming.take(key) is not None:
                 self._fail(key, item.reason)
         else:
-            failure = self.incoming.add(item)
+            failure = self.incoming.add(item, time.monotonic())
             if failure is not None:
                 self._fail(key, failure)
 

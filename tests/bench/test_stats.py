@@ -11,8 +11,10 @@ from bench.client import RequestResult
 from bench.load import LoadRun
 from bench.stats import (
     Distribution,
+    Goodput,
     Slo,
     attainment,
+    goodput,
     goodput_rate,
     inter_token_gaps,
     percentile,
@@ -68,6 +70,28 @@ def test_goodput_rate() -> None:
     assert goodput_rate([(1, 0.89)]) is None
     assert goodput_rate([(1, 1.0), (2, math.nan)]) == 1
     assert goodput_rate([(1, 0.8), (2, 0.8)], target=0.75) == 2
+
+
+def test_slo_with_a_ttft_budget_per_prompt_token() -> None:
+    slo = Slo(ttft_s=1.0, tpot_s=0.1, ttft_per_token_s=0.001)
+    assert slo.ttft_budget(3000) == pytest.approx(4.0) and slo.ttft_budget(None) == 1.0
+    assert slo.met(3.9, 0.1, 3000) and not slo.met(3.9, 0.1, 2000)
+    assert not slo.met(1.5, 0.05) and not slo.met(0.5, 0.2, 3000)
+    samples = [(3.9, 0.05, 3000), (3.9, 0.05, 100), (0.5, None, 10), (None, None, 10)]
+    assert attainment(slo, samples) == pytest.approx(2 / 4)
+
+
+def test_goodput_interpolates_where_attainment_crosses_the_target() -> None:
+    # kept 1.0 at 1 req/s, 0.8 at 2 req/s: 0.9 is crossed half-way
+    assert goodput([(1, 1.0), (2, 0.8), (4, 0.1)]) == Goodput(1.5)
+    assert goodput([(2, 0.95), (1, 1.0), (3, 0.7)]).rate == pytest.approx(2.2)  # any order
+    assert goodput([(1, 1.0), (2, 0.9), (3, 0.9)]) == Goodput(3, censored=True)
+    assert goodput([(1, 0.5), (2, 1.0)]) == Goodput(None)  # the lowest rate already misses
+    assert goodput([(1, 1.0), (2, 0.5), (3, 1.0)]).rate == pytest.approx(1.2)  # lucky 3 ignored
+    assert goodput([(1, 1.0), (2, math.nan)]) == Goodput(1)
+    assert goodput([]) == Goodput(None)
+    assert [g.describe() for g in (Goodput(1.5), Goodput(3, True), Goodput(None))] == \
+        ["1.50", ">= 3", "none"]
 
 
 def _ok(index: int, ttft: float, e2e: float, tokens: int) -> RequestResult:

@@ -90,3 +90,16 @@ def test_bad_workloads_are_refused() -> None:
                 {"name": "mixed", "long_share": 1.5}):
         with pytest.raises(ValueError):
             Workload(**bad)
+
+
+def test_output_cap_and_prompt_numbering() -> None:
+    capped = build(Workload("chat", seed=1, max_output_len=48), TextPrompts(), 200)
+    uncapped = build(Workload("chat", seed=1), TextPrompts(), 200)
+    assert [s.output_len for s in capped] == [min(48, s.output_len) for s in uncapped]
+    assert max(s.output_len for s in uncapped) > 48
+    later = build(Workload("chat", seed=1), TextPrompts(), 3, first_prompt=500)
+    assert [s.index for s in later] == [0, 1, 2]
+    assert later[0].prompt == TextPrompts().prompt(500, later[0].input_len or 0)
+    assert Workload("chat", max_output_len=48).describe()["max_output_len"] == 48
+    with pytest.raises(ValueError):
+        Workload("chat", max_output_len=0)

@@ -48,7 +48,7 @@ def test_a_complete_arrival_in_layer_order(table: IncomingTable) -> None:
     entry = table.pending[("r", 0)]
     assert not table.is_complete(entry)
     for payload in sent:
-        assert table.add(payload) is None
+        assert table.add(payload, now=0.0) is None
     assert table.is_complete(entry)
     taken = table.take(("r", 0))
     assert taken is entry and table.pending == {}
@@ -63,10 +63,10 @@ def test_a_prompt_prefilled_in_chunks_arrives_range_by_range(table: IncomingTabl
     table.expect(announce("r"), now=0.0)
     entry = table.pending[("r", 0)]
     for layer in range(NUM_LAYERS):  # tokens 0..1, every layer
-        assert table.add(chunk("r", layer, tokens=2)) is None
+        assert table.add(chunk("r", layer, tokens=2), now=0.0) is None
     assert not table.is_complete(entry)  # tokens 2..4 are still to come
-    assert table.add(chunk("r", 0, 2, tokens=3, token_start=2)) is None
-    assert table.add(chunk("r", 2, tokens=3, token_start=2)) is None
+    assert table.add(chunk("r", 0, 2, tokens=3, token_start=2), now=0.0) is None
+    assert table.add(chunk("r", 2, tokens=3, token_start=2), now=0.0) is None
     assert table.is_complete(entry)
     spans = [(p.token_start, p.layer_start, p.k.shape[1]) for p in entry.layers]
     assert spans == [(0, 0, 2), (0, 1, 2), (0, 2, 2), (2, 0, 3), (2, 2, 3)]
@@ -84,35 +84,35 @@ def test_token_ranges_out_of_order_fail_the_request(
         table: IncomingTable, layers_before: int, bad: dict[str, Any]) -> None:
     table.expect(announce("r"), now=0.0)
     for layer in range(layers_before):
-        assert table.add(chunk("r", layer, tokens=2)) is None
-    assert table.add(chunk("r", **{"layer_start": 0, **bad}))
+        assert table.add(chunk("r", layer, tokens=2), now=0.0) is None
+    assert table.add(chunk("r", **{"layer_start": 0, **bad}), now=0.0)
     assert table.pending == {} and table.dropped == {"wrong shape": 1}
 
 
 def test_a_chunk_for_an_unannounced_request_is_dropped_and_counted(table: IncomingTable) -> None:
-    assert table.add(chunk("nobody", 0)) is None  # no request to fail
+    assert table.add(chunk("nobody", 0), now=0.0) is None  # no request to fail
     assert table.dropped == {"unknown request": 1}
     assert table.pending == {}
 
 
 def test_a_chunk_of_an_older_epoch_is_dropped_as_stale(table: IncomingTable) -> None:
     table.expect(announce("r", epoch=2), now=0.0)
-    assert table.add(chunk("r", 0, epoch=1)) is None
+    assert table.add(chunk("r", 0, epoch=1), now=0.0) is None
     assert table.dropped == {"stale epoch": 1}
     entry = table.pending[("r", 2)]
     assert entry.layers == [] and entry.next_layer == 0  # the newer epoch is untouched
-    assert table.add(chunk("r", 0, epoch=2)) is None
+    assert table.add(chunk("r", 0, epoch=2), now=0.0) is None
     assert entry.next_layer == 1
 
 
 def test_expecting_a_newer_epoch_drops_the_older_one(table: IncomingTable) -> None:
     table.expect(announce("r", epoch=0), now=0.0)
     table.expect(announce("other"), now=0.0)
-    table.add(chunk("r", 0, epoch=0))
+    table.add(chunk("r", 0, epoch=0), now=0.0)
     assert table.expect(announce("r", epoch=1), now=0.0) is None
     assert set(table.pending) == {("r", 1), ("other", 0)}
     assert table.pending[("r", 1)].next_layer == 0  # starts afresh
-    assert table.add(chunk("r", 1, epoch=0)) is None  # the rest of the old epoch: dropped
+    assert table.add(chunk("r", 1, epoch=0), now=0.0) is None  # the rest of the old epoch: dropped
     assert table.dropped == {"stale epoch": 1}
 
 
@@ -130,12 +130,12 @@ def test_a_chunk_out_of_order_or_of_the_wrong_shape_fails_its_request(
     table.expect(announce("r"), now=0.0)
     table.expect(announce("other"), now=0.0)
     for layer in range(before):  # well-formed layers first
-        assert table.add(chunk("r", layer)) is None
-    reason = table.add(chunk("r", **{"layer_start": 0, **bad}))
+        assert table.add(chunk("r", layer), now=0.0) is None
+    reason = table.add(chunk("r", **{"layer_start": 0, **bad}), now=0.0)
     assert reason  # the request must fail, with a reason
     assert set(table.pending) == {("other", 0)}  # only that request, and its entry is gone
     assert table.dropped == {"wrong shape": 1}
-    assert table.add(chunk("r", before)) is None  # what follows finds no request
+    assert table.add(chunk("r", before), now=0.0) is None  # what follows finds no request
     assert table.dropped == {"wrong shape": 1, "unknown request": 1}
 
 
@@ -144,7 +144,7 @@ def test_a_fingerprint_mismatch_names_both_layouts(table: IncomingTable) -> None
     assert reason is not None
     assert "fp-prefill" in reason and "fp-decode" in reason
     assert table.pending == {}
-    assert table.add(chunk("r", 0)) is None
+    assert table.add(chunk("r", 0), now=0.0) is None
     assert table.dropped == {"unknown request": 1}
 
 
@@ -152,7 +152,7 @@ def test_a_borrowed_chunk_is_copied(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
     payload = chunk("r", 0, borrowed=True)
     k_before, v_before = payload.k.clone(), payload.v.clone()
-    table.add(payload)
+    table.add(payload, now=0.0)
     payload.k.fill_(7.0)  # the sender's buffer is reused after the drain
     payload.v.fill_(7.0)
     (part,) = table.pending[("r", 0)].layers
@@ -163,7 +163,7 @@ def test_a_borrowed_chunk_is_copied(table: IncomingTable) -> None:
 def test_an_owned_chunk_is_kept_as_is(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
     payload = chunk("r", 0, borrowed=False)
-    table.add(payload)
+    table.add(payload, now=0.0)
     (part,) = table.pending[("r", 0)].layers
     assert part.k is payload.k and part.v is payload.v  # no copy: the receiver gave it away
 
@@ -182,7 +182,7 @@ def test_expire_drops_only_entries_past_their_lease(table: IncomingTable) -> Non
 def test_an_expired_request_drops_its_late_chunks(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
     table.expire(now=LEASE_S + 1.0)
-    assert table.add(chunk("r", 0)) is None
+    assert table.add(chunk("r", 0), now=0.0) is None
     assert table.dropped == {"unknown request": 1}
 
 
@@ -194,5 +194,13 @@ def test_a_late_notice_of_an_older_epoch_leaves_the_newer_one_alone(table: Incom
 
 def test_a_chunk_of_a_newer_epoch_than_expected_is_unknown_not_stale(table: IncomingTable) -> None:
     table.expect(announce("r", epoch=0), now=0.0)
-    assert table.add(chunk("r", 0, epoch=5)) is None
+    assert table.add(chunk("r", 0, epoch=5), now=0.0) is None
     assert table.dropped == {"unknown request": 1}
+
+
+def test_each_arriving_chunk_renews_the_lease(table: IncomingTable) -> None:
+    """A long prompt prefilled in chunks may take longer than one lease to arrive in full."""
+    table.expect(announce("r"), now=0.0)
+    assert table.add(chunk("r", 0), now=LEASE_S - 1.0) is None
+    assert table.expire(now=LEASE_S + 1.0) == []
+    assert table.expire(now=2 * LEASE_S - 1.0) == [("r", 0)]

@@ -1,0 +1,451 @@
+"""`goodput`: DistServe-style SLO goodput of disaggregated against colocated serving, same CPUs.
+
+Each mode is launched in turn (launch.sh pins its workers; see MODES). First, single requests of
+a few prompt lengths, one at a time, give the mode's unloaded latencies: TTFT as a line over
+prompt length, and TPOT. Then each workload is swept over Poisson arrival rates, the same
+requests at the same arrival times for every mode, with fresh prompts for every run (no prefix
+cache carry-over). A mode's sweep of a workload stops early after a rate, at or above the
+comparison rate, at which it is saturated: under half its requests within twice its own
+unloaded-derived SLO.
+
+After every mode has run, one SLO is set from the median of the modes' unloaded figures (TTFT
+`--ttft-factor` times the unloaded line, so long prompts get a longer budget; TPOT
+`--tpot-factor` times the unloaded TPOT), and every run is judged against it: SLO attainment,
+goodput (the rate where attainment falls below 90 %, interpolated between swept rates), p99 TTFT
+and p99 TPOT. Output: results.json, results.md, attainment.png and tpot_cdf.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from bench.client import served_model
+from bench.launcher import ROOT, launched, model_dir
+from bench.load import Load, LoadRun, run_load
+from bench.plots import plot_attainment, plot_tpot_cdfs
+from bench.prompts import PromptMaker, TokenPrompts
+from bench.report import goodput_json, goodput_markdown, write_json
+from bench.serve import open_client
+from bench.stats import Goodput, Sample, Slo, attainment, goodput
+from bench.summary import Summary, summarize
+from bench.workloads import RequestSpec, Workload, build
+
+PURE_DISAGG = ("--set", "gateway.local_prefill_max_tokens=0",
+               "--set", "gateway.prefill_saturated_tokens=0")
+# Equal CPUs on a 2-core host: one core per pool (disaggregated), one per colocated worker, or
+# one colocated worker with both cores and two threads.
+MODES: dict[str, tuple[str, ...]] = {
+    "disagg": ("--prefill", "1", "--decode", "1", *PURE_DISAGG),
+    "conditional": ("--prefill", "1", "--decode", "1"),
+    "coloc-2x1": ("--colocated", "2"),
+    "coloc-1x2": ("--colocated", "1", "--set", "decode.threads=2"),
+}
+GOODPUT_WORKLOADS = ("chat", "humaneval", "mixed")
+# Rates (req/s) per workload for the SmolLM2-135M on 2 CPU cores (~400 prompt tokens/s per core):
+# humaneval prompts are short (~130 tokens), chat ~275 tokens on average, mixed ~460 (7 % of
+# 2,000-4,000 tokens); one prefill core saturates near 0.85 mixed requests/s.
+DEFAULT_RATES = {"chat": (0.5, 1.0, 2.0), "humaneval": (0.5, 1.5, 3.0),
+                 "mixed": (0.2, 0.3, 0.5)}
+QUICK_RATES = {"chat": (0.5, 1.5), "humaneval": (1.0, 3.0), "mixed": (0.2, 0.5)}
+PROBE_LENS = (64, 512, 1536)
+PROBE_OUTPUT = 16
+SATURATED = 0.5  # attainment under LOOSE x a mode's own SLO below which its sweep stops
+LOOSE = 2.0
+
+
+@dataclass(frozen=True)
+class GoodputPlan:
+    """What every mode gets: the workloads, their rates, and how long each rate runs."""
+
+    modes: tuple[str, ...]
+    workloads: tuple[Workload, ...]
+    rates: Mapping[str, tuple[float, ...]]  # workload name -> ascending rates
+    compare_rates: Mapping[str, float]  # workload name -> the rate every mode runs, for CDFs
+    duration_s: float = 15.0  # of Poisson arrivals per rate
+    min_requests: int = 10
+    probe_lens: tuple[int, ...] = PROBE_LENS
+    ttft_factor: float = 5.0
+    tpot_factor: float = 2.0
+
+    def request_count(self, rate: float) -> int:
+        """Requests sent at `rate`: its duration's worth, at least `min_requests`."""
+        return max(self.min_requests, round(rate * self.duration_s))
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """Single-request latencies of one mode: TTFT = base + per_token * prompt tokens; TPOT."""
+
+    ttft_base_s: float
+    ttft_per_token_s: float
+    tpot_s: float
+    samples: tuple[tuple[int, float, float | None], ...]  # (prompt tokens, TTFT, TPOT)
+
+    def slo(self, ttft_factor: float, tpot_factor: float) -> Slo:
+        """The SLO these latencies give with the factors."""
+        return Slo(ttft_factor * self.ttft_base_s, tpot_factor * self.tpot_s,
+                   ttft_factor * self.ttft_per_token_s)
+
+
+def fit_unloaded(samples: Sequence[tuple[int, float, float | None]]) -> Unloaded:
+    """Least-squares TTFT line over prompt length (base floored at 0), and the median TPOT."""
+    lengths = [float(n) for n, _, _ in samples]
+    ttfts = [t for _, t, _ in samples]
+    if len(set(lengths)) < 2:
+        raise ValueError("the unloaded fit needs at least two prompt lengths")
+    slope, base = statistics.linear_regression(lengths, ttfts)
+    if base < 0:  # keep the line through the measurements' centre, but never below 0 at 0
+        base, slope = 0.0, sum(ttfts) / sum(lengths)
+    tpots = [t for _, _, t in samples if t is not None]
+    if not tpots:
+        raise ValueError("no unloaded request produced two tokens")
+    return Unloaded(base, slope, statistics.median(tpots), tuple(samples))
+
+
+def reference_slo(unloaded: Sequence[Unloaded], ttft_factor: float, tpot_factor: float) -> Slo:
+    """The one SLO for every mode: the factors times the median of the modes' unloaded figures."""
+    middle = Unloaded(statistics.median(u.ttft_base_s for u in unloaded),
+                      statistics.median(u.ttft_per_token_s for u in unloaded),
+                      statistics.median(u.tpot_s for u in unloaded), ())
+    return middle.slo(ttft_factor, tpot_factor)
+
+
+def samples(run: LoadRun) -> list[Sample]:
+    """(TTFT, TPOT, prompt tokens) of every request sent; failures count as missed."""
+    return [(r.ttft_s, r.tpot_s, r.prompt_tokens or r.input_len) for r in run.results]
+
+
+@dataclass(frozen=True)
+class RateRun:
+    """One workload at one rate against one mode."""
+
+    workload: str
+    rate: float
+    load: Load
+    run: LoadRun
+
+
+@dataclass(frozen=True)
+class ModeRun:
+    """Everything measured on one mode."""
+
+    mode: str
+    flags: tuple[str, ...]
+    run_dir: str
+    unloaded: Unloaded
+    runs: tuple[RateRun, ...]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One rate of one mode's sweep of one workload, judged against the reference SLO."""
+
+    rate: float
+    attainment: float
+    summary: Summary
+    run: LoadRun
+
+
+@dataclass(frozen=True)
+class GoodputResults:
+    """A whole `goodput` invocation: the plan, every mode's measurements and the SLO."""
+
+    command: tuple[str, ...]
+    plan: GoodputPlan
+    prompts: str
+    modes: tuple[ModeRun, ...]
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)  # mode -> why
+
+    @property
+    def slo(self) -> Slo:
+        """The reference SLO every run is judged against."""
+        plan = self.plan
+        return reference_slo([m.unloaded for m in self.modes], plan.ttft_factor, plan.tpot_factor)
+
+    def points(self, mode: ModeRun, workload: str) -> list[Point]:
+        """The swept rates of `workload` on `mode`, ascending."""
+        slo = self.slo
+        return [Point(r.rate, attainment(slo, samples(r.run)), summarize(r.run, slo), r.run)
+                for r in sorted(mode.runs, key=lambda r: r.rate) if r.workload == workload]
+
+    def goodput(self, mode: ModeRun, workload: str) -> Goodput:
+        """`mode`'s goodput on `workload`."""
+        return goodput([(p.rate, p.attainment) for p in self.points(mode, workload)])
+
+    def at_compare_rate(self, mode: ModeRun, workload: str) -> Point | None:
+        """`mode`'s run of `workload` at the comparison rate."""
+        rate = self.plan.compare_rates[workload]
+        return next((p for p in self.points(mode, workload) if p.rate == rate), None)
+
+    def targets(self) -> list[Verdict]:
+        """The issue's targets on the mixed workload (see `verdicts`)."""
+        return verdicts(self)
+
+
+def colocated(mode: str) -> bool:
+    """Whether `mode` prefills and decodes in the same workers."""
+    return "--colocated" in MODES.get(mode, ())
+
+
+def probe_specs(prompts: PromptMaker, lens: Sequence[int]) -> list[RequestSpec]:
+    """A short warm-up request, then one request per probe length."""
+    return [RequestSpec(i, "probe", prompts.prompt(i, n), n, PROBE_OUTPUT)
+            for i, n in enumerate([lens[0], *lens])]
+
+
+def rate_specs(plan: GoodputPlan,
+               prompts: PromptMaker) -> dict[tuple[str, float], list[RequestSpec]]:
+    """The requests of every (workload, rate): seeded per rate, prompts numbered apart."""
+    specs: dict[tuple[str, float], list[RequestSpec]] = {}
+    first = len(plan.probe_lens) + 1
+    for workload in plan.workloads:
+        for k, rate in enumerate(plan.rates[workload.name]):
+            count = plan.request_count(rate)
+            seeded = dataclasses.replace(workload, seed=workload.seed + k)
+            specs[workload.name, rate] = build(seeded, prompts, count, first)
+            first += count
+    return specs
+
+
+def request_timeout(slo: Slo, specs: Sequence[RequestSpec]) -> float:
+    """A cut-off no request within LOOSE x `slo` can reach: later ones miss the SLO anyway."""
+    longest = max(s.input_len or 0 for s in specs)
+    outputs = max(s.output_len for s in specs)
+    return max(30.0, LOOSE * (slo.ttft_budget(longest) + outputs * slo.tpot_s))
+
+
+def saturated(slo: Slo, run: LoadRun) -> bool:
+    """Whether under half the run's requests met LOOSE x `slo`: higher rates are pointless."""
+    loose = Slo(LOOSE * slo.ttft_s, LOOSE * slo.tpot_s, LOOSE * slo.ttft_per_token_s)
+    return not attainment(loose, samples(run)) >= SATURATED
+
+
+async def _probe(client: httpx.AsyncClient, model: str, probes: Sequence[RequestSpec]) -> Unloaded:
+    """One request at a time; the first warms the server up and is not counted."""
+    run = await run_load(client, model, probes, Load(concurrency=1, request_timeout_s=300),
+                         "unloaded")
+    failed = [r.error for r in run.results if not r.ok]
+    if failed:
+        raise RuntimeError(f"unloaded requests failed: {failed[0]}")
+    return fit_unloaded([(r.input_len or 0, r.ttft_s or 0.0, r.tpot_s)
+                         for r in run.results[1:]])
+
+
+@dataclass(frozen=True)
+class Session:
+    """What one mode's measurement needs besides its server."""
+
+    mode: str
+    plan: GoodputPlan
+    specs: Mapping[tuple[str, float], Sequence[RequestSpec]]
+    probes: Sequence[RequestSpec]
+    step: Callable[[int], object]  # advances the progress bar
+
+
+async def _sweep(client: httpx.AsyncClient, model: str, session: Session, workload: Workload,
+                 own: Slo) -> list[RateRun]:
+    """`workload` at rising rates, until saturated above the comparison rate."""
+    rates = session.plan.rates[workload.name]
+    runs = []
+    for k, rate in enumerate(rates):
+        requests = session.specs[workload.name, rate]
+        load = Load(rate=rate, request_timeout_s=request_timeout(own, requests),
+                    seed=workload.seed + k)
+        label = f"{session.mode} {workload.name} @ {rate:g}/s"
+        run = await run_load(client, model, requests, load, label)
+        runs.append(RateRun(workload.name, rate, load, run))
+        session.step(1)
+        if rate >= session.plan.compare_rates[workload.name] and saturated(own, run):
+            session.step(len(rates) - k - 1)
+            break
+    return runs
+
+
+async def _measure(url: str, session: Session) -> tuple[Unloaded, tuple[RateRun, ...]]:
+    async with open_client(url, None, 600.0) as client:
+        model = await served_model(client)
+        unloaded = await _probe(client, model, session.probes)
+        session.step(1)
+        own = unloaded.slo(session.plan.ttft_factor, session.plan.tpot_factor)
+        runs = []
+        for workload in session.plan.workloads:
+            runs += await _sweep(client, model, session, workload, own)
+    return unloaded, tuple(runs)
+
+
+def measure_mode(session: Session) -> ModeRun:
+    """Launch `session.mode`, measure it, stop it."""
+    flags = MODES[session.mode]
+    with launched(flags) as server:
+        unloaded, runs = asyncio.run(_measure(server.url, session))
+    return ModeRun(session.mode, flags, str(server.run_dir), unloaded, runs)
+
+
+def run_modes(plan: GoodputPlan, prompts: PromptMaker) -> tuple[list[ModeRun], dict[str, str]]:
+    """Every mode in turn, under one progress bar; a mode that fails is reported, not fatal."""
+    specs = rate_specs(plan, prompts)
+    probes = probe_specs(prompts, plan.probe_lens)
+    per_mode = 1 + sum(len(plan.rates[w.name]) for w in plan.workloads)
+    measured, failed = [], {}
+    with tqdm(total=per_mode * len(plan.modes), desc="goodput", unit="run") as bar:
+        for mode in plan.modes:
+            bar.set_postfix_str(mode)
+            session = Session(mode, plan, specs, probes, bar.update)
+            try:
+                measured.append(measure_mode(session))
+            except (RuntimeError, TimeoutError, httpx.HTTPError, ValueError) as error:
+                failed[mode] = f"{type(error).__name__}: {error}"
+                print(f"[bench] {mode} failed: {failed[mode]}", file=sys.stderr)
+            bar.update(per_mode * (len(measured) + len(failed)) - bar.n)
+    return measured, failed
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(sorted(float(part) for part in text.split(",") if part.strip()))
+
+
+def _names(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in text.split(",") if part.strip())
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
+        return names
+    return parse
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `goodput` subcommand's flags."""
+    parser = commands.add_parser("goodput", help="SLO goodput: disaggregated vs colocated",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", type=_names(tuple(MODES)), default=tuple(MODES),
+                        help="comma-separated, from: " + ", ".join(MODES))
+    parser.add_argument("--workloads", type=_names(GOODPUT_WORKLOADS),
+                        help="comma-separated (default: chat,humaneval,mixed; --quick: mixed)")
+    parser.add_argument("--rates", type=_floats, metavar="R1,R2,...",
+                        help="req/s for every workload (default: per workload, see the docs)")
+    parser.add_argument("--compare-rate", type=float,
+                        help="the rate of the TPOT CDFs and p99 comparison, run by every mode "
+                             "(default: each workload's second rate)")
+    parser.add_argument("--duration", type=float, default=15.0,
+                        help="seconds of arrivals per rate (default: %(default)s)")
+    parser.add_argument("--min-requests", type=int, help="per rate (default 10; --quick 8)")
+    parser.add_argument("--output-len", type=int, default=48,
+                        help="humaneval: output tokens; chat, mixed: the cap on their outputs")
+    parser.add_argument("--long-share", type=float, default=0.07,
+                        help="mixed: share of 2,000-4,000-token prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-factor", type=float, default=5.0,
+                        help="TTFT SLO in multiples of the unloaded TTFT for the prompt length")
+    parser.add_argument("--tpot-factor", type=float, default=2.0,
+                        help="TPOT SLO in multiples of the unloaded TPOT")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run of a few minutes: mixed only, 2 rates")
+    parser.add_argument("--out", type=Path, help="folder for results.json, results.md and the "
+                                                 "PNGs (default runs/goodput-TIME/)")
+    parser.set_defaults(prepare=prepare)
+
+
+def make_plan(args: argparse.Namespace) -> GoodputPlan:
+    """The plan the flags describe (with --quick's smaller defaults)."""
+    names = args.workloads or (("mixed",) if args.quick else GOODPUT_WORKLOADS)
+    defaults = QUICK_RATES if args.quick else DEFAULT_RATES
+    rates = {name: args.rates or defaults[name] for name in names}
+    if args.compare_rate is not None:
+        rates = {name: tuple(sorted({*r, args.compare_rate})) for name, r in rates.items()}
+    compare = {name: args.compare_rate or r[min(1, len(r) - 1)] for name, r in rates.items()}
+    workloads = tuple(Workload(name, output_len=args.output_len, long_share=args.long_share,
+                               seed=args.seed, max_output_len=args.output_len)
+                      for name in names)
+    return GoodputPlan(args.modes, workloads, rates, compare, duration_s=args.duration,
+                       min_requests=args.min_requests or (8 if args.quick else 10),
+                       ttft_factor=args.ttft_factor, tpot_factor=args.tpot_factor)
+
+
+def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    """Check the flags and build the plan; the returned job measures every mode."""
+    if args.rates is not None and (not args.rates or min(args.rates) <= 0):
+        raise ValueError("--rates must be positive")
+    if min(args.output_len, args.min_requests or 1) < 1 or args.duration <= 0:
+        raise ValueError("--output-len, --min-requests and --duration must be positive")
+    plan = make_plan(args)
+    out = args.out or ROOT / "runs" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}"
+    command = ("python -m bench", *argv)
+    return lambda: run(plan, command, out)
+
+
+def run(plan: GoodputPlan, command: tuple[str, ...], out: Path) -> int:
+    """Measure every mode; write results.json, results.md and the PNGs; print the Markdown."""
+    folder = model_dir(MODES[plan.modes[0]])
+    measured, failed = run_modes(plan, TokenPrompts(folder))
+    if not measured:
+        print("[bench] no mode could be measured", file=sys.stderr)
+        return 1
+    results = GoodputResults(command, plan, f"token ids (tokenizer {folder})",
+                             tuple(measured), failed)
+    write_json(goodput_json(results), out / "results.json")
+    markdown = goodput_markdown(results)
+    (out / "results.md").write_text(markdown + "\n")
+    plot_attainment(results, out / "attainment.png")
+    plot_tpot_cdfs(results, out / "tpot_cdf.png")
+    print(markdown)
+    print(f"\nwrote {out}/results.json, results.md, attainment.png, tpot_cdf.png",
+          file=sys.stderr)
+    return int(bool(failed))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One of the issue's targets for one disaggregated mode against the best colocated one."""
+
+    mode: str
+    measure: str  # what was compared, e.g. "p99 TPOT"
+    ratio: float  # the mode's figure over the best colocated figure (NaN: not measurable)
+    goal: str  # "<= 0.33" or ">= 1.5"
+    met: bool
+    figures: str  # both figures, e.g. "80 ms vs 400 ms (coloc-2x1)"; ">=": a censored goodput
+
+
+def verdicts(results: GoodputResults, workload: str = "mixed") -> list[Verdict]:
+    """p99 TPOT (at the comparison rate) and goodput of every disaggregated mode against the best
+    colocated mode on `workload`; none unless both kinds were measured."""
+    together = [m for m in results.modes if colocated(m.mode)]
+    apart = [m for m in results.modes if not colocated(m.mode)]
+    if workload not in results.plan.rates or not together or not apart:
+        return []
+    tpots = {m.mode: _p99_tpot(results, m, workload) for m in together}
+    tpot_mode = min(tpots, key=lambda m: math.inf if math.isnan(tpots[m]) else tpots[m])
+    rates = {m.mode: results.goodput(m, workload) for m in together}
+    rate_mode = max(rates, key=lambda m: rates[m].rate or 0.0)
+    best = rates[rate_mode].rate or 0.0
+    found = []
+    for mode in apart:
+        p99 = _p99_tpot(results, mode, workload)
+        tpot = p99 / tpots[tpot_mode]
+        own = results.goodput(mode, workload)
+        rate = own.rate or 0.0
+        ratio = rate / best if best > 0 else (math.inf if rate > 0 else math.nan)
+        found += [Verdict(mode.mode, "p99 TPOT", tpot, "<= 0.33", tpot <= 1 / 3,
+                          f"{p99 * 1000:.0f} ms vs {tpots[tpot_mode] * 1000:.0f} ms ({tpot_mode})"),
+                  Verdict(mode.mode, "goodput", ratio, ">= 1.5", ratio >= 1.5,
+                          f"{own.describe()} vs {rates[rate_mode].describe()} req/s "
+                          f"({rate_mode})")]
+    return found
+
+
+def _p99_tpot(results: GoodputResults, mode: ModeRun, workload: str) -> float:
+    point = results.at_compare_rate(mode, workload)
+    return math.nan if point is None else point.summary.tpot_s.p99
