@@ -40,7 +40,8 @@ class GatewayConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     # Conditional disaggregation: which prompts a decode worker prefills itself.
     local_prefill_max_tokens: int = 32  # prompts this short (0: none, unless no prefill pool)
-    prefill_saturated_tokens: int = 4096  # every prefill worker holds this much: decode helps
+    prefill_saturated_tokens: int = 1024  # every prefill worker holds this much: decode helps
+    saturated_local_max_tokens: int = 256  # ... with prompts up to this long
 
 
 @dataclass(frozen=True)

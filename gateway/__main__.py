@@ -39,7 +39,8 @@ def main() -> None:
     registry = Registry(kv_fingerprint(spec, config.model.dtype), gateway.heartbeat_timeout_s,
                         gateway.expect_prefill, gateway.expect_decode, gateway.stall_timeout_s,
                         LocalPrefill(gateway.local_prefill_max_tokens,
-                                     gateway.prefill_saturated_tokens))
+                                     gateway.prefill_saturated_tokens,
+                                     gateway.saturated_local_max_tokens))
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,

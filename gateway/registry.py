@@ -55,11 +55,14 @@ class Route:
 @dataclass(frozen=True)
 class LocalPrefill:
     """When a decode worker prefills a prompt itself rather than a prefill worker: prompts of
-    at most `max_tokens` (0: none), and any prompt while every prefill worker holds at least
-    `saturated_tokens` (0: never) and the decode worker has headroom."""
+    at most `max_tokens` (0: none); and prompts of at most `saturated_max_tokens` while every
+    prefill worker holds at least `saturated_tokens` (0: never) and the decode worker has
+    headroom. A longer prompt would stall decode's running sequences for several chunks: it
+    waits for a prefill worker however long its queue."""
 
     max_tokens: int = 0
     saturated_tokens: int = 0
+    saturated_max_tokens: int = 256
 
 
 class Registry:
@@ -195,8 +198,9 @@ class Registry:
             return "local_no_prefill"
         if prompt_len <= self.local.max_tokens:
             return "local_short"
-        saturated = self.local.saturated_tokens > 0 and all(
-            w.held_tokens >= self.local.saturated_tokens for w in pool)
+        saturated = (self.local.saturated_tokens > 0 and
+                     prompt_len <= self.local.saturated_max_tokens and
+                     all(w.held_tokens >= self.local.saturated_tokens for w in pool))
         return "local_saturated" if saturated and _has_headroom(decode) else ""
 
     def pick_decode(self) -> WorkerInfo | None:

@@ -381,6 +381,14 @@ def test_route_prefills_on_decode_only_when_every_prefill_worker_is_saturated() 
     assert route_path(reg, 50)[2] == "disaggregated"
 
 
+def test_a_long_prompt_waits_for_a_saturated_prefill_pool() -> None:
+    reg = conditional(saturated_tokens=100)
+    reg.local = LocalPrefill(8, 100, saturated_max_tokens=64)
+    reg.workers["p1"].active["a"] = reg.workers["p2"].active["b"] = 500
+    assert route_path(reg, 64)[2] == "local_saturated"
+    assert route_path(reg, 65) == ("p1", "d1", "disaggregated")
+
+
 def test_route_with_saturation_off_never_goes_local_for_long_prompts() -> None:
     reg = conditional(max_tokens=0, saturated_tokens=0)
     reg.workers["p1"].active["a"] = reg.workers["p2"].active["b"] = 10**6
