@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, sse_events
 
 pytestmark = pytest.mark.e2e
 
@@ -46,16 +46,6 @@ def conditional(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=1, decode=1,
                 config=config(local_prefill_max_tokens=8)) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
-    return greedy_reference(tiny_model_dir)
 
 
 def complete(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:

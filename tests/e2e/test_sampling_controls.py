@@ -18,7 +18,6 @@ import torch
 from openai import OpenAI
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedTokenizerBase,
     RepetitionPenaltyLogitsProcessor,
 )
@@ -109,11 +108,6 @@ def model_dir(make_tiny_model: Callable[..., Path], eos: int) -> Path:
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with launch(tmp_path_factory.mktemp("run"), model_dir) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,14 +16,13 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tests.e2e.cluster import (
     ROOT,
     TEST_CONFIG,
     Cluster,
     alive,
-    greedy_reference,
     launch,
     sse_events,
     started_pids,
@@ -43,16 +42,6 @@ PROMPTS = [
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=2, decode=2) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
-    return greedy_reference(tiny_model_dir)
 
 
 def stream_completion(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict:
