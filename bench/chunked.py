@@ -5,6 +5,9 @@ Two launched servers, the same but for `prefill.chunk_tokens`: on (default 256) 
 a 4,000-token prompt runs in one pass). On each: the short prompt alone, then, per repeat, a
 fresh long prompt, a pause of `delay_s` (the long one is then mid-prefill) and a fresh short
 one; both TTFTs are measured. Every prompt is new, so the prefix cache plays no part.
+By default conditional disaggregation is off, so that the short prompt waits on the prefill
+worker and chunking alone decides how long (with it on, the gateway would send the short
+prompt to the idle decode worker).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.client import RequestResult, served_model, stream_request
-from bench.launcher import launched, model_dir
+from bench.launcher import PURE_DISAGG, launched, model_dir
 from bench.prompts import TokenPrompts
 from bench.workloads import RequestSpec
 
@@ -129,7 +132,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench chunked`: a short prompt's TTFT behind a long one, chunking on/off."""
     parser = commands.add_parser("chunked", help="TTFT behind a long prompt: chunked prefill",
                                  description=__doc__)
-    parser.add_argument("--launch", default="--prefill 1 --decode 1",
+    pure = " ".join(("--prefill", "1", "--decode", "1", *PURE_DISAGG))
+    parser.add_argument("--launch", default=pure,
                         help="launch.sh flags of the server (default: %(default)s)")
     parser.add_argument("--long-len", type=int, default=4000)
     parser.add_argument("--short-len", type=int, default=50)

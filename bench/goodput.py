@@ -32,7 +32,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.client import served_model
-from bench.launcher import ROOT, launched, model_dir
+from bench.launcher import PURE_DISAGG, ROOT, launched, model_dir
 from bench.load import Load, LoadRun, run_load
 from bench.plots import plot_attainment, plot_tpot_cdfs
 from bench.prompts import PromptMaker, TokenPrompts
@@ -42,8 +42,6 @@ from bench.stats import Goodput, Sample, Slo, attainment, goodput
 from bench.summary import Summary, summarize
 from bench.workloads import RequestSpec, Workload, build
 
-PURE_DISAGG = ("--set", "gateway.local_prefill_max_tokens=0",
-               "--set", "gateway.prefill_saturated_tokens=0")
 # Equal CPUs on a 2-core host: one core per pool (disaggregated), one per colocated worker, or
 # one colocated worker with both cores and two threads.
 MODES: dict[str, tuple[str, ...]] = {

@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 READY = "[launch] ready"
 _KEY_IN_WORD = re.compile(r"(--api-key(?:=|\s+))\S+")
 MB = 2**20
+# launch.sh flags that turn conditional disaggregation off: every prompt goes to a prefill worker
+PURE_DISAGG = ("--set", "gateway.local_prefill_max_tokens=0",
+               "--set", "gateway.prefill_saturated_tokens=0")
 
 
 @dataclass(frozen=True)
