@@ -42,6 +42,7 @@ from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
 from core.config import KV_BACKENDS, ModelConfig
+from engine.loading import DTYPES
 from engine.prepare import resolve_model
 from engine.runner import set_threads
 
@@ -186,6 +187,8 @@ def runner_parser(commands: argparse._SubParsersAction) -> None:
                         metavar="B1,B2,...", help="decode batch sizes timed")
     parser.add_argument("--context", type=int, default=defaults.context,
                         help="tokens cached per sequence before the timed decode steps")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype,
+                        help="weights, activations and KV of both sides (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="results JSON (default runs/bench-TIME/)")
     parser.set_defaults(prepare=prepare_runner)
 
@@ -195,7 +198,8 @@ def prepare_runner(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[]
     set_threads(args.threads)
     base = microbench.QUICK if args.quick else microbench.RunnerPlan()
     plan = dataclasses.replace(base, prefill_lens=args.prefill_lens,
-                               batch_sizes=args.batch_sizes, context=args.context)
+                               batch_sizes=args.batch_sizes, context=args.context,
+                               dtype=args.dtype)
     folder = resolve_model(args.model, ModelConfig().cache_dir)
     return lambda: run_runner(folder, plan, args.out or default_out("runner.json"))
 

@@ -171,7 +171,8 @@ def runner_markdown(results: RunnerResults) -> str:
              for b, speedup in results.decode_speedup().items()]
     same = "yes" if results.same_next_token else "NO"
     return "\n\n".join([
-        f"model {results.model}, {results.threads} threads; same greedy next token: {same}",
+        f"model {results.model}, {results.plan.dtype}, {results.threads} threads; "
+        f"same greedy next token: {same}",
         table(["measure", "ours", "transformers", "speedup (ours/transformers)"], rows)])
 
 

@@ -23,6 +23,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
+from engine.loading import DTYPES
 from engine.runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -37,11 +38,14 @@ class RunnerPlan:
     context: int = 256
     repeats: int = 3
     steps: int = 8
+    dtype: str = "float32"  # both sides run in it (engine.loading.DTYPES)
 
     def __post_init__(self) -> None:
         sizes = (*self.prefill_lens, *self.batch_sizes, self.context, self.repeats, self.steps)
         if not self.prefill_lens or not self.batch_sizes or min(sizes) < 1:
             raise ValueError("every length, batch size, repeat and step count must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
 
 
 QUICK = RunnerPlan(repeats=1, steps=3)
@@ -108,7 +112,7 @@ class OursBackend:
         per_seq = blocks_needed(plan.context + plan.steps + 1, BLOCK_SIZE)
         num_blocks = max(blocks_needed(max(plan.prefill_lens), BLOCK_SIZE),
                          per_seq * max(plan.batch_sizes))
-        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE)
+        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE, DTYPES[plan.dtype])
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits of the last token of `ids`, prefilled into freshly allocated blocks."""
@@ -144,10 +148,10 @@ class OursBackend:
 class TransformersBackend:
     """transformers' own model class for the folder, with its DynamicCache."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
@@ -196,5 +200,5 @@ def run(folder: Path, plan: RunnerPlan, prompt: Callable[[int], Sequence[int]],
     """Ours, then transformers, on the model in `folder` with torch's current thread count."""
     ours = measure(OursBackend(folder, plan), prompt, plan, progress)
     gc.collect()
-    theirs = measure(TransformersBackend(folder), prompt, plan, progress)
+    theirs = measure(TransformersBackend(folder, DTYPES[plan.dtype]), prompt, plan, progress)
     return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs)

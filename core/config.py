@@ -20,7 +20,7 @@ import yaml
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"
     cache_dir: str = "~/.cache/raging/models"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the CPU has bf16 instructions, else float32
     max_model_len: int = 0  # 0: the model's own max_position_embeddings
 
 
@@ -50,12 +50,18 @@ class WorkerConfig:
     block_size: int = 16
     max_batch_tokens: int = 2048
     chunk_tokens: int = 256  # prompt tokens per step at most: longer prompts go in chunks
+    # Prompts are prefilled earliest deadline first: arrival + this much per prompt token.
+    ttft_ms_per_token: float = 5.0
     max_running: int = 64
     threads: int = 0  # torch intra-op threads; 0: leave torch's default
     cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning
     heartbeat_interval_s: float = 0.5
     kv_bind: str = "tcp://127.0.0.1:*"
     prefix_caching: bool = True  # prefill: keep full KV blocks for later prompts to reuse
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms_per_token < 0:
+            raise ValueError("ttft_ms_per_token must be >= 0")
 
 
 KV_BACKENDS = ("zmq", "shm", "cuda_ipc")

@@ -3,7 +3,8 @@
 A sequence's KV covers `tokens[:num_cached]`; each step feeds the next `num_scheduled` of the
 rest: one token in steady state, a chunk of them for a prompt prefilled here or for a
 preempted sequence's recompute. A step's chunks share one token budget, so a long prompt never
-holds the running sequences' next tokens back by more than one chunk.
+holds the running sequences' next tokens back by more than one chunk; they go earliest deadline
+first (see prefill/scheduler.py), so a short prompt does not wait for a long one to finish.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class DecodeSequence:
     num_scheduled: int = 0  # tokens this step feeds, from num_cached on
     blocks: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # its grammar's state, when it asked for one
+    deadline: float = 0.0  # when its prompt should be prefilled by, if prefilled here
 
     @property
     def key(self) -> tuple[str, int]:
@@ -79,18 +81,16 @@ class DecodeScheduler:
 
     def chunk(self, batch: list[DecodeSequence]) -> list[DecodeSequence]:
         """Set each sequence's `num_scheduled` for this step, once admitted KV is written:
-        every decoding sequence its one token; sequences with more to compute, oldest first,
-        what is left of the chunk budget. Returns those with something to compute."""
+        every decoding sequence its one token; sequences with more to compute, earliest
+        deadline first, what is left of the chunk budget. Returns those with something to
+        compute, in batch order."""
         budget = self.chunk_tokens
-        planned: list[DecodeSequence] = []
-        for sequence in batch:
+        for sequence in sorted(batch, key=lambda s: s.deadline):
             pending = len(sequence.tokens) - sequence.num_cached
             assert pending > 0, "a running sequence always has its last token to feed"
             sequence.num_scheduled = pending if pending == 1 else min(pending, budget)
-            if sequence.num_scheduled > 0:
-                budget -= sequence.num_scheduled if pending > 1 else 0
-                planned.append(sequence)
-        return planned
+            budget -= sequence.num_scheduled if pending > 1 else 0
+        return [sequence for sequence in batch if sequence.num_scheduled > 0]
 
     @property
     def prompt_tokens_pending(self) -> int:

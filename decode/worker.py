@@ -63,6 +63,7 @@ class DecodeWorker(Worker):
         self.ended: dict[Key, float] = {}
         self.forks: dict[Key, list[DecodeSequence]] = {}  # n > 1: choices waiting on a prompt
         self.rejected_requests = 0
+        self.ttft_s_per_token = config.decode.ttft_ms_per_token / 1000
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
 
     def handle(self, message: Message) -> None:
@@ -219,7 +220,8 @@ class DecodeWorker(Worker):
                 tokens=[*task.prompt_ids, *([] if first is None else [first])],
                 num_generated=0 if first is None else 1,
                 generator=make_generator(task.sampling.seed if first is None
-                                         else _decode_seed(task.sampling.seed))))
+                                         else _decode_seed(task.sampling.seed)),
+                deadline=time.monotonic() + self.ttft_s_per_token * len(task.prompt_ids)))
         return choices
 
     def _prefill_here(self, message: PrefillRequest) -> None:

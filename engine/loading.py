@@ -8,6 +8,7 @@ from core.cli import base_parser, config_from_args, setup_logging
 from core.config import ModelConfig, WorkerConfig
 from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
+from engine.linear import can_pack_bf16, native_bf16
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
@@ -15,13 +16,22 @@ from engine.spec import ModelSpec
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def model_dtype(name: str) -> str:
+    """The dtype `model.dtype` names. "auto" is bfloat16 where the CPU multiplies bf16 in
+    hardware (4x faster prefill, decode steps flat in batch size), float32 elsewhere."""
+    if name == "auto":
+        return "bfloat16" if native_bf16() and can_pack_bf16() else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be auto or one of {list(DTYPES)}, not {name!r}")
+    return name
+
+
 def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
-    if model.dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {list(DTYPES)}, not {model.dtype!r}")
+    dtype = DTYPES[model_dtype(model.dtype)]
     pin_to(worker.cpus)
     set_threads(worker.threads or None)
     folder = resolve_model(model.name, model.cache_dir)
-    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[model.dtype])
+    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype)
 
 
 def kv_fingerprint(spec: ModelSpec, dtype: str) -> str:
@@ -41,7 +51,7 @@ def worker_main(role: str, worker_class: type[Worker]) -> None:
     setup_logging(args.worker_id)
     worker_config: WorkerConfig = getattr(config, role)
     runner = load_runner(config.model, worker_config)
-    fingerprint = kv_fingerprint(runner.spec, config.model.dtype)
+    fingerprint = kv_fingerprint(runner.spec, model_dtype(config.model.dtype))
     worker = worker_class(args.worker_id, config, runner, fingerprint)  # type: ignore[call-arg]
     try:
         worker.run()

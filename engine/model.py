@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionPlan, attend, plan_attention
 from engine.batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
+from engine.linear import WeightLayout, layout_for
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.spec import ModelSpec
 from engine.weights import EMBED, LM_HEAD
@@ -19,8 +20,9 @@ from engine.workspace import Workspace
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's weights, as mapped from the file: never copied, so every worker on
-    a host shares one copy in the page cache (fusing q/k/v would make a private copy)."""
+    """One decoder layer's weights. Plain ones are views of the mapped file, never copied, so
+    every worker on a host shares one copy in the page cache (fusing q/k/v would make a
+    private copy); packed ones (engine.linear) are private."""
 
     input_norm: torch.Tensor
     q: torch.Tensor
@@ -55,6 +57,14 @@ def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
     )
 
 
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def prepare_layer(layer: LayerWeights, layout: WeightLayout) -> LayerWeights:
+    """`layer` with its matrices stored the way `layout` multiplies them."""
+    return replace(layer, **{name: layout.prepare(getattr(layer, name)) for name in MATRICES})
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm: normalize in fp32, scale in the model dtype."""
     if x.dtype == torch.float32:
@@ -66,15 +76,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
+                 layout: WeightLayout | None = None) -> None:
+        """`layout`: how weight matrices are stored; by default the fastest for their dtype."""
         self.spec = spec
         self.embed = weights[EMBED]
         if self.embed.shape != (spec.vocab_size, spec.hidden_size):
             raise ValueError(f"{EMBED} has shape {tuple(self.embed.shape)}, spec disagrees")
         self.dtype = self.embed.dtype
-        self.lm_head = weights[LM_HEAD]
+        self.layout = layout or layout_for(self.dtype, self.embed.device)
+        self.linear = self.layout.product
+        self.lm_head = self.layout.prepare(weights[LM_HEAD])
         self.norm = weights["model.norm.weight"]
-        self.layers = [load_layer(weights, i) for i in range(spec.num_layers)]
+        self.layers = [prepare_layer(load_layer(weights, i), self.layout)
+                       for i in range(spec.num_layers)]
         self.rope = RotaryEmbedding(spec, self.dtype)
         self.workspace = Workspace()
 
@@ -98,7 +113,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
         last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return self.linear(last, self.lm_head).float()
 
     def _check_inputs(self, plan: AttentionPlan) -> None:
         if int(plan.positions.max()) >= self.spec.max_position_embeddings:
@@ -111,7 +126,8 @@ class LlamaModel:
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         q_size = spec.num_heads * spec.head_dim
-        q, k, v = F.linear(h, layer.q), F.linear(h, layer.k), F.linear(h, layer.v)
+        linear = self.linear
+        q, k, v = linear(h, layer.q), linear(h, layer.k), linear(h, layer.v)
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         v = v.view_as(k)
@@ -120,10 +136,10 @@ class LlamaModel:
             step.layer_hook(index)
         cache = step.cache
         attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
-        x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o)
+        x = x + linear(attn.reshape(num_tokens, q_size), layer.o)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate), F.linear(h, layer.up)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = linear(h, layer.gate), linear(h, layer.up)
+        return x + linear(F.silu(gate) * up, layer.down)
 
 
 @dataclass(frozen=True)

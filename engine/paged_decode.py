@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged KV cache (a small C++ kernel, fp32).
+"""Decode attention read straight from the paged KV cache (a small C++ kernel).
 
 Gathering every sequence's context into a dense tensor before attending costs three passes over
 the KV per layer (read, write, read again); the kernel makes one. It is compiled once per
@@ -23,6 +23,7 @@ from torch.utils.cpp_extension import get_default_build_root, load
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @cache
@@ -58,8 +59,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, contexts: torch.Tensor, block_size: int
                  ) -> torch.Tensor | None:
     """Attention of one query token per sequence `[B, H, D]` over its cached context, or None
-    when the kernel does not apply (not fp32, or not built)."""
-    module = kernel() if q.dtype == torch.float32 else None
+    when the kernel does not apply (a cache neither fp32 nor bf16, or no kernel built)."""
+    module = kernel() if k_cache.dtype in KERNEL_DTYPES else None
     if module is None:
         return None
-    return module.paged_decode(q.contiguous(), k_cache, v_cache, tables, contexts, block_size)
+    out = module.paged_decode(q.float().contiguous(), k_cache, v_cache, tables, contexts,
+                              block_size)
+    return out.to(q.dtype)

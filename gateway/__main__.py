@@ -6,7 +6,7 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from core.cli import base_parser, config_from_args, setup_logging
-from engine.loading import kv_fingerprint
+from engine.loading import kv_fingerprint, model_dtype
 from engine.prepare import resolve_model
 from engine.spec import load_spec
 from gateway.app import build_app
@@ -36,7 +36,8 @@ def main() -> None:
     folder = resolve_model(config.model.name, config.model.cache_dir)
     spec = load_spec(folder)
     gateway = config.gateway
-    registry = Registry(kv_fingerprint(spec, config.model.dtype), gateway.heartbeat_timeout_s,
+    fingerprint = kv_fingerprint(spec, model_dtype(config.model.dtype))
+    registry = Registry(fingerprint, gateway.heartbeat_timeout_s,
                         gateway.expect_prefill, gateway.expect_decode, gateway.stall_timeout_s,
                         LocalPrefill(gateway.local_prefill_max_tokens,
                                      gateway.prefill_saturated_tokens,

@@ -1,16 +1,17 @@
-"""Prefill scheduling: first come, first served, under a token budget, long prompts in chunks.
+"""Prefill scheduling: earliest deadline first, under a token budget, long prompts in chunks.
 Pure bookkeeping.
 
-Each step's batch takes, oldest first, the next chunk (at most `chunk_tokens` tokens) of every
-prompt in progress, then the first chunks of waiting prompts, while the step's tokens stay
-within `max_batch_tokens`; a step whose first chunk alone is over the budget runs it alone. A
-prompt in progress contributes one chunk per step, so a long prompt holds back a short one
-that arrives meanwhile by at most one chunk.
+A prompt's deadline is its arrival plus `ttft_s_per_token` for each of its tokens, the way
+users budget a first token: a long prompt may take longer. Each step's batch takes the next
+chunk (at most `chunk_tokens` tokens) of prompts in deadline order, in progress or waiting,
+while the step's tokens stay within `max_batch_tokens`; a step whose first chunk alone is over
+the budget runs it alone. A short prompt that arrives behind a long one therefore waits for
+the step in progress, not for the long prompt; the long one's deadline comes in its turn, so
+it is never starved.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,12 +21,13 @@ from engine.block_allocator import blocks_needed
 Key = tuple[str, int]  # (request id, epoch)
 
 
-@dataclass
+@dataclass(eq=False)
 class Prefilling:
-    """A prompt admitted for prefill: its KV covers its tokens 0..done-1 (computed, or found
-    in the prefix cache)."""
+    """A prompt to prefill. Once admitted (blocks held) its KV covers its tokens 0..done-1
+    (computed, or found in the prefix cache)."""
 
     request: PrefillRequest
+    deadline: float
     done: int = 0
 
     @property
@@ -56,75 +58,74 @@ class Chunk:
 
 
 class PrefillScheduler:
-    def __init__(self, max_batch_tokens: int, block_size: int, chunk_tokens: int = 512) -> None:
-        assert max_batch_tokens > 0 and chunk_tokens > 0
+    def __init__(self, max_batch_tokens: int, block_size: int, chunk_tokens: int = 512,
+                 ttft_s_per_token: float = 0.005) -> None:
+        assert max_batch_tokens > 0 and chunk_tokens > 0 and ttft_s_per_token >= 0
         self.max_batch_tokens = max_batch_tokens
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
-        self.waiting: deque[PrefillRequest] = deque()
-        self.running: list[Prefilling] = []  # in progress (blocks held), oldest first
+        self.ttft_s_per_token = ttft_s_per_token
+        self.waiting: list[Prefilling] = []  # no blocks yet, in arrival order
+        self.running: list[Prefilling] = []  # in progress (blocks held), in admission order
 
-    def add(self, request: PrefillRequest) -> bool:
-        """Queue a request; False (and nothing queued) when the same one is here already."""
+    def add(self, request: PrefillRequest, now: float = 0.0) -> bool:
+        """Queue a request that arrived at `now` (seconds); False (and nothing queued) when
+        the same one is here already."""
         key = (request.request_id, request.epoch)
         if key in self.held():
             return False
-        self.waiting.append(request)
+        deadline = now + self.ttft_s_per_token * len(request.task.prompt_ids)
+        self.waiting.append(Prefilling(request, deadline))
         return True
 
     def abort(self, request_id: str, epoch: int) -> bool:
         """Drop a queued or in-progress request; False when it is not here."""
-        key = (request_id, epoch)
-        for request in self.waiting:
-            if (request.request_id, request.epoch) == key:
-                self.waiting.remove(request)
-                return True
-        found = [p for p in self.running if p.key == key]
+        found = [p for p in [*self.waiting, *self.running] if p.key == (request_id, epoch)]
         for prompt in found:
-            self.running.remove(prompt)
+            (self.waiting if prompt in self.waiting else self.running).remove(prompt)
         return bool(found)
 
     def held(self) -> list[Key]:
         """Every request here, waiting or in progress."""
-        return [(r.request_id, r.epoch) for r in self.waiting] + [p.key for p in self.running]
+        return [p.key for p in [*self.waiting, *self.running]]
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens still to compute (a cached prefix, once found, does not count)."""
-        waiting = sum(len(r.task.prompt_ids) for r in self.waiting)
-        return waiting + sum(p.remaining for p in self.running)
+        return sum(p.remaining for p in [*self.waiting, *self.running])
 
     def schedule(self, free_blocks: int,
                  start: Callable[[PrefillRequest], int] = lambda request: 0) -> list[Chunk]:
-        """The next step's chunks: one of each prompt in progress, oldest first, then the
-        first chunks of waiting prompts, within the token budget and the free KV blocks.
+        """The next step's chunks: the next chunk of prompts in deadline order, in progress
+        or waiting, within the token budget and the free KV blocks.
 
         A waiting prompt admitted here (its blocks counted against `free_blocks`) is handed to
         `start`, which reserves its blocks and returns how many of its tokens are cached.
+        Once one waiting prompt does not fit the free blocks, no later one is admitted.
         """
         chunks: list[Chunk] = []
-        tokens = 0
-        for prompt in self.running:
+        tokens = blocks = 0
+        admitting = True
+        for prompt in sorted([*self.running, *self.waiting], key=lambda p: p.deadline):
             size = min(self.chunk_tokens, prompt.remaining)
             if chunks and tokens + size > self.max_batch_tokens:
-                return chunks  # an older prompt waits: nothing newer may pass it
-            chunks.append(Chunk(prompt, prompt.done, prompt.done + size))
+                continue
+            if prompt in self.running:
+                chunk = Chunk(prompt, prompt.done, prompt.done + size)
+            else:
+                need = blocks_needed(prompt.prompt_len, self.block_size)
+                admitting = admitting and blocks + need <= free_blocks
+                if not admitting:
+                    continue
+                blocks += need
+                chunk = self._admit(prompt, start)
+            chunks.append(chunk)
             tokens += size
-        blocks = 0
-        while self.waiting:
-            prompt_len = len(self.waiting[0].task.prompt_ids)
-            size = min(self.chunk_tokens, prompt_len)
-            need = blocks_needed(prompt_len, self.block_size)
-            if (chunks and tokens + size > self.max_batch_tokens) or blocks + need > free_blocks:
-                break
-            chunks.append(self._admit(self.waiting.popleft(), start))
-            tokens += size
-            blocks += need
         return chunks
 
-    def _admit(self, request: PrefillRequest, start: Callable[[PrefillRequest], int]) -> Chunk:
-        prompt = Prefilling(request)
-        prompt.done = start(request)
+    def _admit(self, prompt: Prefilling, start: Callable[[PrefillRequest], int]) -> Chunk:
+        self.waiting.remove(prompt)
+        prompt.done = start(prompt.request)
         assert 0 <= prompt.done < prompt.prompt_len, "the last token is always computed"
         self.running.append(prompt)
         return Chunk(prompt, prompt.done, prompt.done + min(self.chunk_tokens, prompt.remaining))

@@ -4,6 +4,7 @@ first token and hand off the KV, chunk by chunk and layer by layer."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,8 @@ class PrefillWorker(Worker):
                          config.prefill.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
-                                          config.prefill.chunk_tokens)
+                                          config.prefill.chunk_tokens,
+                                          config.prefill.ttft_ms_per_token / 1000)
         self.sender = make_sender(self.context, config.kv_transfer, self.keys)
         self.stream = LayerStream(self.sender, runner.cache, fingerprint,
                                   int(config.kv_transfer.chunk_mb * 2**20))
@@ -96,7 +98,7 @@ class PrefillWorker(Worker):
                 self.control.send(RequestFailed(request.request_id, request.epoch,
                                                 f"invalid grammar: {exc}"))
                 return
-        self.scheduler.add(request)
+        self.scheduler.add(request, time.monotonic())
 
     def step(self) -> bool:
         chunks = self.scheduler.schedule(self.cache.num_available, self._start)
@@ -220,7 +222,7 @@ class PrefillWorker(Worker):
     def holding(self) -> list[Held]:
         """Queued and in-progress prompts, with their other choices (n > 1), but not those
         aborted mid-step."""
-        requests = [*self.scheduler.waiting, *(p.request for p in self.scheduler.running)]
+        requests = [p.request for p in [*self.scheduler.waiting, *self.scheduler.running]]
         return [Held(*key) for r in requests if (r.request_id, r.epoch) not in self.aborted_in_step
                 for key in choice_keys(r.request_id, r.epoch, r.siblings)]
 

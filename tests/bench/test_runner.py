@@ -29,9 +29,24 @@ def test_runner_figures_on_the_tiny_model(tiny_model_dir: Path) -> None:
 def test_both_backends_decode_the_same_greedy_tokens(tiny_model_dir: Path) -> None:
     """The timed decode steps compute the same thing in both: same logits after a prefill."""
     plan = RunnerPlan(prefill_lens=(8,), batch_sizes=(2,), context=8, repeats=1, steps=2)
-    ours, theirs = OursBackend(tiny_model_dir, plan), TransformersBackend(tiny_model_dir)
+    ours = OursBackend(tiny_model_dir, plan)
+    theirs = TransformersBackend(tiny_model_dir, torch.float32)
     ids = [5, 17, 300, 42, 9, 1000, 77, 3]
     assert ours.prefill(ids).argmax() == theirs.prefill(ids).argmax()
     torch.testing.assert_close(ours.prefill(ids), theirs.prefill(ids), atol=1e-3, rtol=1e-3)
     assert len(ours.decode_times(2, ids, 2)) == len(theirs.decode_times(2, ids, 2)) == 2
     assert ours.runner.allocator.num_free == ours.runner.allocator.num_total  # blocks freed
+
+
+def test_bf16_plan_runs_both_sides_in_bf16(tiny_model_dir: Path) -> None:
+    plan = RunnerPlan(prefill_lens=(8,), batch_sizes=(2,), context=8, repeats=1, steps=1,
+                      dtype="bfloat16")
+    ours = OursBackend(tiny_model_dir, plan)
+    theirs = TransformersBackend(tiny_model_dir, torch.bfloat16)
+    assert ours.runner.cache.dtype == torch.bfloat16
+    assert next(theirs.model.parameters()).dtype == torch.bfloat16
+
+
+def test_unknown_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        RunnerPlan(dtype="float8")

@@ -325,3 +325,25 @@ def test_a_fork_that_does_not_fit_waits_to_be_computed_from_scratch() -> None:
     assert scheduler.fork(parent, child) is None
     assert child.blocks == [] and child.num_cached == 0 and list(scheduler.waiting) == [child]
     assert allocator.num_free == 0 and allocator.ref_count(parent.blocks[0]) == 1
+
+
+def prompt_to_prefill(request_id: str, prompt_len: int, deadline: float) -> DecodeSequence:
+    """A prompt sent to this worker to prefill itself (conditional disaggregation)."""
+    task = GenerationTask(list(range(prompt_len)), Sampling(), 8, [], False)
+    return DecodeSequence(DecodeRequest(request_id, 0, task, "fp"), tokens=list(task.prompt_ids),
+                          num_generated=0, deadline=deadline)
+
+
+def test_chunk_gives_the_budget_to_prompts_earliest_deadline_first() -> None:
+    scheduler = DecodeScheduler(BlockAllocator(64), BLOCK, max_running=8, chunk_tokens=8)
+    running, long, short = (sequence("d", 5), prompt_to_prefill("long", 30, deadline=10.0),
+                            prompt_to_prefill("short", 6, deadline=1.0))
+    for each in (running, long, short):
+        scheduler.add(each)
+    _, batch = scheduler.schedule()
+    assert scheduler.chunk(batch) == [running, long, short]  # in batch order
+    assert [s.num_scheduled for s in batch] == [1, 2, 6]  # the short prompt's 6 came first
+    long.num_cached, short.num_cached = 2, 6  # the forward wrote their chunks
+    short.tokens.append(9)  # and the short prompt drew its first token
+    assert scheduler.chunk(batch) == [running, long, short]
+    assert [s.num_scheduled for s in batch] == [1, 8, 1]

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Small pools so that tests start fast and leave memory for the rest of the suite.
 TEST_CONFIG: dict[str, Any] = {
+    # fp32, so that greedy tokens can equal transformers' own (bf16 on AMX CPUs is the default).
+    "model": {"dtype": "float32"},
     # Pure disaggregation (tests/e2e/test_conditional.py covers the decode-side prefill).
     "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0, "local_prefill_max_tokens": 0,
                 "prefill_saturated_tokens": 0},

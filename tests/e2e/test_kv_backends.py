@@ -8,8 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from engine.batch import ForwardBatch
+from engine.block_allocator import blocks_needed
+from engine.runner import ModelRunner
+from engine.spec import load_spec
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
 
 pytestmark = pytest.mark.e2e
@@ -75,3 +80,35 @@ def test_greedy_output_matches_transformers_over_each_backend(
         assert sent > 0 and sent == transfer_metric(cluster, "bytes", "any", "receive", "decode-0")
         assert transfer_metric(cluster, "failures", backend, "send", "prefill-0") == 0
     assert not any(segment.exists() for segment in segments)  # removed when prefill stopped
+
+
+def greedy_in_process(model_dir: Path, dtype: torch.dtype, prompt_ids: list[int],
+                      max_tokens: int) -> list[int]:
+    """Greedy tokens of our own runner in this process: one prefill, then one token a step."""
+    runner = ModelRunner(model_dir, num_blocks=8, block_size=16, dtype=dtype)
+    table = runner.allocator.allocate(blocks_needed(len(prompt_ids) + max_tokens, 16))
+    tokens = [int(runner.forward(ForwardBatch([prompt_ids], [0], [table]))[0].argmax())]
+    while len(tokens) < max_tokens:
+        position = len(prompt_ids) + len(tokens) - 1
+        step = ForwardBatch([[tokens[-1]]], [position], [table])
+        tokens.append(int(runner.forward(step)[0].argmax()))
+    return tokens
+
+
+def test_bf16_kv_crosses_intact(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """In bf16 (the default on CPUs with bf16 instructions) the cluster's greedy tokens are
+    those of one process running the same engine: the KV arrives bit for bit."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = config_for("zmq")
+    config["model"] = {"dtype": "bfloat16"}
+    with launch(tmp_path, tiny_model_dir, prefill=1, decode=1, config=config) as cluster:
+        for prompt in PROMPTS:
+            expected = greedy_in_process(tiny_model_dir, torch.bfloat16,
+                                         tokenizer.encode(prompt), MAX_TOKENS)
+            assert completion_ids(cluster, tokenizer, prompt) == expected, prompt
+        settled(lambda: transfer_metric(cluster, "chunks", "zmq", "send", "prefill-0")
+                == len(PROMPTS))
+        sent = transfer_metric(cluster, "bytes", "zmq", "send", "prefill-0")
+    spec = load_spec(tiny_model_dir)
+    prompt_tokens = sum(len(tokenizer.encode(prompt)) for prompt in PROMPTS)
+    assert sent == prompt_tokens * spec.kv_bytes_per_token(torch.bfloat16)

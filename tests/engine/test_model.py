@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 
 from engine.batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
+from engine.linear import PACKED, PLAIN, can_pack_bf16
 from engine.model import LlamaModel
 from engine.spec import load_spec
 from engine.weights import load_weights
@@ -18,6 +19,8 @@ from engine.weights import load_weights
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
 TOLERANCE = 1e-3
+needs_mkldnn_bf16 = pytest.mark.skipif(not can_pack_bf16(),
+                                       reason="oneDNN has no bf16 path on this CPU")
 
 
 class Fixture:
@@ -146,3 +149,29 @@ def test_rope_scaling_matches_transformers(
     logits = scaled.model.forward(ForwardBatch(prompts, [0, 0], tables), scaled.cache)
     for row, prompt in enumerate(prompts):
         assert_close(logits[row], scaled.reference(prompt))
+
+
+@needs_mkldnn_bf16
+def test_bf16_packed_weights_give_the_plain_bf16_logits(tiny_model_dir: Path) -> None:
+    spec = load_spec(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, torch.bfloat16)
+    ids = random_prompt(21, seed=3)
+    logits = {}
+    for layout in (PLAIN, PACKED):
+        model = LlamaModel(spec, weights, layout)
+        cache = PagedKVCache(spec, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16)
+        table = list(range(-(-(len(ids) + 1) // BLOCK_SIZE)))
+        prefill = model.forward(ForwardBatch([ids], [0], [table]), cache)
+        step = model.forward(ForwardBatch([[int(prefill.argmax())]], [len(ids)], [table]), cache)
+        logits[layout.packed] = torch.cat([prefill, step])
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_logits_stay_near_fp32(tiny: Fixture, tiny_model_dir: Path) -> None:
+    spec = load_spec(tiny_model_dir)
+    model = LlamaModel(spec, load_weights(tiny_model_dir, torch.bfloat16))
+    cache = PagedKVCache(spec, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16)
+    ids = random_prompt(30, seed=4)
+    logits = model.forward(ForwardBatch([ids], [0], [tiny.blocks(len(ids))]), cache)
+    expected = tiny.reference(ids)
+    assert (logits[0] - expected).abs().max().item() < 0.05 * expected.abs().max().item()

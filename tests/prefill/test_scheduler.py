@@ -1,10 +1,11 @@
-"""Prefill scheduling: oldest first, under a token budget and the free KV blocks, long
-prompts one chunk per step."""
+"""Prefill scheduling: earliest deadline first, under a token budget and the free KV blocks,
+long prompts one chunk per step. Most tests give no time per token, so that the deadline is
+the arrival and the order first come, first served; the last ones test deadlines."""
 
 from __future__ import annotations
 
 from core.messages import GenerationTask, PrefillRequest, Sampling
-from prefill.scheduler import Chunk, PrefillScheduler
+from prefill.scheduler import Chunk, Prefilling, PrefillScheduler
 
 BLOCK = 4
 
@@ -14,15 +15,18 @@ def request(request_id: str, prompt_len: int, epoch: int = 0) -> PrefillRequest:
     return PrefillRequest(request_id, epoch, task, "d1", "tcp://127.0.0.1:1")
 
 
-def scheduler_with(*lengths: int, budget: int = 100, chunk: int = 512) -> PrefillScheduler:
-    scheduler = PrefillScheduler(max_batch_tokens=budget, block_size=BLOCK, chunk_tokens=chunk)
+def scheduler_with(*lengths: int, budget: int = 100, chunk: int = 512,
+                   per_token: float = 0.0) -> PrefillScheduler:
+    """Prompts r0, r1, ... of `lengths`, arriving one second apart."""
+    scheduler = PrefillScheduler(max_batch_tokens=budget, block_size=BLOCK, chunk_tokens=chunk,
+                                 ttft_s_per_token=per_token)
     for i, length in enumerate(lengths):
-        scheduler.add(request(f"r{i}", length))
+        scheduler.add(request(f"r{i}", length), now=float(i))
     return scheduler
 
 
-def ids(batch: list[Chunk] | list[PrefillRequest]) -> list[str]:
-    return [(c.prompt.request if isinstance(c, Chunk) else c).request_id for c in batch]
+def ids(batch: list[Chunk] | list[Prefilling]) -> list[str]:
+    return [(c.prompt if isinstance(c, Chunk) else c).request.request_id for c in batch]
 
 
 def step(scheduler: PrefillScheduler, free_blocks: int = 100, **kwargs: object) -> list[Chunk]:
@@ -59,10 +63,10 @@ def test_a_batch_may_fill_the_budget_exactly() -> None:
     assert ids(step(scheduler, free_blocks=100)) == ["r0", "r1"]
 
 
-def test_a_later_short_prompt_does_not_jump_the_queue() -> None:
+def test_a_later_short_prompt_fills_what_an_older_one_leaves_of_the_budget() -> None:
     scheduler = scheduler_with(4, 8, 1, budget=10)
-    assert ids(step(scheduler, free_blocks=100)) == ["r0"]  # r2 would fit, but r1 is older
-    assert ids(step(scheduler, free_blocks=100)) == ["r1", "r2"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r2"]  # r1 does not fit: next step
+    assert ids(step(scheduler, free_blocks=100)) == ["r1"]
 
 
 def test_block_limit() -> None:
@@ -91,9 +95,8 @@ def test_a_prompt_over_the_budget_runs_alone() -> None:
 
 def test_a_prompt_over_the_budget_waits_for_a_batch_of_its_own() -> None:
     scheduler = scheduler_with(1, 25, 1, budget=10)
-    assert ids(step(scheduler, free_blocks=100)) == ["r0"]
+    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r2"]
     assert ids(step(scheduler, free_blocks=100)) == ["r1"]
-    assert ids(step(scheduler, free_blocks=100)) == ["r2"]
 
 
 def test_a_prompt_over_the_budget_still_needs_its_blocks() -> None:
@@ -116,7 +119,7 @@ def test_abort_matches_the_epoch() -> None:
     scheduler.add(request("r", 5, epoch=1))
     assert not scheduler.abort("r", 2)
     assert scheduler.abort("r", 1)
-    assert [(r.request_id, r.epoch) for r in scheduler.waiting] == [("r", 0)]
+    assert [p.key for p in scheduler.waiting] == [("r", 0)]
 
 
 def test_abort_of_unknown_or_finished_request_is_false() -> None:
@@ -157,7 +160,7 @@ def test_a_long_prompt_goes_one_chunk_per_step_and_only_the_last_is_last() -> No
 def test_a_short_prompt_arriving_behind_a_long_one_waits_at_most_one_chunk() -> None:
     scheduler = scheduler_with(4000, budget=2048, chunk=512)
     assert spans(step(scheduler, free_blocks=2000)) == [("r0", 0, 512, False)]
-    scheduler.add(request("short", 50))
+    scheduler.add(request("short", 50), now=1.0)
     assert spans(step(scheduler, free_blocks=2000)) == [("r0", 512, 1024, False),
                                                          ("short", 0, 50, True)]
 
@@ -234,3 +237,31 @@ def test_a_repeat_of_a_prompt_in_progress_is_not_queued() -> None:
     step(scheduler)
     assert not scheduler.add(request("r0", 20))
     assert scheduler.add(request("r0", 20, epoch=1))
+
+
+def test_a_short_prompt_goes_before_a_long_one_in_progress() -> None:
+    """Deadlines: the long prompt's is 0 + 4000 x 5 ms = 20 s, the short one's 1 + 0.25 s."""
+    scheduler = scheduler_with(4000, budget=512, chunk=256, per_token=0.005)
+    assert spans(step(scheduler, free_blocks=2000)) == [("r0", 0, 256, False)]
+    scheduler.add(request("short", 300), now=1.0)
+    assert spans(step(scheduler, free_blocks=2000)) == [("short", 0, 256, False),
+                                                         ("r0", 256, 512, False)]
+    assert spans(step(scheduler, free_blocks=2000)) == [("short", 256, 300, True),
+                                                         ("r0", 512, 768, False)]
+
+
+def test_a_long_prompt_is_not_starved_by_later_short_ones() -> None:
+    scheduler = scheduler_with(1000, budget=100, chunk=100, per_token=0.005)  # due at 5 s
+    for arrival in range(9):  # shorts due at 0.5 .. 8.5 s: those due before 5 s go first
+        scheduler.add(request(f"s{arrival}", 100), now=float(arrival))
+    order = [ids(step(scheduler, free_blocks=1000)) for _ in range(19)]
+    assert order[:5] == [["s0"], ["s1"], ["s2"], ["s3"], ["s4"]]
+    assert order[5:15] == [["r0"]] * 10 and order[15:] == [["s5"], ["s6"], ["s7"], ["s8"]]
+
+
+def test_deadlines_order_waiting_prompts_by_arrival_and_length() -> None:
+    scheduler = PrefillScheduler(max_batch_tokens=1000, block_size=BLOCK, ttft_s_per_token=0.01)
+    scheduler.add(request("long", 300), now=0.0)  # due at 3 s
+    scheduler.add(request("short", 50), now=2.0)  # due at 2.5 s
+    scheduler.add(request("later", 10), now=2.9)  # due at 3.0 s, after "long" (stable)
+    assert ids(scheduler.schedule(free_blocks=1000)) == ["short", "long", "later"]
