@@ -37,6 +37,9 @@ class GatewayConfig:
     stall_timeout_s: float = 10.0  # a worker with work but no layer computed this long: stalled
     progress_timeout_s: float = 300.0  # a request with no new token for this long fails
     keepalive_s: float = 10.0
+    # An idle client connection stays open this long: longer than clients keep theirs (httpx
+    # and the openai client: 5 s), so that no client sends on a connection being closed.
+    http_keep_alive_s: int = 75
     max_body_bytes: int = 16 * 1024 * 1024
     # Conditional disaggregation: which prompts a decode worker prefills itself.
     local_prefill_max_tokens: int = 32  # prompts this short (0: none, unless no prefill pool)

@@ -52,7 +52,8 @@ def main() -> None:
     except KeysError as exc:
         raise SystemExit(f"auth error: {exc}") from None
     uvicorn.run(app, host=gateway.host, port=gateway.port, loop="uvloop",
-                http="httptools", log_level="warning", timeout_graceful_shutdown=5)
+                http="httptools", log_level="warning", timeout_graceful_shutdown=5,
+                timeout_keep_alive=gateway.http_keep_alive_s)
 
 
 if __name__ == "__main__":

@@ -355,3 +355,15 @@ def test_cached_tokens_are_reported_truthfully(cluster: Cluster, tokenizer, refe
     assert usage_and_text(short)[0]["prompt_tokens_details"] == {"cached_tokens": 0}
     expected = tokenizer.decode(reference([*prefix, 1, 2], 6), skip_special_tokens=True)
     assert cold_text == expected
+
+
+def test_an_idle_connection_outlives_the_clients_pool(cluster: Cluster) -> None:
+    """A second request on a connection idle for 6 s, longer than the 5 s that httpx and the
+    openai client keep one, is answered: the server has not closed it under the client."""
+    port = int(cluster.url.rsplit(":", 1)[1])
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        for pause_s in (0, 6):
+            time.sleep(pause_s)
+            conn.sendall(request)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200"), f"after {pause_s} s idle"
