@@ -61,8 +61,13 @@ def can_pack_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def fast_bf16() -> bool:
+    """Whether bf16 products here are native and can be packed: where bf16 pays."""
+    return native_bf16() and can_pack_bf16()
+
+
 def layout_for(dtype: torch.dtype, device: torch.device) -> WeightLayout:
     """Packed for bf16 on a CPU that has bf16 instructions, plain otherwise."""
-    if dtype == torch.bfloat16 and device.type == "cpu" and native_bf16() and can_pack_bf16():
+    if dtype == torch.bfloat16 and device.type == "cpu" and fast_bf16():
         return PACKED
     return PLAIN

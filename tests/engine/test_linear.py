@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.linear import PACKED, PLAIN, can_pack_bf16, layout_for, native_bf16
+from engine.linear import PACKED, PLAIN, can_pack_bf16, fast_bf16, layout_for, native_bf16
 
 needs_mkldnn_bf16 = pytest.mark.skipif(not can_pack_bf16(),
                                        reason="oneDNN has no bf16 path on this CPU")
@@ -34,7 +34,7 @@ def test_layout_is_packed_only_for_bf16_on_a_bf16_cpu() -> None:
     cpu = torch.device("cpu")
     assert layout_for(torch.float32, cpu) is PLAIN
     assert layout_for(torch.float16, cpu) is PLAIN
-    expected = PACKED if native_bf16() and can_pack_bf16() else PLAIN
+    expected = PACKED if fast_bf16() else PLAIN
     assert layout_for(torch.bfloat16, cpu) is expected
 
 
