@@ -9,6 +9,7 @@ from core.config import ModelConfig, WorkerConfig
 from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
 from engine.linear import fast_bf16
+from engine.paged_decode import kernel
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
@@ -32,6 +33,9 @@ def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
     pin_to(worker.cpus)
     set_threads(worker.threads or None)
     folder = resolve_model(model.name, model.cache_dir)
+    # Found, or built if stale, before the worker registers: built inside its first decode
+    # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
+    kernel()
     return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype)
 
 
