@@ -9,7 +9,7 @@ from ~45 to ~30 ms of products, flat from batch 1 to 16, and a 256-token chunk f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -36,12 +36,35 @@ def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 @dataclass(frozen=True)
+class Projection:
+    """Weight matrices applied to the same input, one output each. Packed, they are stacked
+    into one matrix and multiplied once (q/k/v take ~30 % less time so at decode batch sizes);
+    plain, each stays a view of the mapped file, shared between processes."""
+
+    matrices: tuple[torch.Tensor, ...]
+    sizes: tuple[int, ...]  # output features of each weight
+    product: Product
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(self.matrices) < len(self.sizes):
+            return self.product(x, self.matrices[0]).split(self.sizes, dim=-1)
+        return tuple(self.product(x, matrix) for matrix in self.matrices)
+
+
+@dataclass(frozen=True)
 class WeightLayout:
     """How weight matrices are stored (`prepare`, once at load) and multiplied (`product`)."""
 
     prepare: Callable[[torch.Tensor], torch.Tensor]
     product: Product
     packed: bool
+
+    def project(self, weights: Sequence[torch.Tensor]) -> Projection:
+        """The products of `weights` with one input, stacked where the layout packs."""
+        sizes = tuple(weight.shape[0] for weight in weights)
+        if self.packed and len(weights) > 1:
+            return Projection((self.prepare(torch.cat(tuple(weights))),), sizes, self.product)
+        return Projection(tuple(self.prepare(weight) for weight in weights), sizes, self.product)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ from core.cli import base_parser, config_from_args, setup_logging
 from core.config import ModelConfig, WorkerConfig
 from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
+from engine.kernels import kernels
 from engine.linear import fast_bf16
-from engine.paged_decode import kernel
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
@@ -35,7 +35,7 @@ def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
     folder = resolve_model(model.name, model.cache_dir)
     # Found, or built if stale, before the worker registers: built inside its first decode
     # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
-    kernel()
+    kernels()
     return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype)
 
 

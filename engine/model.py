@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionPlan, attend, plan_attention
 from engine.batch import ForwardBatch
+from engine.kernels import kernels_for
 from engine.kv_cache import PagedKVCache
-from engine.linear import WeightLayout, layout_for
+from engine.linear import Projection, WeightLayout, layout_for
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.spec import ModelSpec
 from engine.weights import EMBED, LM_HEAD
@@ -57,20 +58,37 @@ def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
     )
 
 
-MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer ready to run: its norms, and its matrices as `layout` multiplies them
+    (q/k/v and gate/up are each one projection of the same input)."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: torch.Tensor
+    post_attention_norm: torch.Tensor
+    gate_up: Projection
+    down: torch.Tensor
 
 
-def prepare_layer(layer: LayerWeights, layout: WeightLayout) -> LayerWeights:
-    """`layer` with its matrices stored the way `layout` multiplies them."""
-    return replace(layer, **{name: layout.prepare(getattr(layer, name)) for name in MATRICES})
+def prepare_layer(layer: LayerWeights, layout: WeightLayout) -> Layer:
+    return Layer(
+        input_norm=layer.input_norm,
+        qkv=layout.project((layer.q, layer.k, layer.v)),
+        o=layout.prepare(layer.o),
+        post_attention_norm=layer.post_attention_norm,
+        gate_up=layout.project((layer.gate, layer.up)),
+        down=layout.prepare(layer.down),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm: normalize in fp32, scale in the model dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)  # one kernel, same arithmetic
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
+    """Llama RMSNorm of `[N, hidden]` rows, computed in fp32 and rounded once to x's dtype
+    (transformers rounds the normalized x before scaling it: at most one bf16 step apart)."""
+    module = kernels_for(x, weight)
+    if module is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return module.rms_norm(x, weight, eps)  # one pass; torch's takes ~10 small kernels
 
 
 class LlamaModel:
@@ -121,13 +139,13 @@ class LlamaModel:
         if not 0 <= int(plan.token_ids.min()) <= int(plan.token_ids.max()) < self.spec.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
 
-    def _layer(self, index: int, layer: LayerWeights, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def _layer(self, index: int, layer: Layer, x: torch.Tensor, step: _Step) -> torch.Tensor:
         spec = self.spec
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         q_size = spec.num_heads * spec.head_dim
         linear = self.linear
-        q, k, v = linear(h, layer.q), linear(h, layer.k), linear(h, layer.v)
+        q, k, v = layer.qkv(h)
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         v = v.view_as(k)
@@ -138,7 +156,7 @@ class LlamaModel:
         attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
         x = x + linear(attn.reshape(num_tokens, q_size), layer.o)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
-        gate, up = linear(h, layer.gate), linear(h, layer.up)
+        gate, up = layer.gate_up(h)
         return x + linear(F.silu(gate) * up, layer.down)
 
 

@@ -90,15 +90,15 @@ def save_weights(model: torch.nn.Module, folder: Path) -> None:
 def main() -> None:
     """`python -m engine.prepare [--config FILE] [--model NAME_OR_PATH]`: prints the folder.
 
-    Also builds the decode kernel once, so that workers starting together need not.
+    Also builds the C++ kernels once, so that workers starting together need not.
     """
     from core.cli import base_parser, config_from_args
-    from engine.paged_decode import kernel
+    from engine.kernels import kernels
 
     args = base_parser("Prepare a model folder and kernels for raging.").parse_args()
     config = config_from_args(args, {})
     folder = resolve_model(config.model.name, config.model.cache_dir)
-    kernel()
+    kernels()
     print(folder)
 
 

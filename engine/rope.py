@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from engine.kernels import kernels_for
 from engine.spec import ModelSpec
 
 
@@ -56,6 +57,14 @@ class RotaryEmbedding:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[N, heads, head_dim]` by the angles whose cos/sin `lookup` returned."""
+    module = kernels_for(x, cos, sin)
+    if module is not None and x.stride(-1) == 1:
+        return module.rope(x, cos, sin)  # one pass, in fp32; torch's takes six kernels
+    return rotate(x, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope in torch ops, as transformers writes it."""
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated_half * sin

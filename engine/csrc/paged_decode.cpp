@@ -5,55 +5,187 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+constexpr int64_t kLanes = 16;  // floats per vector; the head dimension is a multiple of it
+
+#if defined(__AVX512F__)
+using Lanes = __m512;
+inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes load_lanes(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline Lanes splat(float x) { return _mm512_set1_ps(x); }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline float sum(Lanes a) { return _mm512_reduce_add_ps(a); }
+inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a); }
+// e^x for x <= 0: 2^n * 2^f with n = round(x log2 e) and 2^f from its Taylor series
+// (|f| <= 1/2, relative error about 1e-7).
+inline Lanes exp_lanes(Lanes x) {
+  const Lanes t = _mm512_mul_ps(_mm512_max_ps(x, splat(-87.0f)), splat(1.44269504f));
+  const Lanes n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Lanes f = _mm512_sub_ps(t, n);
+  Lanes p = splat(1.5403530e-4f);
+  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
+                  1.0f})
+    p = fma(p, f, splat(c));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+struct Lanes {
+  float v[kLanes];
+};
+template <typename T>
+inline Lanes load_lanes(const T* p) {
+  Lanes out;
+  for (int64_t i = 0; i < kLanes; ++i) out.v[i] = static_cast<float>(p[i]);
+  return out;
+}
+inline Lanes splat(float x) {
+  Lanes out;
+  std::fill(out.v, out.v + kLanes, x);
+  return out;
+}
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+  for (int64_t i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline Lanes add(Lanes a, Lanes b) {
+  for (int64_t i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline Lanes mul(Lanes a, Lanes b) {
+  for (int64_t i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline float sum(Lanes a) { return std::accumulate(a.v, a.v + kLanes, 0.0f); }
+inline void store(float* p, Lanes a) { std::copy(a.v, a.v + kLanes, p); }
+inline Lanes exp_lanes(Lanes x) {
+  for (float& value : x.v) value = std::exp(value);
+  return x;
+}
+#endif
+
+// Writes `a` as T (bf16 rounded to nearest even).
+template <typename T>
+inline void store_as(T* p, Lanes a) {
+  float lanes[kLanes];
+  store(lanes, a);
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(lanes[i]);
+}
+template <>
+inline void store_as<float>(float* p, Lanes a) { store(p, a); }
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size;
   float scale;
 };
 
-// One sequence, every head: softmax(q . K * scale) . V over `context` tokens, block by block,
-// with the running maximum rescaled once per block rather than once per token. The cache holds
-// `T` (float or bfloat16); arithmetic is in float.
+// Running softmax of the query heads that share one KV head: per head, the largest score so
+// far, the sum of weights and the weighted sum of values (`chunks` vectors of kLanes).
+struct GroupState {
+  std::vector<float> best, total;
+  std::vector<Lanes> acc;
+  GroupState(int64_t group, int64_t chunks)
+      : best(group, -std::numeric_limits<float>::infinity()), total(group, 0.0f),
+        acc(group * chunks, splat(0.0f)) {}
+};
+
+// Each group head's scores against `count` cached keys, into scores[head * stride + token].
 template <typename T>
-void attend_sequence(const float* q, const T* k_cache, const T* v_cache,
-                     const int64_t* table, int64_t context, const Shape& s, float* out) {
-  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
-  std::vector<float> best(s.heads, -std::numeric_limits<float>::infinity());
-  std::vector<float> total(s.heads, 0.0f), scores(s.block_size * s.heads);
-  std::fill(out, out + s.heads * s.dim, 0.0f);
-  for (int64_t start = 0; start < context; start += s.block_size) {
-    const int64_t count = std::min(s.block_size, context - start);
-    const T* k_block = k_cache + table[start / s.block_size] * s.block_size * row;
-    const T* v_block = v_cache + table[start / s.block_size] * s.block_size * row;
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t h = 0; h < s.heads; ++h) {
-        const T* k = k_block + t * row + (h / group) * s.dim;
-        const float* qh = q + h * s.dim;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < s.dim; ++d) dot += qh[d] * static_cast<float>(k[d]);
-        scores[t * s.heads + h] = dot * s.scale;
-      }
-    for (int64_t h = 0; h < s.heads; ++h) {
-      float block_max = best[h];
-      for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, scores[t * s.heads + h]);
-      const float shrink = std::exp(best[h] - block_max);
-      float* acc = out + h * s.dim;
-      total[h] *= shrink;
-      for (int64_t d = 0; d < s.dim; ++d) acc[d] *= shrink;
-      best[h] = block_max;
-      for (int64_t t = 0; t < count; ++t) {
-        const float weight = std::exp(scores[t * s.heads + h] - block_max);
-        const T* v = v_block + t * row + (h / group) * s.dim;
-        total[h] += weight;
-        for (int64_t d = 0; d < s.dim; ++d) acc[d] += weight * static_cast<float>(v[d]);
+void score_block(const std::vector<Lanes>& q, const T* keys, int64_t count, int64_t row,
+                 int64_t chunks, float* scores, int64_t stride) {
+  const int64_t group = static_cast<int64_t>(q.size()) / chunks;
+  for (int64_t t = 0; t < count; ++t) {
+    const T* k = keys + t * row;
+    for (int64_t h = 0; h < group; ++h) {
+      Lanes dot = mul(q[h * chunks], load_lanes(k));
+      for (int64_t c = 1; c < chunks; ++c)
+        dot = fma(q[h * chunks + c], load_lanes(k + c * kLanes), dot);
+      scores[h * stride + t] = sum(dot);
+    }
+  }
+}
+
+// Folds one block into the running state: rescale to the new maximum, turn the scores into
+// weights e^(s - max), add the weighted values. Scores past `count` are padding, never used.
+template <typename T>
+void fold_block(GroupState& state, float* scores, const T* values, int64_t count, int64_t row,
+                int64_t chunks, int64_t stride) {
+  const int64_t group = static_cast<int64_t>(state.best.size());
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * stride;
+    const float block_max = std::max(state.best[h], *std::max_element(s, s + count));
+    const float shrink = std::exp(state.best[h] - block_max);
+    state.best[h] = block_max;
+    for (int64_t c = 0; c < chunks; ++c)
+      state.acc[h * chunks + c] = mul(state.acc[h * chunks + c], splat(shrink));
+    for (int64_t t = 0; t < stride; t += kLanes)
+      store(s + t, exp_lanes(add(load_lanes(s + t), splat(-block_max))));
+    state.total[h] = state.total[h] * shrink + std::accumulate(s, s + count, 0.0f);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = values + t * row;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Lanes vc = load_lanes(v + c * kLanes);
+      for (int64_t h = 0; h < group; ++h) {
+        Lanes& acc = state.acc[h * chunks + c];
+        acc = fma(splat(scores[h * stride + t]), vc, acc);
       }
     }
   }
-  for (int64_t h = 0; h < s.heads; ++h)
-    for (int64_t d = 0; d < s.dim; ++d) out[h * s.dim + d] /= total[h];
+}
+
+// Blocks lie scattered in the cache, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+void prefetch_block(const T* keys, const T* values, int64_t elements) {
+  constexpr int64_t line = 64 / sizeof(T);
+  for (int64_t i = 0; i < elements; i += line) {
+    __builtin_prefetch(keys + i);
+    __builtin_prefetch(values + i);
+  }
+}
+
+// One sequence: softmax(q . K * scale) . V over `context` tokens. Blocks are read in turn, each
+// once and whole (every KV head), so the memory is streamed; the running maximum of each query
+// head is rescaled once a block.
+template <typename T>
+void attend_sequence(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                     int64_t context, const Shape& s, T* out) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim, chunks = s.dim / kLanes;
+  const int64_t stride = (s.block_size + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> scores(group * stride, 0.0f);
+  std::vector<std::vector<Lanes>> group_q(s.kv_heads, std::vector<Lanes>(group * chunks));
+  std::vector<GroupState> states(s.kv_heads, GroupState(group, chunks));
+  for (int64_t g = 0; g < s.kv_heads; ++g)
+    for (int64_t i = 0; i < group * chunks; ++i)
+      group_q[g][i] = mul(load_lanes(q + g * group * s.dim + i * kLanes), splat(s.scale));
+  for (int64_t start = 0; start < context; start += s.block_size) {
+    const int64_t count = std::min(s.block_size, context - start);
+    if (start + s.block_size < context) {
+      const int64_t next = table[start / s.block_size + 1] * s.block_size * row;
+      prefetch_block(k_cache + next, v_cache + next, s.block_size * row);
+    }
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const int64_t offset = table[start / s.block_size] * s.block_size * row + g * s.dim;
+      score_block(group_q[g], k_cache + offset, count, row, chunks, scores.data(), stride);
+      fold_block(states[g], scores.data(), v_cache + offset, count, row, chunks, stride);
+    }
+  }
+  for (int64_t g = 0; g < s.kv_heads; ++g)
+    for (int64_t i = 0; i < group * chunks; ++i)
+      store_as(out + g * group * s.dim + i * kLanes,
+               mul(states[g].acc[i], splat(1.0f / states[g].total[i / chunks])));
 }
 
 }  // namespace
@@ -65,12 +197,12 @@ torch::Tensor attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   const Shape shape{q.size(1), k_cache.size(1), q.size(2), block_size,
                     1.0f / std::sqrt(static_cast<float>(q.size(2)))};
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = contexts.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const int64_t width = tables.size(1), per_seq = shape.heads * shape.dim;
   at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
@@ -79,23 +211,19 @@ torch::Tensor attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
-// q [B, H, D] fp32; k_cache, v_cache [slots, Hkv, D] fp32 or bf16; tables [B, max_blocks];
-// contexts [B]. Returns fp32 [B, H, D].
+// q [B, H, D]; k_cache, v_cache [slots, Hkv, D], all three fp32 or all bf16, D a multiple of
+// 16; tables [B, max_blocks]; contexts [B]. Returns [B, H, D] in q's dtype (computed in fp32).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor contexts, int64_t block_size) {
   const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "paged_decode takes an fp32 query");
-  TORCH_CHECK(v_cache.scalar_type() == kv_type &&
+  TORCH_CHECK(q.scalar_type() == kv_type && v_cache.scalar_type() == kv_type &&
               (kv_type == torch::kFloat32 || kv_type == torch::kBFloat16),
-              "paged_decode reads an fp32 or bf16 cache");
+              "paged_decode takes fp32 or bf16 queries and cache, both alike");
+  TORCH_CHECK(q.size(2) % kLanes == 0, "paged_decode needs a head dimension divisible by 16");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(tables.dtype() == torch::kInt64 && tables.is_contiguous());
   TORCH_CHECK(contexts.dtype() == torch::kInt64 && contexts.is_contiguous());
   if (kv_type == torch::kBFloat16)
     return attend_batch<at::BFloat16>(q, k_cache, v_cache, tables, contexts, block_size);
   return attend_batch<float>(q, k_cache, v_cache, tables, contexts, block_size);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache");
 }

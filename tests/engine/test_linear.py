@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.linear import PACKED, PLAIN, can_pack_bf16, fast_bf16, layout_for, native_bf16
+from engine.linear import (
+    PACKED,
+    PLAIN,
+    WeightLayout,
+    can_pack_bf16,
+    fast_bf16,
+    layout_for,
+    native_bf16,
+)
 
 needs_mkldnn_bf16 = pytest.mark.skipif(not can_pack_bf16(),
                                        reason="oneDNN has no bf16 path on this CPU")
@@ -52,3 +60,21 @@ def test_packed_product_equals_plain(rows: int) -> None:
 def test_plain_layout_keeps_the_weight_itself() -> None:
     weight = torch.randn(8, 4)
     assert PLAIN.prepare(weight) is weight
+
+
+@pytest.mark.parametrize("layout", [
+    PLAIN, pytest.param(PACKED, marks=needs_mkldnn_bf16),
+], ids=["plain", "packed"])
+def test_projection_gives_each_weights_product(layout: WeightLayout) -> None:
+    torch.manual_seed(0)
+    weights = [torch.randn(rows, 64).to(torch.bfloat16) for rows in (96, 32, 32)]
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    projection = layout.project(weights)
+    # Packed weights are stacked and multiplied once; plain ones stay the file's own tensors.
+    assert len(projection.matrices) == (1 if layout.packed else 3)
+    if not layout.packed:
+        assert all(m is w for m, w in zip(projection.matrices, weights, strict=True))
+    outputs = projection(x)
+    assert [out.shape for out in outputs] == [(5, 96), (5, 32), (5, 32)]
+    for out, weight in zip(outputs, weights, strict=True):
+        torch.testing.assert_close(out, F.linear(x, weight), atol=2e-2, rtol=2e-2)

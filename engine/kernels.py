@@ -1,0 +1,64 @@
+"""raging's C++ kernels (engine/csrc): decode attention over the paged cache, RMSNorm, RoPE.
+
+They are compiled once per machine with the system C++ compiler (about 30 s, cached under
+~/.cache/torch_extensions). Where that fails, every caller falls back to torch's own ops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils.cpp_extension import get_default_build_root, load
+
+log = logging.getLogger(__name__)
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("module.cpp", "paged_decode.cpp", "pointwise.cpp")]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes
+
+
+@cache
+def kernels() -> ModuleType | None:
+    """The compiled module, or None (logged once) when it cannot be built here."""
+    folder = Path(get_default_build_root()) / f"raging_kernels-torch{torch.__version__}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _exclusive(folder / "raging.flock"):
+            # torch's own lock file outlives a build that was killed, and then every later
+            # build waits on it forever; holding our lock, no build of ours is running.
+            (folder / "lock").unlink(missing_ok=True)
+            return load(name="raging_kernels", sources=[str(s) for s in _SOURCES],
+                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=str(folder))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        log.warning("C++ kernels unavailable, using torch ops: %s", exc)
+        return None
+
+
+def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The module if it reads `tensors` (all fp32 or all bf16, on the CPU), else None."""
+    first = tensors[0]
+    if first.dtype not in KERNEL_DTYPES or first.device.type != "cpu":
+        return None
+    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return None
+    return kernels()
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock, released by the kernel when its holder dies."""
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
