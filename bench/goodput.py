@@ -1,15 +1,17 @@
 """`goodput`: DistServe-style SLO goodput of disaggregated against colocated serving, same CPUs.
 
 Each mode is launched in turn (launch.sh pins its workers; see MODES). First, single requests of
-a few prompt lengths, one at a time, give the mode's unloaded latencies: TTFT as a line over
-prompt length, and TPOT. Then each workload is swept over Poisson arrival rates, the same
+a few prompt lengths, one at a time, give the mode's unloaded latencies: TTFT at each length,
+and TPOT. Then each workload is swept over Poisson arrival rates, the same
 requests at the same arrival times for every mode, with fresh prompts for every run (no prefix
 cache carry-over). A mode's sweep of a workload stops early after a rate, at or above the
 comparison rate, at which it is saturated: under half its requests within twice its own
 unloaded-derived SLO.
 
 After every mode has run, one SLO is set from the median of the modes' unloaded figures (TTFT
-`--ttft-factor` times the unloaded line, so long prompts get a longer budget; TPOT
+`--ttft-factor` times the unloaded TTFT at the prompt's length, interpolated between the probed
+lengths, so long prompts get a longer budget and short ones are not held to a line fitted to the
+long ones; TPOT
 `--tpot-factor` times the unloaded TPOT), and every run is judged against it: SLO attainment,
 goodput (the rate where attainment falls below 90 %, interpolated between swept rates), p99 TTFT
 and p99 TPOT. Output: results.json, results.md, attainment.png and tpot_cdf.png.
@@ -57,7 +59,7 @@ GOODPUT_WORKLOADS = ("chat", "humaneval", "mixed")
 DEFAULT_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 6.0), "humaneval": (1.0, 2.0, 3.0, 4.0, 6.0),
                  "mixed": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)}
 QUICK_RATES = {"chat": (1.0, 3.0), "humaneval": (2.0, 4.0), "mixed": (0.5, 1.5)}
-PROBE_LENS = (64, 512, 1536)
+PROBE_LENS = (16, 64, 512, 1536)  # the unloaded TTFT is interpolated between them
 PROBE_OUTPUT = 16
 SATURATED = 0.5  # attainment under LOOSE x a mode's own SLO below which its sweep stops
 LOOSE = 2.0
@@ -84,39 +86,42 @@ class GoodputPlan:
 
 @dataclass(frozen=True)
 class Unloaded:
-    """Single-request latencies of one mode: TTFT = base + per_token * prompt tokens; TPOT."""
+    """Single-request latencies of one mode: TTFT at each probed prompt length, and TPOT."""
 
-    ttft_base_s: float
-    ttft_per_token_s: float
+    ttft_points: tuple[tuple[int, float], ...]  # (prompt tokens, median TTFT), ascending
     tpot_s: float
     samples: tuple[tuple[int, float, float | None], ...]  # (prompt tokens, TTFT, TPOT)
 
     def slo(self, ttft_factor: float, tpot_factor: float) -> Slo:
-        """The SLO these latencies give with the factors."""
-        return Slo(ttft_factor * self.ttft_base_s, tpot_factor * self.tpot_s,
-                   ttft_factor * self.ttft_per_token_s)
+        """The SLO these latencies give with the factors: a TTFT budget at every prompt length
+        of `ttft_factor` times the unloaded TTFT at that length (see Slo)."""
+        curve = tuple((n, ttft_factor * ttft) for n, ttft in self.ttft_points)
+        return Slo(curve[0][1], tpot_factor * self.tpot_s, curve)
 
 
 def fit_unloaded(samples: Sequence[tuple[int, float, float | None]]) -> Unloaded:
-    """Least-squares TTFT line over prompt length (base floored at 0), and the median TPOT."""
-    lengths = [float(n) for n, _, _ in samples]
-    ttfts = [t for _, t, _ in samples]
-    if len(set(lengths)) < 2:
-        raise ValueError("the unloaded fit needs at least two prompt lengths")
-    slope, base = statistics.linear_regression(lengths, ttfts)
-    if base < 0:  # keep the line through the measurements' centre, but never below 0 at 0
-        base, slope = 0.0, sum(ttfts) / sum(lengths)
+    """The median TTFT at each prompt length, and the median TPOT."""
+    by_length: dict[int, list[float]] = {}
+    for n, ttft, _ in samples:
+        by_length.setdefault(n, []).append(ttft)
+    if len(by_length) < 2:
+        raise ValueError("the unloaded latencies need at least two prompt lengths")
     tpots = [t for _, _, t in samples if t is not None]
     if not tpots:
         raise ValueError("no unloaded request produced two tokens")
-    return Unloaded(base, slope, statistics.median(tpots), tuple(samples))
+    points = tuple((n, statistics.median(ttfts)) for n, ttfts in sorted(by_length.items()))
+    return Unloaded(points, statistics.median(tpots), tuple(samples))
 
 
 def reference_slo(unloaded: Sequence[Unloaded], ttft_factor: float, tpot_factor: float) -> Slo:
-    """The one SLO for every mode: the factors times the median of the modes' unloaded figures."""
-    middle = Unloaded(statistics.median(u.ttft_base_s for u in unloaded),
-                      statistics.median(u.ttft_per_token_s for u in unloaded),
-                      statistics.median(u.tpot_s for u in unloaded), ())
+    """The one SLO for every mode: the factors times the median of the modes' unloaded figures,
+    length by length."""
+    lengths = {tuple(n for n, _ in u.ttft_points) for u in unloaded}
+    if len(lengths) != 1:
+        raise ValueError(f"modes were probed at different prompt lengths: {sorted(lengths)}")
+    points = tuple((n, statistics.median(u.ttft_points[i][1] for u in unloaded))
+                   for i, n in enumerate(lengths.pop()))
+    middle = Unloaded(points, statistics.median(u.tpot_s for u in unloaded), ())
     return middle.slo(ttft_factor, tpot_factor)
 
 
@@ -226,8 +231,7 @@ def request_timeout(slo: Slo, specs: Sequence[RequestSpec]) -> float:
 
 def saturated(slo: Slo, run: LoadRun) -> bool:
     """Whether under half the run's requests met LOOSE x `slo`: higher rates are pointless."""
-    loose = Slo(LOOSE * slo.ttft_s, LOOSE * slo.tpot_s, LOOSE * slo.ttft_per_token_s)
-    return not attainment(loose, samples(run)) >= SATURATED
+    return not attainment(slo.scaled(LOOSE), samples(run)) >= SATURATED
 
 
 async def _probe(client: httpx.AsyncClient, model: str, probes: Sequence[RequestSpec]) -> Unloaded:

@@ -216,20 +216,22 @@ def goodput_json(results: GoodputResults) -> dict[str, Any]:
 
 def _slo_line(results: GoodputResults) -> str:
     slo, plan = results.slo, results.plan
-    return (f"SLO, from the median of the modes' unloaded latencies: TTFT <= "
-            f"{slo.ttft_s * 1000:.0f} ms + {slo.ttft_per_token_s * 1e6:.0f} ms per 1,000 prompt "
-            f"tokens ({plan.ttft_factor:g}x unloaded), TPOT <= {slo.tpot_s * 1000:.0f} ms "
+    budgets = " / ".join(f"{budget * 1000:.0f}" for _, budget in slo.ttft_curve)
+    lengths = " / ".join(f"{n:,}" for n, _ in slo.ttft_curve)
+    return (f"SLO, from the median of the modes' unloaded latencies: TTFT <= {budgets} ms at "
+            f"{lengths} prompt tokens ({plan.ttft_factor:g}x unloaded; linear between, the last "
+            f"segment extended beyond), TPOT <= {slo.tpot_s * 1000:.0f} ms "
             f"({plan.tpot_factor:g}x unloaded). Goodput: the rate at which fewer than "
             f"{100 * GOODPUT_TARGET:.0f} % of requests meet both, interpolated between swept "
             "rates.")
 
 
 def _unloaded_table(results: GoodputResults) -> str:
-    rows = [[m.mode, f"`{' '.join(m.flags)}`", _ms(m.unloaded.ttft_base_s),
-             f"{m.unloaded.ttft_per_token_s * 1e6:.0f}", _ms(m.unloaded.tpot_s)]
+    rows = [[m.mode, f"`{' '.join(m.flags)}`",
+             " / ".join(_ms(ttft) for _, ttft in m.unloaded.ttft_points), _ms(m.unloaded.tpot_s)]
             for m in results.modes]
-    return table(["mode", "launch.sh flags", "TTFT at 0 tokens (ms)",
-                  "TTFT per 1,000 tokens (ms)", "TPOT (ms)"], rows)
+    lengths = " / ".join(f"{n:,}" for n, _ in results.modes[0].unloaded.ttft_points)
+    return table(["mode", "launch.sh flags", f"TTFT at {lengths} tokens (ms)", "TPOT (ms)"], rows)
 
 
 def _goodput_table(results: GoodputResults) -> str:

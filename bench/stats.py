@@ -58,17 +58,26 @@ def inter_token_gaps(arrivals: Sequence[float]) -> list[float]:
 class Slo:
     """Latency objectives: a request is good when TTFT <= its TTFT budget and TPOT <= tpot_s.
 
-    The TTFT budget is `ttft_s`, plus `ttft_per_token_s` per prompt token: with it, a long prompt
-    may take longer to its first token, as it does on an idle server.
+    The TTFT budget is `ttft_s`, or, given `ttft_curve` ((prompt tokens, budget) points in
+    ascending length), the curve at the prompt's length: a long prompt may take longer to its
+    first token, as it does on an idle server. Between points the curve is linear; below the
+    first it stays at the first point's budget, beyond the last it follows the last segment.
     """
 
     ttft_s: float
     tpot_s: float
-    ttft_per_token_s: float = 0.0
+    ttft_curve: tuple[tuple[int, float], ...] = ()
 
     def ttft_budget(self, prompt_tokens: int | None = None) -> float:
-        """The TTFT objective of a request with `prompt_tokens` (None: unknown, counted as 0)."""
-        return self.ttft_s + self.ttft_per_token_s * (prompt_tokens or 0)
+        """The TTFT objective of a request with `prompt_tokens` (None: unknown, `ttft_s`)."""
+        if not self.ttft_curve or prompt_tokens is None:
+            return self.ttft_s
+        return along(self.ttft_curve, prompt_tokens)
+
+    def scaled(self, factor: float) -> Slo:
+        """Every objective times `factor`."""
+        return Slo(factor * self.ttft_s, factor * self.tpot_s,
+                   tuple((n, factor * budget) for n, budget in self.ttft_curve))
 
     def met(self, ttft_s: float | None, tpot_s: float | None,
             prompt_tokens: int | None = None) -> bool:
@@ -79,6 +88,18 @@ class Slo:
         if ttft_s is None or ttft_s > self.ttft_budget(prompt_tokens):
             return False
         return tpot_s is None or tpot_s <= self.tpot_s
+
+
+def along(points: Sequence[tuple[int, float]], x: float) -> float:
+    """The piecewise-linear curve through `points` (ascending x) at `x`: the first point's y
+    below them, the last segment extended beyond them."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    segments = list(pairwise(points))
+    for (x0, y0), (x1, y1) in segments:
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable: the last segment takes every x beyond it")
 
 
 # (ttft, tpot) or (ttft, tpot, prompt tokens) of one request; a failure has ttft None

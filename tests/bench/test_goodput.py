@@ -48,25 +48,29 @@ def _flags(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["goodput", *argv])
 
 
-def test_fit_unloaded_is_a_line_over_prompt_length() -> None:
-    fit = fit_unloaded([(100, 0.3, 0.08), (1100, 2.8, 0.07), (2100, 5.3, None)])
-    assert fit.ttft_base_s == pytest.approx(0.05) and fit.ttft_per_token_s == pytest.approx(0.0025)
-    assert fit.tpot_s == pytest.approx(0.075)  # median of the requests with a TPOT
-    floored = fit_unloaded([(100, 0.4, 0.1), (200, 0.41, 0.1), (300, 1.6, 0.1)])
-    assert floored.ttft_base_s == 0 and floored.ttft_per_token_s == pytest.approx(2.41 / 600)
+def test_fit_unloaded_takes_the_median_ttft_at_each_prompt_length() -> None:
+    fit = fit_unloaded([(1100, 2.8, 0.07), (100, 0.3, 0.08), (100, 0.5, 0.09),
+                        (100, 0.35, 0.09), (2100, 5.3, None)])
+    assert fit.ttft_points == ((100, 0.35), (1100, 2.8), (2100, 5.3))
+    assert fit.tpot_s == pytest.approx(0.085)  # median of the requests with a TPOT
     with pytest.raises(ValueError):
         fit_unloaded([(100, 0.3, 0.08), (100, 0.3, 0.08)])
     with pytest.raises(ValueError):
         fit_unloaded([(100, 0.3, None), (200, 0.5, None)])
 
 
-def test_slo_is_the_factors_times_the_median_of_the_modes() -> None:
-    modes = [Unloaded(0.05, 0.002, 0.08, ()), Unloaded(0.1, 0.003, 0.07, ()),
-             Unloaded(0.02, 0.0015, 0.05, ())]
-    assert modes[0].slo(5, 2) == Slo(0.25, 0.16, 0.01)
+def test_slo_is_the_factors_times_the_median_of_the_modes_length_by_length() -> None:
+    modes = [Unloaded(((16, 0.05), (512, 0.3)), 0.08, ()),
+             Unloaded(((16, 0.1), (512, 0.2)), 0.07, ()),
+             Unloaded(((16, 0.02), (512, 0.4)), 0.05, ())]
+    assert modes[0].slo(5, 2) == Slo(0.25, 0.16, ((16, 0.25), (512, 1.5)))
     slo = reference_slo(modes, ttft_factor=5, tpot_factor=2)
-    assert slo.ttft_s == pytest.approx(0.25) and slo.ttft_per_token_s == pytest.approx(0.01)
+    assert slo.ttft_curve == ((16, pytest.approx(0.25)), (512, pytest.approx(1.5)))
     assert slo.tpot_s == pytest.approx(0.14)
+    # A short prompt is held to 5x its own unloaded TTFT, not to a line fitted to long ones.
+    assert slo.ttft_budget(10) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        reference_slo([*modes, Unloaded(((64, 0.1), (512, 0.3)), 0.05, ())], 5, 2)
 
 
 def _result(index: int, ttft: float | None, tpot: float, prompt: int = 100,
@@ -83,16 +87,16 @@ def test_samples_judge_ttft_by_prompt_length_and_count_failures() -> None:
     run = LoadRun((_result(0, 3.0, 0.05, prompt=3000), _result(1, 3.0, 0.05),
                    _result(2, None, 0.0)), 10.0, 0)
     assert samples(run)[0] == (3.0, pytest.approx(0.05), 3000)
-    slo = Slo(0.5, 0.1, 0.001)  # 3.5 s for 3,000 tokens, 0.6 s for 100
+    slo = Slo(0.6, 0.1, ((100, 0.6), (3000, 3.5)))  # 3.5 s for 3,000 tokens, 0.6 s for 100
     assert [slo.met(*s) for s in samples(run)] == [True, False, False]
     assert saturated(Slo(0.1, 0.1), run)  # under half within 2x: stop the sweep
-    assert not saturated(Slo(1.5, 0.1, 0.001), run)  # 2 of 3 within 2x
+    assert not saturated(Slo(1.6, 0.1, ((100, 1.6), (3000, 4.5))), run)  # 2 of 3 within 2x
 
 
 def test_request_timeout_covers_twice_the_slowest_request_in_slo() -> None:
     plan = _plan(("mixed",), {"mixed": (1.0,)})
     specs = rate_specs(plan, TextPrompts())["mixed", 1.0]
-    slo = Slo(1.0, 0.2, 0.01)
+    slo = Slo(1.0, 0.2, ((0, 1.0), (100, 2.0)))  # 1 s + 10 ms per prompt token
     longest = max(s.input_len or 0 for s in specs)
     expected = 2 * (1.0 + 0.01 * longest + 0.2 * max(s.output_len for s in specs))
     assert request_timeout(slo, specs) == pytest.approx(expected)
@@ -148,7 +152,8 @@ def _mode(name: str, tpot: float, shares: dict[float, float]) -> ModeRun:
         good = round(10 * share)
         results = tuple(_result(i, 0.1 if i < good else 50.0, tpot) for i in range(10))
         runs.append(RateRun("mixed", rate, Load(rate=rate), LoadRun(results, 10.0, 0)))
-    return ModeRun(name, MODES[name], "/tmp/x", Unloaded(0.1, 0.001, 0.05, ()), tuple(runs))
+    unloaded = Unloaded(((16, 0.1), (1000, 1.1)), 0.05, ())
+    return ModeRun(name, MODES[name], "/tmp/x", unloaded, tuple(runs))
 
 
 def _results() -> GoodputResults:

@@ -72,9 +72,12 @@ def test_goodput_rate() -> None:
     assert goodput_rate([(1, 0.8), (2, 0.8)], target=0.75) == 2
 
 
-def test_slo_with_a_ttft_budget_per_prompt_token() -> None:
-    slo = Slo(ttft_s=1.0, tpot_s=0.1, ttft_per_token_s=0.001)
+def test_slo_with_a_ttft_budget_curve_over_prompt_length() -> None:
+    slo = Slo(ttft_s=1.0, tpot_s=0.1, ttft_curve=((100, 1.1), (1100, 2.1), (2100, 3.1)))
     assert slo.ttft_budget(3000) == pytest.approx(4.0) and slo.ttft_budget(None) == 1.0
+    assert slo.ttft_budget(600) == pytest.approx(1.6)  # between points: linear
+    assert slo.ttft_budget(10) == pytest.approx(1.1)  # below the first: flat
+    assert slo.scaled(2).ttft_budget(600) == pytest.approx(3.2) and slo.scaled(2).tpot_s == 0.2
     assert slo.met(3.9, 0.1, 3000) and not slo.met(3.9, 0.1, 2000)
     assert not slo.met(1.5, 0.05) and not slo.met(0.5, 0.2, 3000)
     samples = [(3.9, 0.05, 3000), (3.9, 0.05, 100), (0.5, None, 10), (None, None, 10)]
