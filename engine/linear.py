@@ -38,8 +38,8 @@ def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 @dataclass(frozen=True)
 class Projection:
     """Weight matrices applied to the same input, one output each. Packed, they are stacked
-    into one matrix and multiplied once (q/k/v take ~30 % less time so at decode batch sizes);
-    plain, each stays a view of the mapped file, shared between processes."""
+    into one matrix and multiplied once (q/k/v: ~30 % less time at decode batch sizes); plain,
+    each stays a view of the mapped file, shared between processes."""
 
     matrices: tuple[torch.Tensor, ...]
     sizes: tuple[int, ...]  # output features of each weight
