@@ -57,7 +57,7 @@ GOODPUT_WORKLOADS = ("chat", "humaneval", "mixed")
 # per core; fp32: ~450): humaneval prompts are short (~130 tokens), chat ~275 tokens on average,
 # mixed ~460 (7 % of 2,000-4,000 tokens). A sweep stops early once a mode is saturated.
 DEFAULT_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 6.0), "humaneval": (1.0, 2.0, 3.0, 4.0, 6.0),
-                 "mixed": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)}
+                 "mixed": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)}
 QUICK_RATES = {"chat": (1.0, 3.0), "humaneval": (2.0, 4.0), "mixed": (0.5, 1.5)}
 PROBE_LENS = (16, 64, 512, 1536)  # the unloaded TTFT is interpolated between them
 PROBE_OUTPUT = 16
