@@ -96,10 +96,8 @@ def along(points: Sequence[tuple[int, float]], x: float) -> float:
     if x <= points[0][0] or len(points) == 1:
         return points[0][1]
     segments = list(pairwise(points))
-    for (x0, y0), (x1, y1) in segments:
-        if x <= x1 or (x1, y1) == points[-1]:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    raise AssertionError("unreachable: the last segment takes every x beyond it")
+    (x0, y0), (x1, y1) = next((s for s in segments if x <= s[1][0]), segments[-1])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 # (ttft, tpot) or (ttft, tpot, prompt tokens) of one request; a failure has ttft None
