@@ -57,7 +57,8 @@ class RequestHandle:
     done: bool = False
     next_index: int = 0  # the output position the client gets next
     early: dict[int, Event] = field(default_factory=dict)  # arrived before their turn
-    retries: int = 0  # times it was resumed on other workers after losing one
+    retries: int = 0  # times it was resumed after losing a worker
+    recoveries: int = 0  # times it was resumed after losing a message
     delivered: list[int] = field(default_factory=list)  # token ids the client has got
     offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
     gap_since: float | None = None  # since when later tokens wait for a missing one
@@ -67,7 +68,8 @@ class RequestHandle:
 
 
 _REABORT_MEMORY = 4096
-_MAX_RESUMES = 2
+_MAX_RESUMES = 2  # after losing a worker: a request that kills workers must not kill them all
+_MAX_RECOVERIES = 8  # after losing a message: not the request's fault, but it must end
 _LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
@@ -150,7 +152,7 @@ class Dispatcher:
             if handle.gap_since is not None and handle.gap_since < lost_before:
                 log.warning("request %s lost token %d: resuming", handle.request_id,
                             handle.next_index)
-                self._resume_or_fail(handle)
+                self._recover_or_fail(handle)
 
     def _resume_unheld(self) -> None:
         """A request no worker reports holding (a lost PrefillRequest, a lost last token)
@@ -159,7 +161,7 @@ class Dispatcher:
         for handle in list(self.requests.values()):
             if handle.held_at < lost_before:
                 log.warning("request %s is held by no worker: resuming", handle.request_id)
-                self._resume_or_fail(handle)
+                self._recover_or_fail(handle)
 
     def _note_held(self, worker_id: str, held: list[Held]) -> None:
         worker = self.registry.workers[worker_id]
@@ -223,8 +225,7 @@ class Dispatcher:
         handle = self.requests.get(message.request_id)
         if handle is not None and handle.epoch == message.epoch:
             log.warning("request %s failed: %s", message.request_id, message.reason)
-            self.abort(handle)
-            handle.events.put_nowait(Event(None, "error", "a worker could not serve the request"))
+            self._fail(handle, "a worker could not serve the request")
 
     def _on_token(self, worker_id: str, token: TokenEvent) -> None:
         handle = self.requests.get(token.request_id)
@@ -300,17 +301,27 @@ class Dispatcher:
                 self._resume_or_fail(handle)
 
     def _resume_or_fail(self, handle: RequestHandle) -> None:
-        if not self._resume(handle):
-            self.abort(handle)
-            handle.events.put_nowait(Event(None, "error", "a worker serving it stopped"))
+        """One of the handle's workers is gone."""
+        if handle.retries < _MAX_RESUMES and self._resume(handle):
+            handle.retries += 1
+            return
+        self._fail(handle, "a worker serving it stopped")
+
+    def _recover_or_fail(self, handle: RequestHandle) -> None:
+        """A message of the handle's was lost on the way; its workers are alive."""
+        if handle.recoveries < _MAX_RECOVERIES and self._resume(handle):
+            handle.recoveries += 1
+            return
+        self._fail(handle, "its messages were lost too often")
+
+    def _fail(self, handle: RequestHandle, reason: str) -> None:
+        self.abort(handle)
+        handle.events.put_nowait(Event(None, "error", reason))
 
     def _resume(self, handle: RequestHandle) -> bool:
         """Start the request again under a new epoch on a live pair of workers, from its prompt
         plus the tokens the client already has, so the stream goes on with no gap and no
-        repeat (anything of the old epoch is dropped everywhere). False past the limit or
-        with a pool empty."""
-        if handle.retries >= _MAX_RESUMES:
-            return False
+        repeat (anything of the old epoch is dropped everywhere). False with a pool empty."""
         task = handle.task
         prompt = [*task.prompt_ids, *handle.delivered]
         route = self.registry.route(prompt, task.cache_salt)
@@ -320,7 +331,6 @@ class Dispatcher:
             self._send_abort(worker_id, handle.request_id, handle.epoch)
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
-        handle.retries += 1
         handle.forked = False
         handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
         handle.held_at = time.monotonic()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 import random
 import subprocess
 import sys
@@ -113,7 +114,9 @@ class FaultyProxy:
 @pytest.fixture
 def fuzzed(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path,
            ) -> Iterator[tuple[str, FaultyProxy]]:
-    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "progress_timeout_s": 5.0}}
+    # Short enough that a request no resume rescues still ends by DEADLINE_S; long enough for
+    # two resumes back to back (3 s each at most).
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "progress_timeout_s": 12.0}}
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     gateway_control, port = f"tcp://127.0.0.1:{free_port()}", free_port()
@@ -160,25 +163,32 @@ def _healthy(url: str) -> bool:
 
 
 async def outcome(client: httpx.AsyncClient, model: str, prompt_len: int, stream: bool) -> str:
-    """How one request ended: 'finished', 'error event', 'http NNN' or 'no terminal state'."""
+    """How one request ended: 'finished', 'error event: why', 'http NNN: why' or
+    'no terminal state'."""
     body = {"model": model, "prompt": list(range(100, 100 + prompt_len)), "max_tokens": 12,
             "temperature": 0, "ignore_eos": True, "stream": stream}
     try:
         async with asyncio.timeout(DEADLINE_S):
             if not stream:
                 response = await client.post("/v1/completions", json=body)
-                return "finished" if response.status_code == 200 else \
-                    f"http {response.status_code}"
+                return "finished" if response.status_code == 200 else _failed(response)
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
-                    return f"http {response.status_code}"
+                    await response.aread()
+                    return _failed(response)
                 lines = [line async for line in response.aiter_lines() if line]
     except TimeoutError:
         return "no terminal state"
     if lines[-1] == "data: [DONE]" and any('"finish_reason":"length"' in ln.replace(" ", "")
                                           for ln in lines):
         return "finished"
-    return "error event" if any('"error"' in ln for ln in lines) else "no terminal state"
+    errors = [json.loads(ln.removeprefix("data: "))["error"]["message"]
+              for ln in lines if '"error"' in ln]
+    return f"error event: {errors[0]}" if errors else "no terminal state"
+
+
+def _failed(response: httpx.Response) -> str:
+    return f"http {response.status_code}: {response.json()['error']['message']}"
 
 
 async def run_all(url: str, count: int) -> Counter[str]:
@@ -205,8 +215,8 @@ def test_every_request_ends_by_its_deadline_under_control_faults(fuzzed) -> None
     started = time.monotonic()
     outcomes = asyncio.run(run_all(url, 60))
     assert outcomes["no terminal state"] == 0, outcomes
-    # A lost message costs its request a resume, not the request: most still finish.
-    assert outcomes["finished"] >= 48, outcomes
+    # A lost message costs its request a resume, not the request: nearly all finish.
+    assert outcomes["finished"] >= 54, outcomes
     assert time.monotonic() - started < DEADLINE_S + 10
     assert sum(v for k, v in proxy.faults.items() if k.startswith("dropped")) > 0
     proxy.faulty = False

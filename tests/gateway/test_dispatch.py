@@ -32,7 +32,15 @@ from core.messages import (
     TokenBatch,
     TokenEvent,
 )
-from gateway.dispatch import _REABORT_MEMORY, Dispatcher, Event, RequestHandle
+from gateway import dispatch
+from gateway.dispatch import (
+    _MAX_RECOVERIES,
+    _MAX_RESUMES,
+    _REABORT_MEMORY,
+    Dispatcher,
+    Event,
+    RequestHandle,
+)
 from gateway.errors import APIError
 from gateway.registry import Registry, WorkerInfo
 
@@ -42,6 +50,7 @@ TASK = GenerationTask([1, 2, 3, 4, 5], Sampling(seed=1), 8, [2], False)
 PROMPT_LEN = len(TASK.prompt_ids)
 STOPPED = "a worker serving it stopped"
 FAILED = "a worker could not serve the request"
+LOST = "its messages were lost too often"
 _FLUSH_INSTANCE = "flush"
 
 
@@ -991,6 +1000,56 @@ def test_a_request_no_worker_holds_is_resumed(tmp_path: Path) -> None:
             assert again.task.prompt_ids == [*TASK.prompt_ids, 5, 6]
             assert again.task.max_tokens == TASK.max_tokens - 2
             assert gw.dispatcher.resumed == 2 and not held.done and not lost.done
+
+    asyncio.run(body())
+
+
+def test_lost_messages_resume_a_request_until_their_own_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lost first token resumes the request, more times than losing a worker would (a
+    lossy channel is not the request's fault); past that limit the request fails."""
+    monkeypatch.setattr(dispatch, "_LOST_AFTER_S", 0.05)
+
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
+            handle = await submitted(gw, prefill)
+            assert _MAX_RECOVERIES > _MAX_RESUMES
+            for epoch in range(_MAX_RECOVERIES):
+                decode.tokens(handle.request_id, (1, 6, None), epoch=epoch)
+                abort, again = await prefill.expect(2)
+                assert abort == Abort(handle.request_id, epoch)
+                assert isinstance(again, PrefillRequest) and again.epoch == epoch + 1
+            assert handle.retries == 0 and not handle.done
+            decode.tokens(handle.request_id, (1, 6, None), epoch=_MAX_RECOVERIES)
+            assert await next_event(handle) == Event(None, "error", LOST)
+            assert handle.done and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+def test_losing_workers_resumes_a_request_twice_whatever_its_lost_messages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose workers keep dying may be what kills them: after two resumes it fails,
+    and the resumes a lost message caused do not count against that."""
+    monkeypatch.setattr(dispatch, "_LOST_AFTER_S", 0.05)
+
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefills = [await gw.worker(f"p{i}", "prefill") for i in range(_MAX_RESUMES + 1)]
+            decode = await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001")
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
+            handle = gw.dispatcher.submit(TASK)
+            decode.tokens(handle.request_id, (1, 6, None))  # its first token lost
+            await until(lambda: handle.recoveries == 1, "a recovery")
+            for resumes in range(_MAX_RESUMES + 1):
+                assert handle.retries == resumes
+                on = next(p for p in prefills if p.worker_id == handle.prefill_worker)
+                on.send(Leave(on.worker_id, on.instance_id))
+                await until(lambda n=resumes: handle.retries > n or handle.done, "a resume")
+            assert await next_event(handle) == Event(None, "error", STOPPED)
+            assert handle.retries == _MAX_RESUMES and handle.recoveries == 1
 
     asyncio.run(body())
 
