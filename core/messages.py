@@ -251,6 +251,7 @@ class RequestFailed:
     request_id: str
     epoch: int
     reason: str
+    retry: bool = False  # not the request's fault (its KV could not be handed off): serve it again
 
 
 Message = (

@@ -196,7 +196,8 @@ class DecodeWorker(Worker):
         request = entry.request
         if not self.incoming.is_complete(entry):
             for key in choice_keys(request.request_id, request.epoch, request.siblings):
-                self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one")
+                self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one",
+                           retry=True)
             return
         choices = self._choices(request, [first_token])
         if first_finished:  # as prefill found: the request's own choice ends there
@@ -272,9 +273,10 @@ class DecodeWorker(Worker):
                 constraint.advance(token)
         return constraint
 
-    def _fail(self, key: Key, reason: str) -> None:
+    def _fail(self, key: Key, reason: str, retry: bool = False) -> None:
+        """Tell the gateway; `retry` when the KV hand-off failed, not the request."""
         self.rejected_requests += 1
-        self.control.send(RequestFailed(*key, reason))
+        self.control.send(RequestFailed(*key, reason, retry))
 
     def _write_received_kv(self, sequence: DecodeSequence) -> None:
         if sequence.received_kv is None:
@@ -300,7 +302,7 @@ class DecodeWorker(Worker):
         now = time.monotonic()
         self.ended = {k: t for k, t in self.ended.items() if t > now}
         for key in self.incoming.expire(now):
-            self._fail(key, "the KV did not arrive in time")
+            self._fail(key, "the KV did not arrive in time", retry=True)
         dropped = self.receiver.dropped + self.incoming.dropped
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id,

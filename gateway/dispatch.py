@@ -69,7 +69,9 @@ class RequestHandle:
 
 _REABORT_MEMORY = 4096
 _MAX_RESUMES = 2  # after losing a worker: a request that kills workers must not kill them all
-_MAX_RECOVERIES = 8  # after losing a message: not the request's fault, but it must end
+_MAX_RECOVERIES = 8  # after losing a message or a KV hand-off: not the request's fault
+_LOST = "its messages were lost too often"
+_UNSERVED = "a worker could not serve the request"
 _LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
@@ -152,7 +154,7 @@ class Dispatcher:
             if handle.gap_since is not None and handle.gap_since < lost_before:
                 log.warning("request %s lost token %d: resuming", handle.request_id,
                             handle.next_index)
-                self._recover_or_fail(handle)
+                self._recover_or_fail(handle, _LOST)
 
     def _resume_unheld(self) -> None:
         """A request no worker reports holding (a lost PrefillRequest, a lost last token)
@@ -161,7 +163,7 @@ class Dispatcher:
         for handle in list(self.requests.values()):
             if handle.held_at < lost_before:
                 log.warning("request %s is held by no worker: resuming", handle.request_id)
-                self._recover_or_fail(handle)
+                self._recover_or_fail(handle, _LOST)
 
     def _note_held(self, worker_id: str, held: list[Held]) -> None:
         worker = self.registry.workers[worker_id]
@@ -187,7 +189,7 @@ class Dispatcher:
             elif worker_id == message.worker_id:
                 self._note_held(worker_id, message.holding)
         elif isinstance(message, RequestFailed):
-            self._on_failure(message)
+            self._on_failure(worker_id, message)
         elif isinstance(message, Register):
             self._on_register(worker_id, message)
         elif isinstance(message, Leave):
@@ -221,11 +223,18 @@ class Dispatcher:
             self.registry.remove(message.worker_id)
             self._fail_worker_requests(worker, f"{message.worker_id} stopped")
 
-    def _on_failure(self, message: RequestFailed) -> None:
+    def _on_failure(self, worker_id: str, message: RequestFailed) -> None:
         handle = self.requests.get(message.request_id)
-        if handle is not None and handle.epoch == message.epoch:
-            log.warning("request %s failed: %s", message.request_id, message.reason)
-            self._fail(handle, "a worker could not serve the request")
+        if handle is None or handle.epoch != message.epoch:
+            return
+        log.warning("request %s failed: %s", message.request_id, message.reason)
+        if not message.retry:
+            self._fail(handle, _UNSERVED)
+            return
+        decode = self.registry.workers.get(handle.decode_worker)
+        if worker_id == handle.prefill_worker != handle.decode_worker and decode is not None:
+            decode.unreachable = True  # its KV could not be handed to it
+        self._recover_or_fail(handle, _UNSERVED)
 
     def _on_token(self, worker_id: str, token: TokenEvent) -> None:
         handle = self.requests.get(token.request_id)
@@ -307,12 +316,13 @@ class Dispatcher:
             return
         self._fail(handle, "a worker serving it stopped")
 
-    def _recover_or_fail(self, handle: RequestHandle) -> None:
-        """A message of the handle's was lost on the way; its workers are alive."""
+    def _recover_or_fail(self, handle: RequestHandle, reason: str) -> None:
+        """The handle's epoch was lost in passing (a lost message, a failed KV hand-off),
+        through no fault of its own: start it again, up to a limit."""
         if handle.recoveries < _MAX_RECOVERIES and self._resume(handle):
             handle.recoveries += 1
             return
-        self._fail(handle, "its messages were lost too often")
+        self._fail(handle, reason)
 
     def _fail(self, handle: RequestHandle, reason: str) -> None:
         self.abort(handle)

@@ -26,6 +26,7 @@ class WorkerInfo:
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill: routed
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
+    unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
 
     @property
     def capacity_tokens(self) -> int:
@@ -112,6 +113,7 @@ class Registry:
         info.stalled = info.stalled and not moved  # only new progress clears a stall
         info.last_seen = now
         info.load = message
+        info.unreachable = False
         return True
 
     def newly_stalled(self) -> list[WorkerInfo]:
@@ -204,8 +206,10 @@ class Registry:
         return "local_saturated" if saturated and _has_headroom(decode) else ""
 
     def pick_decode(self) -> WorkerInfo | None:
-        """The decode worker with the most free KV capacity, then the fewest sequences."""
-        return max(self.serving("decode"),
+        """The decode worker with the most free KV capacity, then the fewest sequences (one
+        found unreachable only if every one was)."""
+        serving = self.serving("decode")
+        return max([w for w in serving if not w.unreachable] or serving,
                    key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
                    default=None)
 

@@ -27,6 +27,7 @@ from kvtransfer.wire import (
 _MAX_PEERS = 64
 _SNDHWM = 64  # messages (a layer's chunk each) that may wait for a slow receiver
 _CONNECT_WAIT_MS = 2000
+_UNREACHABLE_S = 10.0  # a receiver found unreachable gets no new connect wait for this long
 _FULL_WAIT_S = 0.05  # how long a send waits for room in a full staging buffer
 
 
@@ -51,6 +52,7 @@ class KVSender:
         self.context = context
         self.keys = keys
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self.unreachable: dict[str, float] = {}  # address: when a send gave up on it
         self.counters = TransferCounters()
 
     def send_layers(self, address: str, request_id: str, epoch: int, layer_start: int,
@@ -99,10 +101,16 @@ class KVSender:
     def _writable(self, address: str) -> zmq.Socket:
         socket = self._socket(address)
         # With IMMEDIATE, nothing queues for a peer that is not connected (a new socket's
-        # handshake, or a dead receiver): wait a moment for it, then give up.
-        if not socket.poll(_CONNECT_WAIT_MS, zmq.POLLOUT):
+        # handshake, or a dead receiver): wait a moment for it, then give up. That wait stalls
+        # the prefill loop, so a receiver given up on moments ago gets none.
+        given_up_at = self.unreachable.get(address)
+        recent = given_up_at is not None and time.monotonic() - given_up_at < _UNREACHABLE_S
+        if not socket.poll(0 if recent else _CONNECT_WAIT_MS, zmq.POLLOUT):
             self.counters.failures += 1
+            if not recent:
+                self.unreachable[address] = time.monotonic()
             raise TransferError(f"KV receiver {address} is not reachable or not draining")
+        self.unreachable.pop(address, None)
         return socket
 
     def _socket(self, address: str) -> zmq.Socket:

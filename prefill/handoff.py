@@ -15,6 +15,7 @@ from kvtransfer import KVSender, TransferError
 from kvtransfer.sender import layers_per_chunk
 
 Key = tuple[str, int]  # (request id, epoch)
+_ABORTED = "aborted"
 
 
 @dataclass
@@ -87,7 +88,12 @@ class LayerStream:
         gateway and drops what already arrived)."""
         out = self.outgoing.get(key)
         if out is not None and out.failure is None:
-            out.failure = "aborted"
+            out.failure = _ABORTED
+
+    def broken(self) -> dict[Key, str]:
+        """The requests whose KV could not be sent, and why (the aborted ones aside)."""
+        return {key: out.failure for key, out in self.outgoing.items()
+                if out.failure is not None and out.failure != _ABORTED}
 
     def forget(self, key: Key) -> None:
         """Drop the request (aborted, or failed before its first token)."""

@@ -114,7 +114,18 @@ class PrefillWorker(Worker):
                 self.scheduler.abort(*key)
                 self._drop(key)
             self.in_step, self.aborted_in_step = set(), set()
+        self._stop_broken_handoffs()
         return True
+
+    def _stop_broken_handoffs(self) -> None:
+        """A prompt whose KV could not reach its decode worker computes no more chunks here:
+        the gateway serves it again on another pair."""
+        for key, failure in self.stream.broken().items():
+            request = self.jobs[key].request
+            queued = self.scheduler.abort(*key)
+            assert queued, "a prompt still streaming is still scheduled"
+            self._drop(key)
+            self._report_failure(request, failure)
 
     def _start(self, request: PrefillRequest) -> int:
         """Admit a prompt: reserve its blocks, announce it to its decode worker; how many of
@@ -202,11 +213,16 @@ class PrefillWorker(Worker):
                            cached_tokens, token.logprob, token.top)
         self.control.send(first)
         failure = self.stream.finish(first)
-        if failure is None:
-            return
+        if failure is not None:
+            self._report_failure(request, failure, reason)
+
+    def _report_failure(self, request: PrefillRequest, failure: str,
+                        ended: str | None = None) -> None:
+        """The request's KV could not be handed off: each of its choices may be served again,
+        but the first when its first token (`ended` the request) ended it."""
         for key in choice_keys(request.request_id, request.epoch, request.siblings):
-            if key[0] != request.request_id or reason is None:  # an ended choice cannot fail
-                self.control.send(RequestFailed(*key, failure))
+            if key[0] != request.request_id or ended is None:
+                self.control.send(RequestFailed(*key, failure, retry=True))
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(

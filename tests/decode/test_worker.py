@@ -264,7 +264,7 @@ def test_a_first_token_before_the_last_layer_fails_the_request(worker: Served) -
     first_token(decode_worker, "r")
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
     assert (failed.request_id, failed.epoch) == ("r", 0)
-    assert "before the last one" in failed.reason
+    assert "before the last one" in failed.reason and failed.retry  # another pair may serve it
     assert admitted(decode_worker) == [] and decode_worker.incoming.pending == {}
     send_layer(decode_worker, "r", 1, k, v)  # a straggler
     assert decode_worker.incoming.dropped == {"unknown request": 1}

@@ -678,6 +678,34 @@ def test_request_failed_ends_the_handle_with_an_error(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_failed_kv_hand_off_serves_the_request_again(tmp_path: Path) -> None:
+    """Its decode worker could not be reached: the request is not at fault, so it starts over
+    under a new epoch (aborted where it was) on another decode worker, until the first one
+    heartbeats again."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            assert handle.decode_worker == "d1"
+            prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
+                                       retry=True))
+            abort, again = await prefill.expect(2)
+            assert abort == Abort(handle.request_id, 0)
+            assert isinstance(again, PrefillRequest) and again.epoch == 1
+            assert again.decode_worker == "d2"  # not the one it could not reach
+            assert await decode.expect(1) == [abort]
+            assert (handle.recoveries, handle.retries, handle.done) == (1, 0, False)
+            prefill.send(FirstToken(handle.request_id, 1, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            assert gw.registry.pick_decode() is gw.registry.workers["d2"]
+            decode.send(decode.heartbeat())  # alive after all: routed to again
+            await until(lambda: not gw.registry.workers["d1"].unreachable, "d1 heard from")
+            assert gw.registry.pick_decode() is gw.registry.workers["d1"]
+
+    asyncio.run(body())
+
+
 def test_abort_tells_both_workers_once(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path) as gw:

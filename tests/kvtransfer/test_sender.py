@@ -198,6 +198,40 @@ def test_sending_where_nothing_listens_raises_soon_and_leaves_the_sender_usable(
         live.close()
 
 
+def test_a_receiver_given_up_on_fails_the_next_sends_at_once_until_it_is_back(
+    context: zmq.Context, sender: KVSender,
+) -> None:
+    """The connect wait stalls the prefill loop: it is paid once per lost receiver, not per
+    request sent its way; a receiver back at its address is sent to again."""
+    receiver = make_receiver(context, "tcp://127.0.0.1:*")
+    address = receiver.address
+    sender.send_layers(address, "before", 0, 0, *kv(2))
+    receiver.close()
+    until_writable(sender, address, False)
+    waits = []
+    for request_id in ("first", "second", "third"):
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="not reachable"):
+            sender.notify(address, request_id, 0, b"")
+        waits.append(time.monotonic() - started)
+    assert waits[0] > 1.5 and max(waits[1:]) < 0.1, waits
+    back = make_receiver(context, address)
+    try:
+        until_writable(sender, address, True)  # the socket reconnects by itself
+        sender.send_layers(address, "after", 0, 0, *kv(2))
+        assert [p.header.request_id for p in payloads(receive(back, 1))] == ["after"]
+        assert address not in sender.unreachable
+    finally:
+        back.close()
+
+
+def until_writable(sender: KVSender, address: str, writable: bool) -> None:
+    deadline = time.monotonic() + 5
+    while bool(sender.sockets[address].poll(0, zmq.POLLOUT)) != writable:
+        assert time.monotonic() < deadline, f"the socket to {address} never became {writable}"
+        time.sleep(0.01)
+
+
 def test_a_dead_receiver_does_not_take_the_chunk(
     context: zmq.Context, sender: KVSender, receiver: KVReceiver,
 ) -> None:
@@ -217,6 +251,7 @@ def test_a_dead_receiver_does_not_take_the_chunk(
         Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
     again = make_receiver(context, address)
     try:
+        until_writable(sender, address, True)  # given up on: no connect wait is granted now
         sender.send_layers(address, "after", 0, 0, k, v)
         got = receive(again, 1, until=is_payload_of("after")) + receive_nothing_more(again)
         assert [p.header.request_id for p in payloads(got)] == ["after"]

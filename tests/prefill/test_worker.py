@@ -13,12 +13,14 @@ import torch
 import zmq
 from transformers import AutoTokenizer
 
+import kvtransfer.sender
 from core.config import load_config
 from core.messages import (
     JSON_OBJECT,
     Abort,
     FirstToken,
     GenerationTask,
+    Heartbeat,
     Held,
     Message,
     PrefillRequest,
@@ -349,6 +351,31 @@ def test_an_abort_inside_a_later_chunk_stops_it_between_layers(setup) -> None:
     assert not worker.step() and firsts(gateway) == []
     layers = [f"layer {i}" for i in range(LAYERS)]
     assert received(receiver)["a"] == ["DecodeRequest", *layers, *layers[:2]]
+
+
+def test_a_prompt_whose_decode_worker_is_gone_stops_at_the_failed_chunk(
+        setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its KV has nowhere to go: no later chunk is computed, its blocks are freed, and the
+    gateway hears that another pair may serve it."""
+    monkeypatch.setattr(kvtransfer.sender, "_CONNECT_WAIT_MS", 200)
+    worker, gateway, _ = setup
+    free = worker.cache.num_available
+    worker.scheduler.chunk_tokens = CHUNK
+    doomed = make_receiver(worker.context, "tcp://127.0.0.1:*")
+    send(worker, gateway, doomed, "a", list(range(300, 350)))  # four chunks
+    assert worker.step()
+    doomed.close()
+    gone_by = time.monotonic() + WAIT_S
+    while worker.sender.sockets[doomed.address].poll(0, zmq.POLLOUT):
+        assert time.monotonic() < gone_by, "the sender did not notice the receiver leave"
+        time.sleep(0.01)
+    assert worker.step()  # the second chunk: its first send fails
+    assert worker.holding() == [] and worker.jobs == {}
+    assert worker.cache.num_available == free and worker.scheduler.held() == []
+    assert not worker.step()
+    (failed,) = [m for m in from_worker(gateway) if not isinstance(m, Heartbeat)]
+    assert isinstance(failed, RequestFailed) and (failed.request_id, failed.retry) == ("a", True)
+    assert doomed.address in failed.reason
 
 
 def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None:
