@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -28,6 +29,7 @@ _MAX_PEERS = 64
 _SNDHWM = 64  # messages (a layer's chunk each) that may wait for a slow receiver
 _CONNECT_WAIT_MS = 2000
 _UNREACHABLE_S = 10.0  # a receiver found unreachable gets no new connect wait for this long
+_WAIT_SLICE_MS = 100  # how often a connect wait calls `while_waiting`
 _FULL_WAIT_S = 0.05  # how long a send waits for room in a full staging buffer
 
 
@@ -54,6 +56,7 @@ class KVSender:
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self.unreachable: dict[str, float] = {}  # address: when a send gave up on it
         self.counters = TransferCounters()
+        self.while_waiting: Callable[[], None] = lambda: None  # the worker's heartbeat
 
     def send_layers(self, address: str, request_id: str, epoch: int, layer_start: int,
                     k: torch.Tensor, v: torch.Tensor, token_start: int = 0) -> None:
@@ -105,13 +108,23 @@ class KVSender:
         # the prefill loop, so a receiver given up on moments ago gets none.
         given_up_at = self.unreachable.get(address)
         recent = given_up_at is not None and time.monotonic() - given_up_at < _UNREACHABLE_S
-        if not socket.poll(0 if recent else _CONNECT_WAIT_MS, zmq.POLLOUT):
+        if not self._wait_writable(socket, 0 if recent else _CONNECT_WAIT_MS):
             self.counters.failures += 1
             if not recent:
                 self.unreachable[address] = time.monotonic()
             raise TransferError(f"KV receiver {address} is not reachable or not draining")
         self.unreachable.pop(address, None)
         return socket
+
+    def _wait_writable(self, socket: zmq.Socket, wait_ms: int) -> bool:
+        """Whether the socket takes a message within `wait_ms`; `while_waiting` runs every
+        slice of the wait, so the worker stays alive to the gateway meanwhile."""
+        deadline = time.monotonic() + wait_ms / 1000
+        while not socket.poll(min(wait_ms, _WAIT_SLICE_MS), zmq.POLLOUT):
+            if time.monotonic() >= deadline:
+                return False
+            self.while_waiting()
+        return True
 
     def _socket(self, address: str) -> zmq.Socket:
         if address in self.sockets:

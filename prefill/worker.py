@@ -65,6 +65,7 @@ class PrefillWorker(Worker):
                                           config.prefill.chunk_tokens,
                                           config.prefill.ttft_ms_per_token / 1000)
         self.sender = make_sender(self.context, config.kv_transfer, self.keys)
+        self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
         self.stream = LayerStream(self.sender, runner.cache, fingerprint,
                                   int(config.kv_transfer.chunk_mb * 2**20))
         self.cache = PrefixCache(runner.allocator)

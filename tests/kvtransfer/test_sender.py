@@ -3,6 +3,7 @@ socket per address, and sends that fail fast and leave the sender usable."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -202,19 +203,23 @@ def test_a_receiver_given_up_on_fails_the_next_sends_at_once_until_it_is_back(
     context: zmq.Context, sender: KVSender,
 ) -> None:
     """The connect wait stalls the prefill loop: it is paid once per lost receiver, not per
-    request sent its way; a receiver back at its address is sent to again."""
+    request sent its way, and heartbeats go on during it; a receiver back at its address is
+    sent to again."""
     receiver = make_receiver(context, "tcp://127.0.0.1:*")
     address = receiver.address
     sender.send_layers(address, "before", 0, 0, *kv(2))
     receiver.close()
     until_writable(sender, address, False)
-    waits = []
+    waits, beats = [], []
+    sender.while_waiting = lambda: beats.append(time.monotonic())
     for request_id in ("first", "second", "third"):
         started = time.monotonic()
         with pytest.raises(TransferError, match="not reachable"):
             sender.notify(address, request_id, 0, b"")
         waits.append(time.monotonic() - started)
     assert waits[0] > 1.5 and max(waits[1:]) < 0.1, waits
+    # The wait is in slices, the worker's heartbeat between them: no gap near a timeout.
+    assert len(beats) >= 10 and max(b - a for a, b in itertools.pairwise(beats)) < 0.5
     back = make_receiver(context, address)
     try:
         until_writable(sender, address, True)  # the socket reconnects by itself
