@@ -115,10 +115,10 @@ class IncomingTable:
         return (entry.next_layer == self.num_layers
                 and entry.token_end == len(entry.request.task.prompt_ids))
 
-    def expire(self, now: float) -> list[Key]:
-        """Drop the entries whose lease ran out; their keys."""
-        expired = [key for key, entry in self.pending.items() if entry.deadline <= now]
-        for key in expired:
-            del self.pending[key]
+    def expire(self, now: float) -> list[IncomingKV]:
+        """Drop and return the entries whose lease ran out."""
+        expired = [entry for entry in self.pending.values() if entry.deadline <= now]
+        for entry in expired:
+            del self.pending[(entry.request.request_id, entry.request.epoch)]
         self.expired += len(expired)
         return expired

@@ -162,12 +162,15 @@ class DecodeWorker(Worker):
         if isinstance(item, KVNotice):
             self._on_notice(key, item.meta)
         elif isinstance(item, KVRejected):
-            if self.incoming.take(key) is not None:
-                self._fail(key, item.reason)
+            entry = self.incoming.take(key)
+            if entry is not None:
+                self._fail_handoff(entry.request, item.reason)
         else:
+            entry = self.incoming.pending.get(key)
             failure = self.incoming.add(item, time.monotonic())
             if failure is not None:
-                self._fail(key, failure)
+                assert entry is not None, "only a request expected can fail"
+                self._fail_handoff(entry.request, failure)
 
     def _on_notice(self, key: Key, meta: bytes) -> None:
         try:
@@ -195,9 +198,8 @@ class DecodeWorker(Worker):
         first with the received KV, the others (n > 1) to fork it once it is written."""
         request = entry.request
         if not self.incoming.is_complete(entry):
-            for key in choice_keys(request.request_id, request.epoch, request.siblings):
-                self._fail(key, f"KV ended at layer {entry.next_layer}, before the last one",
-                           retry=True)
+            ended = f"KV ended at layer {entry.next_layer}, before the last one"
+            self._fail_handoff(request, ended)
             return
         choices = self._choices(request, [first_token])
         if first_finished:  # as prefill found: the request's own choice ends there
@@ -273,10 +275,16 @@ class DecodeWorker(Worker):
                 constraint.advance(token)
         return constraint
 
-    def _fail(self, key: Key, reason: str, retry: bool = False) -> None:
-        """Tell the gateway; `retry` when the KV hand-off failed, not the request."""
+    def _fail(self, key: Key, reason: str) -> None:
         self.rejected_requests += 1
-        self.control.send(RequestFailed(*key, reason, retry))
+        self.control.send(RequestFailed(*key, reason))
+
+    def _fail_handoff(self, request: DecodeRequest, reason: str) -> None:
+        """Its KV did not arrive whole: not the request's fault, so the gateway may serve
+        each of its choices again."""
+        for key in choice_keys(request.request_id, request.epoch, request.siblings):
+            self.rejected_requests += 1
+            self.control.send(RequestFailed(*key, reason, retry=True))
 
     def _write_received_kv(self, sequence: DecodeSequence) -> None:
         if sequence.received_kv is None:
@@ -301,8 +309,8 @@ class DecodeWorker(Worker):
     def heartbeat(self) -> Heartbeat:
         now = time.monotonic()
         self.ended = {k: t for k, t in self.ended.items() if t > now}
-        for key in self.incoming.expire(now):
-            self._fail(key, "the KV did not arrive in time", retry=True)
+        for entry in self.incoming.expire(now):
+            self._fail_handoff(entry.request, "the KV did not arrive in time")
         dropped = self.receiver.dropped + self.incoming.dropped
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id,

@@ -65,6 +65,7 @@ class RequestHandle:
     cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
     forked: bool = False  # another choice of an n > 1 request: decode draws its first token
+    unreached: set[str] = field(default_factory=set)  # decode workers its KV could not reach
 
 
 _REABORT_MEMORY = 4096
@@ -72,6 +73,8 @@ _MAX_RESUMES = 2  # after losing a worker: a request that kills workers must not
 _MAX_RECOVERIES = 8  # after losing a message or a KV hand-off: not the request's fault
 _LOST = "its messages were lost too often"
 _UNSERVED = "a worker could not serve the request"
+_STOPPED = "a worker serving it stopped"
+_NO_WORKER = "no worker is available to serve it"
 _LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
@@ -231,10 +234,18 @@ class Dispatcher:
         if not message.retry:
             self._fail(handle, _UNSERVED)
             return
-        decode = self.registry.workers.get(handle.decode_worker)
-        if worker_id == handle.prefill_worker != handle.decode_worker and decode is not None:
-            decode.unreachable = True  # its KV could not be handed to it
+        handed_off_by_prefill = handle.prefill_worker != handle.decode_worker
+        if handed_off_by_prefill and worker_id == handle.prefill_worker:
+            self._unreachable(handle, handle.decode_worker)
         self._recover_or_fail(handle, _UNSERVED)
+
+    def _unreachable(self, handle: RequestHandle, decode_id: str) -> None:
+        """The handle's KV could not reach `decode_id`: route around that worker until it
+        heartbeats, and should it prove dead, count it as a worker the handle lost."""
+        decode = self.registry.workers.get(decode_id)
+        if decode is not None:
+            decode.unreachable = True
+        handle.unreached.add(decode_id)
 
     def _on_token(self, worker_id: str, token: TokenEvent) -> None:
         handle = self.requests.get(token.request_id)
@@ -307,22 +318,33 @@ class Dispatcher:
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
             if handle is not None:
+                handle.unreached.discard(worker.worker_id)
                 self._resume_or_fail(handle)
+        # Requests moved off it when their KV could not reach it: it may be one of them that
+        # killed it, so each counts it against its lost workers.
+        for handle in [h for h in self.requests.values() if worker.worker_id in h.unreached]:
+            handle.unreached.discard(worker.worker_id)
+            if handle.retries < _MAX_RESUMES:
+                handle.retries += 1
+            else:
+                self._fail(handle, _STOPPED)
 
     def _resume_or_fail(self, handle: RequestHandle) -> None:
         """One of the handle's workers is gone."""
         if handle.retries < _MAX_RESUMES and self._resume(handle):
             handle.retries += 1
             return
-        self._fail(handle, "a worker serving it stopped")
+        self._fail(handle, _STOPPED)
 
     def _recover_or_fail(self, handle: RequestHandle, reason: str) -> None:
         """The handle's epoch was lost in passing (a lost message, a failed KV hand-off),
         through no fault of its own: start it again, up to a limit."""
-        if handle.recoveries < _MAX_RECOVERIES and self._resume(handle):
+        if handle.recoveries >= _MAX_RECOVERIES:
+            self._fail(handle, reason)
+        elif self._resume(handle):
             handle.recoveries += 1
-            return
-        self._fail(handle, reason)
+        else:
+            self._fail(handle, _NO_WORKER)
 
     def _fail(self, handle: RequestHandle, reason: str) -> None:
         self.abort(handle)

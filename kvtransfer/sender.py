@@ -131,8 +131,9 @@ class KVSender:
             self.sockets.move_to_end(address)
             return self.sockets[address]
         if len(self.sockets) >= _MAX_PEERS:
-            _, oldest = self.sockets.popitem(last=False)
+            oldest_address, oldest = self.sockets.popitem(last=False)
             oldest.close(linger=0)
+            self.unreachable.pop(oldest_address, None)
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.SNDHWM, _SNDHWM)
         socket.setsockopt(zmq.IMMEDIATE, 1)

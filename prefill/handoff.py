@@ -15,7 +15,6 @@ from kvtransfer import KVSender, TransferError
 from kvtransfer.sender import layers_per_chunk
 
 Key = tuple[str, int]  # (request id, epoch)
-_ABORTED = "aborted"
 
 
 @dataclass
@@ -26,7 +25,8 @@ class _Outgoing:
     end: int = 0  # the tokens computed in this step end here (0: none in this step)
     layers_per_chunk: int = 1
     next_layer: int = 0  # the first layer of this step's tokens not sent yet
-    failure: str | None = None
+    failure: str | None = None  # why its KV could not be sent
+    aborted: bool = False
 
 
 class LayerStream:
@@ -66,7 +66,8 @@ class LayerStream:
         it is full or holds the last layer)."""
         last = layer == self.cache.num_layers - 1
         for out in self.outgoing.values():
-            if not out.end or out.failure is not None or not (
+            stopped = out.failure is not None or out.aborted
+            if stopped or not out.end or not (
                     last or layer + 1 - out.next_layer >= out.layers_per_chunk):
                 continue
             self._send(out, layer + 1)
@@ -87,13 +88,13 @@ class LayerStream:
         """Send nothing more for the request `key` (its decode worker hears of it from the
         gateway and drops what already arrived)."""
         out = self.outgoing.get(key)
-        if out is not None and out.failure is None:
-            out.failure = _ABORTED
+        if out is not None:
+            out.aborted = True
 
     def broken(self) -> dict[Key, str]:
         """The requests whose KV could not be sent, and why (the aborted ones aside)."""
         return {key: out.failure for key, out in self.outgoing.items()
-                if out.failure is not None and out.failure != _ABORTED}
+                if out.failure is not None and not out.aborted}
 
     def forget(self, key: Key) -> None:
         """Drop the request (aborted, or failed before its first token)."""

@@ -125,9 +125,9 @@ class PrefillScheduler:
 
     def _admit(self, prompt: Prefilling, start: Callable[[PrefillRequest], int]) -> Chunk:
         self.waiting.remove(prompt)
+        self.running.append(prompt)  # before `start`, which may heartbeat: held all along
         prompt.done = start(prompt.request)
         assert 0 <= prompt.done < prompt.prompt_len, "the last token is always computed"
-        self.running.append(prompt)
         return Chunk(prompt, prompt.done, prompt.done + min(self.chunk_tokens, prompt.remaining))
 
     def advance(self, chunk: Chunk) -> None:

@@ -218,11 +218,11 @@ class PrefillWorker(Worker):
             self._report_failure(request, failure, reason)
 
     def _report_failure(self, request: PrefillRequest, failure: str,
-                        ended: str | None = None) -> None:
+                        first_finish: str | None = None) -> None:
         """The request's KV could not be handed off: each of its choices may be served again,
-        but the first when its first token (`ended` the request) ended it."""
+        but its own when its first token finished it (`first_finish`)."""
         for key in choice_keys(request.request_id, request.epoch, request.siblings):
-            if key[0] != request.request_id or ended is None:
+            if key[0] != request.request_id or first_finish is None:
                 self.control.send(RequestFailed(*key, failure, retry=True))
 
     def heartbeat(self) -> Heartbeat:

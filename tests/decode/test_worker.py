@@ -212,7 +212,7 @@ def test_a_rejected_chunk_fails_its_request(worker: Served) -> None:
         send_layer(decode_worker, "r", layer, k, v)
     first_token(decode_worker, "r")
     assert failures(sent_to_gateway(decode_worker, gateway)) == [
-        RequestFailed("r", 0, "checksum mismatch")]
+        RequestFailed("r", 0, "checksum mismatch", retry=True)]
     assert admitted(decode_worker) == [] and decode_worker.incoming.pending == {}
 
 
@@ -254,6 +254,19 @@ def test_a_first_token_that_finishes_the_request_drops_its_kv(worker: Served) ->
     assert decode_worker.incoming.pending == {} and admitted(decode_worker) == []
     assert failures(sent_to_gateway(decode_worker, gateway)) == []
     assert not decode_worker.step()
+
+
+def test_kv_that_stops_arriving_fails_every_choice_for_another_pair(worker: Served) -> None:
+    """Its lease runs out: the hand-off failed, not the request, so each choice (n > 1) may be
+    served again elsewhere."""
+    decode_worker, gateway = worker
+    expect = DecodeRequest("r", 0, task(100), "fingerprint", siblings=["r-1", "r-2"])
+    decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
+    decode_worker.incoming.pending[("r", 0)].deadline = 0.0  # its lease ran out
+    decode_worker.heartbeat()
+    failed = failures(sent_to_gateway(decode_worker, gateway))
+    assert [(f.request_id, f.retry) for f in failed] == [("r", True), ("r-1", True), ("r-2", True)]
+    assert decode_worker.incoming.pending == {} and admitted(decode_worker) == []
 
 
 def test_a_first_token_before_the_last_layer_fails_the_request(worker: Served) -> None:
@@ -328,7 +341,7 @@ def test_the_heartbeat_reports_receive_totals_and_drops(worker: Served) -> None:
     assert heartbeat.dropped_chunks == [DropCount("checksum", 1), DropCount("unknown request", 1)]
     # The rejected chunk failed its request, which had all its layers but not its first token.
     assert failures(sent_to_gateway(decode_worker, gateway)) == [
-        RequestFailed("r", 0, "checksum mismatch")]
+        RequestFailed("r", 0, "checksum mismatch", retry=True)]
 
 
 def receive_into(worker: DecodeWorker, count: int) -> None:

@@ -188,7 +188,11 @@ async def outcome(client: httpx.AsyncClient, model: str, prompt_len: int, stream
 
 
 def _failed(response: httpx.Response) -> str:
-    return f"http {response.status_code}: {response.json()['error']['message']}"
+    try:
+        why = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        why = response.text[:200]
+    return f"http {response.status_code}: {why}"
 
 
 async def run_all(url: str, count: int) -> Counter[str]:

@@ -195,5 +195,8 @@ def test_requests_routed_to_a_decode_worker_just_killed_finish_on_the_other(
         assert text == expected, prompt
     resumed = cluster.metric("raging_requests_resumed")
     assert resumed >= 1  # some were routed to the dead worker
+    # ... and came back through the prefill worker's failed hand-off, not only (or not yet)
+    # through the gateway's heartbeat timeout.
+    assert "is not reachable" in (cluster.run_dir / "gateway.log").read_text()
     print(f"{len(prompts)} requests sent as decode-0 was killed, {resumed:.0f} resumed, all "
           f"done {time.monotonic() - killed_at:.1f} s after the kill")

@@ -1032,6 +1032,32 @@ def test_a_request_no_worker_holds_is_resumed(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_a_decode_worker_that_dies_after_a_failed_hand_off_counts_as_lost(
+        tmp_path: Path) -> None:
+    """A request whose KV could not reach a decode worker may be what killed it: when that
+    worker proves dead, it counts against the request's lost workers, however it resumed."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            other = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            handle.retries = _MAX_RESUMES - 1
+            prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
+                                       retry=True))
+            await prefill.expect(2)  # the abort, and the request again (to d2)
+            assert handle.decode_worker == "d2" and handle.unreached == {"d1"}
+            decode.send(Leave("d1", "i0"))
+            await until(lambda: handle.retries == _MAX_RESUMES, "the loss counted")
+            assert not handle.done and handle.unreached == set()
+            prefill.send(RequestFailed(handle.request_id, 1, "KV receiver not reachable",
+                                       retry=True))
+            await prefill.expect(2)
+            other.send(Leave("d2", "i0"))  # a third worker lost: past the limit
+            assert await next_event(handle) == Event(None, "error", STOPPED)
+
+    asyncio.run(body())
+
+
 def test_lost_messages_resume_a_request_until_their_own_limit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each lost first token resumes the request, more times than losing a worker would (a

@@ -211,6 +211,9 @@ def test_an_unreachable_decode_worker_fails_only_its_request(
     inbox = Inbox(receiver)
     try:
         stream = open_stream(sender, runner, requests, tables, ONE_LAYER)
+        assert list(stream.broken()) == [("a", 0)]  # its notice found no receiver
+        stream.abort(("a", 0))
+        assert stream.broken() == {}  # an aborted request is not one to serve again
         firsts = run_prefill(runner, stream, requests, tables, stream.send_layer)
         failure = stream.finish(firsts[0])
         assert failure is not None and nowhere in failure

@@ -265,3 +265,17 @@ def test_deadlines_order_waiting_prompts_by_arrival_and_length() -> None:
     scheduler.add(request("short", 50), now=2.0)  # due at 2.5 s
     scheduler.add(request("later", 10), now=2.9)  # due at 3.0 s, after "long" (stable)
     assert ids(scheduler.schedule(free_blocks=1000)) == ["short", "long", "later"]
+
+
+def test_a_prompt_being_started_is_held() -> None:
+    """`start` may heartbeat (a KV receiver's connect wait): the heartbeat must list the prompt,
+    or the gateway would think no worker holds it."""
+    scheduler = scheduler_with(3, 5)
+    seen: list[set[tuple[str, int]]] = []
+
+    def start(request: PrefillRequest) -> int:
+        seen.append(set(scheduler.held()))
+        return 0
+
+    scheduler.schedule(free_blocks=100, start=start)
+    assert seen == [{("r0", 0), ("r1", 0)}] * 2
