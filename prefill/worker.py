@@ -103,8 +103,10 @@ class PrefillWorker(Worker):
 
     def step(self) -> bool:
         chunks = self.scheduler.schedule(self.cache.num_available, self._start)
+        stopped = self._stop_broken_handoffs()  # announced to nobody: compute nothing for them
+        chunks = [c for c in chunks if c.prompt.key not in stopped]
         if not chunks:
-            return False
+            return bool(stopped)
         self.in_step = {c.prompt.key for c in chunks}
         try:
             self._prefill(chunks)
@@ -118,15 +120,17 @@ class PrefillWorker(Worker):
         self._stop_broken_handoffs()
         return True
 
-    def _stop_broken_handoffs(self) -> None:
+    def _stop_broken_handoffs(self) -> set[Key]:
         """A prompt whose KV could not reach its decode worker computes no more chunks here:
-        the gateway serves it again on another pair."""
-        for key, failure in self.stream.broken().items():
+        the gateway serves it again on another pair. The prompts stopped."""
+        broken = self.stream.broken()
+        for key, failure in broken.items():
             request = self.jobs[key].request
             queued = self.scheduler.abort(*key)
             assert queued, "a prompt still streaming is still scheduled"
             self._drop(key)
             self._report_failure(request, failure)
+        return set(broken)
 
     def _start(self, request: PrefillRequest) -> int:
         """Admit a prompt: reserve its blocks, announce it to its decode worker; how many of

@@ -378,6 +378,29 @@ def test_a_prompt_whose_decode_worker_is_gone_stops_at_the_failed_chunk(
     assert doomed.address in failed.reason
 
 
+def test_a_prompt_announced_to_nobody_is_not_computed(
+        setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its decode worker was unreachable from the start: no chunk of it runs, and the others
+    of the step do."""
+    monkeypatch.setattr(kvtransfer.sender, "_CONNECT_WAIT_MS", 200)
+    worker, gateway, receiver = setup
+    free = worker.cache.num_available
+    doomed = make_receiver(worker.context, "tcp://127.0.0.1:*")
+    doomed.close()
+    send(worker, gateway, doomed, "lost", list(range(300, 340)))
+    send(worker, gateway, receiver, "kept", list(range(10, 30)))
+    computed: list[int] = []
+    forward = worker.runner.forward
+    worker.runner.forward = lambda batch, layer_hook=None: (  # type: ignore[method-assign]
+        computed.append(batch.num_seqs) or forward(batch, layer_hook=layer_hook))
+    assert worker.step()
+    assert computed == [1] and not worker.step()
+    messages = [m for m in from_worker(gateway) if not isinstance(m, Heartbeat)]
+    assert [(type(m).__name__, m.request_id) for m in messages] == [
+        ("RequestFailed", "lost"), ("FirstToken", "kept")]
+    assert worker.cache.num_available == free and worker.jobs == {}
+
+
 def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None:
     worker, gateway, receiver = setup
     prompt = [*range(100, 148), *range(500, 540)]  # 3 cached blocks of 16, then 40 tokens
