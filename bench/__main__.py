@@ -4,6 +4,7 @@
     python -m bench serve --launch "p1d1=--prefill 1 --decode 1" --url vllm=http://host:8000 \\
         --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
     python -m bench runner --quick
+    python -m bench attention --contexts 256x8,3400 --dtype bfloat16
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench import attention as decode_attention
 from bench import chunked as chunked_prefill
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
@@ -218,6 +220,33 @@ def run_runner(folder: Path, plan: microbench.RunnerPlan, out: Path) -> int:
     return 0
 
 
+def attention_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench attention`: decode attention, C++ kernel against gather + SDPA."""
+    parser = commands.add_parser("attention", help="decode attention: kernel vs gather+SDPA",
+                                 description=decode_attention.__doc__)
+    parser.add_argument("--contexts", type=lambda text: text.split(","),
+                        default=decode_attention.DEFAULT_CONTEXTS.split(","),
+                        help="batches, comma-separated, each LENxCOUNT terms joined by +")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.set_defaults(prepare=prepare_attention)
+
+
+def prepare_attention(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    for spec in args.contexts:
+        decode_attention.parse_contexts(spec)
+    set_threads(args.threads)
+
+    def job() -> int:
+        figures = decode_attention.measure(args.contexts, DTYPES[args.dtype], args.repeats)
+        print(decode_attention.markdown(figures))
+        return 0
+    return job
+
+
 def transfer_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench transfer`: KV hand-off GB/s per backend against memcpy."""
     parser = commands.add_parser("transfer", help="KV transfer GB/s per backend vs memcpy",
@@ -332,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser(commands)
     runner_parser(commands)
+    attention_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)
     overload_parser(commands)

@@ -179,8 +179,16 @@ def _decode_attention(q: torch.Tensor, paged: _Paged, plan: DecodePlan) -> torch
     direct = paged_decode(q, paged.k, paged.v, plan.blocks, plan.contexts, paged.block_size)
     if direct is not None:
         return direct
+    return gathered_decode(q, paged.k, paged.v, plan, paged.block_size, paged.workspace)
+
+
+def gathered_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    plan: DecodePlan, block_size: int, workspace: Workspace) -> torch.Tensor:
+    """Decode attention `[B, H, D]` by gathering every context into one padded tensor for a
+    masked SDPA: where the C++ kernel does not apply, and `bench attention`'s baseline."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = paged.k.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    paged = _Paged(k_cache, v_cache, block_size, workspace)
     k, v = (t.transpose(1, 2) for t in paged.gather(plan.blocks))  # [B, Hkv, len, D]
     # A query head group sharing one kv head plays the role of the query length, so K/V are
     # never repeated per query head.

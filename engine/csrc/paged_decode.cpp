@@ -3,6 +3,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -117,12 +120,11 @@ void score_block(const std::vector<Lanes>& q, const T* keys, int64_t count, int6
   }
 }
 
-// Folds one block into the running state: rescale to the new maximum, turn the scores into
-// weights e^(s - max), add the weighted values. Scores past `count` are padding, never used.
-template <typename T>
-void fold_block(GroupState& state, float* scores, const T* values, int64_t count, int64_t row,
-                int64_t chunks, int64_t stride) {
+// Rescales the running state to one block's new maximum and turns the block's scores into
+// weights e^(s - max), in place. Scores past `count` are padding, never used.
+inline void weigh_block(GroupState& state, float* scores, int64_t count, int64_t stride) {
   const int64_t group = static_cast<int64_t>(state.best.size());
+  const int64_t chunks = static_cast<int64_t>(state.acc.size()) / group;
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * stride;
     const float block_max = std::max(state.best[h], *std::max_element(s, s + count));
@@ -134,6 +136,14 @@ void fold_block(GroupState& state, float* scores, const T* values, int64_t count
       store(s + t, exp_lanes(add(load_lanes(s + t), splat(-block_max))));
     state.total[h] = state.total[h] * shrink + std::accumulate(s, s + count, 0.0f);
   }
+}
+
+// Folds one block into the running state: weigh its scores, add the weighted values.
+template <typename T>
+void fold_block(GroupState& state, float* scores, const T* values, int64_t count, int64_t row,
+                int64_t chunks, int64_t stride) {
+  const int64_t group = static_cast<int64_t>(state.best.size());
+  weigh_block(state, scores, count, stride);
   for (int64_t t = 0; t < count; ++t) {
     const T* v = values + t * row;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -188,6 +198,146 @@ void attend_sequence(const T* q, const T* k_cache, const T* v_cache, const int64
                mul(states[g].acc[i], splat(1.0f / states[g].total[i / chunks])));
 }
 
+#if defined(__AVX512BF16__)
+// A bf16 cache on a CPU with AVX512-BF16: one instruction multiplies 16 pairs of bf16 and adds
+// both products to 16 fp32 sums, where the generic path widens each bf16 to fp32 first.
+namespace bf16 {
+
+constexpr int64_t kPerVector = 32;  // bf16 in one 512-bit vector; the head dimension's multiple
+constexpr int64_t kMaxVectors = 4;  // head dimensions up to 128
+
+inline __m512bh load_pairs(const at::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+
+// Sixteen vectors of partial sums into one: lane i of the result is the sum of vector i.
+inline __m512 sum_each(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i)
+    halves[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(halves[2 * i]), b = _mm512_castps_pd(halves[2 * i + 1]);
+    quarters[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(eighths[0], eighths[1], 0x88),
+                       _mm512_shuffle_f32x4(eighths[0], eighths[1], 0xDD));
+}
+
+// Each group head's scaled scores against `count` keys, 16 tokens at a time; the lanes of a
+// last, partial group of 16 score 0 and are never read as weights.
+void score_block(const std::vector<__m512bh>& q, int64_t vectors, const at::BFloat16* keys,
+                 const at::BFloat16* next_keys, int64_t count, int64_t row, float scale,
+                 float* scores, int64_t stride) {
+  const int64_t group = static_cast<int64_t>(q.size()) / vectors;
+  for (int64_t first = 0; first < count; first += kLanes) {
+    const int64_t n = std::min(kLanes, count - first);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 dots[16];
+      for (int64_t t = 0; t < kLanes; ++t) {
+        dots[t] = _mm512_setzero_ps();
+        for (int64_t c = 0; h == 0 && t < n && c < vectors; ++c)
+          __builtin_prefetch(next_keys + (first + t) * row + c * kPerVector);
+        for (int64_t c = 0; t < n && c < vectors; ++c)
+          dots[t] = _mm512_dpbf16_ps(dots[t], q[h * vectors + c],
+                                     load_pairs(keys + (first + t) * row + c * kPerVector));
+      }
+      store(scores + h * stride + first, mul(sum_each(dots), splat(scale)));
+    }
+  }
+}
+
+// Folds one block into the running state, as the generic fold_block does, but adds the values
+// two tokens at a time: their elements interleaved, against both tokens' weights in bf16.
+// Accumulator 2c holds elements 32c + 8l + {0..3} of 128-bit lane l, accumulator 2c + 1 the
+// four after them (the order _mm512_unpack*_epi16 leaves); `finish` puts them back in order.
+void fold_block(GroupState& state, float* scores, uint16_t* weights,
+                const at::BFloat16* values, const at::BFloat16* next_values, int64_t count,
+                int64_t row, int64_t vectors, int64_t stride) {
+  const int64_t group = static_cast<int64_t>(state.best.size()), chunks = 2 * vectors;
+  weigh_block(state, scores, count, stride);
+  for (int64_t i = 0; i < group * stride; i += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load_lanes(scores + i))));
+  for (int64_t t = 0; t < count; t += 2) {
+    const bool pair = t + 1 < count;  // an odd last token pairs with zeros, weight 0
+    __m512i lo[kMaxVectors], hi[kMaxVectors];
+    for (int64_t c = 0; c < vectors; ++c) {
+      __builtin_prefetch(next_values + t * row + c * kPerVector);
+      if (pair) __builtin_prefetch(next_values + (t + 1) * row + c * kPerVector);
+      const __m512i a = _mm512_loadu_si512(values + t * row + c * kPerVector);
+      const __m512i b = pair ? _mm512_loadu_si512(values + (t + 1) * row + c * kPerVector)
+                             : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(a, b);
+      hi[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      uint32_t both;
+      std::memcpy(&both, weights + h * stride + t, sizeof both);
+      const __m512bh w = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int>(pair ? both : both & 0xFFFFu)));
+      for (int64_t c = 0; c < vectors; ++c) {
+        Lanes& even = state.acc[h * chunks + 2 * c];
+        Lanes& odd = state.acc[h * chunks + 2 * c + 1];
+        even = _mm512_dpbf16_ps(even, reinterpret_cast<__m512bh>(lo[c]), w);
+        odd = _mm512_dpbf16_ps(odd, reinterpret_cast<__m512bh>(hi[c]), w);
+      }
+    }
+  }
+}
+
+// Writes one group's outputs, each head's sums over its total, back in element order.
+void finish(const GroupState& state, int64_t dim, at::BFloat16* out) {
+  const int64_t group = static_cast<int64_t>(state.best.size()), chunks = dim / kLanes;
+  float lanes[kLanes];
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t c = 0; c < chunks; ++c) {
+      store(lanes, mul(state.acc[h * chunks + c], splat(1.0f / state.total[h])));
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t element = c / 2 * kPerVector + i / 4 * 8 + c % 2 * 4 + i % 4;
+        out[h * dim + element] = static_cast<at::BFloat16>(lanes[i]);
+      }
+    }
+}
+
+// attend_sequence for a bf16 cache whose head dimension is a multiple of 32, at most 128.
+void attend_sequence(const at::BFloat16* q, const at::BFloat16* k_cache,
+                     const at::BFloat16* v_cache, const int64_t* table, int64_t context,
+                     const Shape& s, at::BFloat16* out) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
+  const int64_t vectors = s.dim / kPerVector;
+  const int64_t stride = (s.block_size + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> scores(group * stride, 0.0f);
+  std::vector<uint16_t> weights(group * stride, 0);
+  std::vector<std::vector<__m512bh>> group_q(s.kv_heads, std::vector<__m512bh>(group * vectors));
+  std::vector<GroupState> states(s.kv_heads, GroupState(group, 2 * vectors));
+  for (int64_t g = 0; g < s.kv_heads; ++g)
+    for (int64_t i = 0; i < group * vectors; ++i)
+      group_q[g][i] = load_pairs(q + g * group * s.dim + i * kPerVector);
+  // Each token's slice of the next block is prefetched as this block's is read, so the
+  // prefetches spread out instead of queueing at once.
+  const int64_t blocks = (context + s.block_size - 1) / s.block_size;
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t count = std::min(s.block_size, context - block * s.block_size);
+    const int64_t next = table[std::min(block + 1, blocks - 1)] * s.block_size * row;
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const int64_t offset = table[block] * s.block_size * row + g * s.dim;
+      score_block(group_q[g], vectors, k_cache + offset, k_cache + next + g * s.dim, count,
+                  row, s.scale, scores.data(), stride);
+      fold_block(states[g], scores.data(), weights.data(), v_cache + offset,
+                 v_cache + next + g * s.dim, count, row, vectors, stride);
+    }
+  }
+  for (int64_t g = 0; g < s.kv_heads; ++g) finish(states[g], s.dim, out + g * group * s.dim);
+}
+
+}  // namespace bf16
+#endif
+
 }  // namespace
 
 template <typename T>
@@ -205,8 +355,20 @@ torch::Tensor attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
   T* op = out.data_ptr<T>();
   const int64_t width = tables.size(1), per_seq = shape.heads * shape.dim;
   at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      attend_sequence(qp + b * per_seq, kp, vp, tp + b * width, cp[b], shape, op + b * per_seq);
+    for (int64_t b = begin; b < end; ++b) {
+      const auto args = std::make_tuple(qp + b * per_seq, kp, vp, tp + b * width, cp[b], shape,
+                                        op + b * per_seq);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (shape.dim % bf16::kPerVector == 0 &&
+            shape.dim <= bf16::kMaxVectors * bf16::kPerVector) {
+          std::apply(bf16::attend_sequence, args);
+          continue;
+        }
+      }
+#endif
+      std::apply(attend_sequence<T>, args);
+    }
   });
   return out;
 }

@@ -50,6 +50,25 @@ def test_kernel_matches_dense_attention(contexts: list[int], block_size: int,
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_dense_attention_at_every_head_dimension(head_dim: int,
+                                                                dtype: torch.dtype) -> None:
+    """bf16 head dimensions that are multiples of 32, up to 128, take the AVX512-BF16 path on
+    CPUs that have it; the others the 16-float one."""
+    if kernels() is None:
+        pytest.skip("no C++ compiler here: the gather + SDPA path serves instead")
+    torch.manual_seed(1)
+    k_cache, v_cache = (torch.randn(32 * BLOCK, 2, head_dim).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(32)[:4] for _ in range(3)])
+    q, lengths = torch.randn(3, 4, head_dim).to(dtype), torch.tensor([64, 1, 37])
+    out = paged_decode(q, k_cache, v_cache, tables, lengths, BLOCK)
+    assert out is not None
+    reference = dense_reference(q.float(), k_cache.float(), v_cache.float(), tables, lengths)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize(("q_dtype", "cache_dtype", "head_dim"), [
     (torch.float16, torch.float16, 64),  # a dtype the kernel does not read
     (torch.float32, torch.bfloat16, 64),  # query and cache differ
