@@ -34,7 +34,7 @@ class RingAllocator:
 
     def allocate(self, size: int, now: float) -> tuple[int, int] | None:
         """(offset, ticket) of `size` free bytes, or None when they do not fit now."""
-        self._reclaim(now)
+        self.reclaim(now)
         size = max(1, -(-size // ALIGN)) * ALIGN  # an empty region would break the ordering
         offset = self._free_offset(size)
         if offset is None:
@@ -73,7 +73,8 @@ class RingAllocator:
             return 0 if head >= size else None
         return tail if head - tail >= size else None
 
-    def _reclaim(self, now: float) -> None:
+    def reclaim(self, now: float) -> None:
+        """Take back every region whose lease has run out by `now`."""
         for region in self.live:
             if not region.released and region.deadline <= now:
                 region.released = True

@@ -165,7 +165,10 @@ class StagedKVSender(KVSender, ABC):
 
     @property
     def staged(self) -> int:
+        # Leases also run out while nothing new is staged: a dead receiver's chunks are counted
+        # out here, not only at the next allocation.
         self._take_releases()
+        self.ring.reclaim(time.monotonic())
         return self.ring.in_use
 
     @property

@@ -199,6 +199,20 @@ def test_a_reclaimed_region_read_late_is_rejected_not_misread(
         sender.close()
 
 
+def test_a_chunk_never_released_leaves_the_staged_count_when_its_lease_runs_out(
+    context: zmq.Context, receiver: KVReceiver,
+) -> None:
+    """Its receiver died: with nothing new to send, the heartbeat's count still drops."""
+    sender = ShmKVSender(context, BUFFER, lease_s=0.1)
+    try:
+        sender.send_layers(receiver.address, "orphan", 0, 0, *kv(7, torch.float32, TWO_FIT))
+        assert sender.staged == 1 and sender.leases_expired == 0
+        time.sleep(0.15)
+        assert sender.staged == 0 and sender.leases_expired == 1
+    finally:
+        sender.close()
+
+
 BAD_SEGMENTS = ["../etc/passwd", "raging-kv-1-zz", "/dev/shm/raging-kv-1-0123456789ab",
                 "raging-kv-1-0123456789ab/../../etc/passwd", "", "raging-kv-1-0123456789ab"]
 
