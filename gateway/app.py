@@ -35,12 +35,11 @@ def build_app(state: GatewayState) -> Starlette:
         if not state.control_plane_up():
             return JSONResponse({"status": "control plane stopped"}, status_code=503)
         registry = state.registry
-        ready = registry.ready()
+        status = registry.health()
         stalled = sorted(w.worker_id for w in registry.workers.values() if w.stalled)
-        body = {"status": "ok" if ready else "stalled" if stalled else "starting",
-                "prefill": len(registry.serving("prefill")),
+        body = {"status": status, "prefill": len(registry.serving("prefill")),
                 "decode": len(registry.serving("decode")), "stalled": stalled}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     async def metrics(request: Request) -> Response:
         dispatcher = state.dispatcher
@@ -74,6 +73,7 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

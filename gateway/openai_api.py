@@ -60,9 +60,16 @@ class OpenAIRoutes:
                                           text)
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.state.model_name, "object": "model", "created": self.state.started,
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404."""
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, object]:
+        return {"id": self.state.model_name, "object": "model", "created": self.state.started,
                 "owned_by": "raging", "max_model_len": self.state.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""

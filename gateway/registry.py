@@ -78,6 +78,7 @@ class Registry:
         self.refused = 0
         self.local = local
         self.decisions: Counter[str] = Counter()  # routes taken, by path
+        self.was_ready = False  # every expected worker has served at once
 
     def register(self, message: Register) -> tuple[RegisterReply, WorkerInfo | None]:
         """Admit a worker whose KV layout matches; a re-registering id replaces the old one."""
@@ -99,6 +100,7 @@ class Registry:
             info.active = previous.active  # the same process registering again keeps its requests
             info.prefixes = previous.prefixes
         self.workers[message.worker_id] = info
+        self.ready()  # notes a pool made whole, whether or not anyone asks
         return RegisterReply(True, ""), previous
 
     def heartbeat(self, message: Heartbeat) -> bool:
@@ -145,7 +147,20 @@ class Registry:
         return [w for w in self.alive(role) if not w.stalled]
 
     def ready(self) -> bool:
-        return all(len(self.serving(role)) >= n for role, n in self.expected.items())
+        ready = all(len(self.serving(role)) >= n for role, n in self.expected.items())
+        self.was_ready = self.was_ready or ready
+        return ready
+
+    def health(self) -> str:
+        """"ok": every expected worker serves. "starting": not all have joined yet.
+        "degraded": one left or stalled since, and requests are still served (a decode worker
+        prefills them itself when no prefill worker is left). "unavailable": no decode worker
+        serves, so requests get 503."""
+        if self.ready():
+            return "ok"
+        if not self.was_ready:
+            return "starting"
+        return "degraded" if self.serving("decode") else "unavailable"
 
     def capacity_tokens(self) -> int | None:
         """The longest sequence every live worker can hold (None while a pool is empty)."""

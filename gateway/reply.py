@@ -126,6 +126,7 @@ class Reply:
                 elif delta.finish_reason == "error":
                     outcome = "error"
                     yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
+                    yield "data: [DONE]\n\n"  # as vLLM ends a failed stream: clients stop here
                     return
                 else:
                     logprobs = delta.logprobs if self.logprobs else None

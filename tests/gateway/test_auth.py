@@ -140,8 +140,8 @@ def test_health_is_open(client: TestClient) -> None:
     assert response.status_code == 503 and "status" in response.json()  # no workers yet
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/v1/models", "/v1/chat/completions",
-                                  "/no/such/route"])
+@pytest.mark.parametrize("path", ["/metrics", "/v1/models", "/v1/models/tiny",
+                                  "/v1/chat/completions", "/no/such/route"])
 def test_every_other_route_needs_a_key(client: TestClient, path: str) -> None:
     assert client.get(path).status_code == 401
     assert client.get(path, headers=bearer(BETA)).status_code != 401

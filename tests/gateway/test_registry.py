@@ -142,6 +142,24 @@ def test_ready_by_expected_counts() -> None:
     assert registry(prefill=0, decode=0).ready()
 
 
+def test_health_tells_starting_from_degraded_from_unavailable() -> None:
+    reg = registry(prefill=1, decode=2)
+    reg.register(register("p1"))
+    reg.register(register("d1", "decode"))
+    assert reg.health() == "starting"  # never whole yet, though d1 could serve
+    reg.register(register("d2", "decode"))
+    assert reg.health() == "ok"
+    reg.remove("d2")
+    assert reg.health() == "degraded"  # d1 still serves
+    reg.remove("p1")
+    assert reg.health() == "degraded"  # d1 prefills prompts itself
+    reg.remove("d1")
+    assert reg.health() == "unavailable"
+    for worker in (register("p1"), register("d1", "decode"), register("d2", "decode")):
+        reg.register(worker)
+    assert reg.health() == "ok"
+
+
 def test_alive_by_role() -> None:
     reg = registry()
     for worker_id, role in (("p1", "prefill"), ("d1", "decode"), ("p2", "prefill")):
@@ -327,6 +345,7 @@ def test_a_worker_with_work_and_no_progress_stalls_after_the_timeout() -> None:
     assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
     assert reg.newly_stalled() == []  # reported once
     assert reg.pick_decode() is None and not reg.ready()
+    assert reg.health() == "unavailable"
     assert [w.worker_id for w in reg.alive("decode")] == ["d1"]  # still a member
 
 

@@ -414,6 +414,16 @@ def test_openai_client_completion_with_every_field_reaches_dispatch(
                                "param": None, "code": None}
 
 
+def test_openai_client_retrieves_the_model_and_no_other(openai_client: openai.OpenAI) -> None:
+    card = openai_client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "raging")
+    assert card.model_dump() == openai_client.models.list().data[0].model_dump()
+    for other in ("gpt-4o", "org/some-model"):
+        with pytest.raises(openai.NotFoundError) as info:
+            openai_client.models.retrieve(other)
+        assert info.value.body["code"] == "model_not_found"
+
+
 def test_openai_client_gets_unknown_field_named(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.completions.create(model=MODEL, prompt="x", extra_body={"tempreture": 1})
