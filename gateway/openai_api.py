@@ -12,7 +12,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Sampling
 from gateway.auth import cache_salt
+from gateway.dispatch import RequestHandle
 from gateway.errors import (
+    APIError,
     bad_request,
     not_found,
     payload_too_large,
@@ -44,13 +46,13 @@ class OpenAIRoutes:
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
         prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
-        return await self._serve(request, ChatFormat(), prompt_ids, generation_params(body))
+        return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body))
 
     async def completions(self, request: Request) -> Response:
         body = parse_completion_request(await self._read_body(request))
         self._check_model(body.model)
-        prompt_ids = await self._tokenize(tokenize_prompt, body.prompt)
-        return await self._serve(request, CompletionFormat(), prompt_ids, generation_params(body))
+        prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
+        return await self._serve(request, CompletionFormat(), prompts, generation_params(body))
 
     async def _tokenize(self, function: Callable[[Any, Any], list[int]], text: Any) -> list[int]:
         """Off the event loop (a huge prompt must not stall /health), on the one tokenizer thread:
@@ -102,25 +104,27 @@ class OpenAIRoutes:
             raise rate_limited(f"{queued} prompt tokens are already waiting for prefill; "
                                "retry shortly", retry_after=1.0)
 
-    async def _serve(self, request: Request, fmt: Format, prompt_ids: list[int],
+    async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
                      params: GenerationParams) -> Response:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
-        max_tokens = check_context(len(prompt_ids), params.max_tokens, limit)
+        max_tokens = [check_context(len(ids), params.max_tokens, limit) for ids in prompts]
         vocab = len(self.state.tokenizer)
         if any(token >= vocab for token in params.stop_token_ids):
             raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
         if not self.state.control_plane_up():
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
-        self._admit(len(prompt_ids))
-        task = generation_task(params, prompt_ids, max_tokens, cache_salt(request))
-        handles = self.state.dispatcher.submit_choices(task, params.n)
-        self.state.metrics.prompt_tokens.inc(len(prompt_ids))
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        self._admit(prompt_tokens)
+        tasks = [generation_task(params, ids, most, cache_salt(request))
+                 for ids, most in zip(prompts, max_tokens, strict=True)]
+        handles = self._submit(tasks, params.n)
+        self.state.metrics.prompt_tokens.inc(prompt_tokens)
         logprobs = params.logprobs is not None
         generations = [Generation(handle, self.state.dispatcher, self.state.metrics,
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None) for handle in handles]
-        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs)
+        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -128,6 +132,20 @@ class OpenAIRoutes:
         response = await reply.whole(request)
         response.headers.update(echoed)
         return response
+
+    def _submit(self, tasks: list[GenerationTask], n: int) -> list[RequestHandle]:
+        """Each task's `n` choices, task by task (choice index = task * n + choice); when one
+        cannot be routed, the ones already sent are aborted."""
+        dispatcher = self.state.dispatcher
+        handles: list[RequestHandle] = []
+        try:
+            for task in tasks:
+                handles += dispatcher.submit_choices(task, n)
+        except APIError:
+            for handle in handles:
+                dispatcher.abort(handle)
+            raise
+        return handles
 
 
 def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens: int,

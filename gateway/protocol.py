@@ -319,9 +319,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    """The body of POST /v1/completions; `prompt` is normalized to a string or token ids."""
+    """The body of POST /v1/completions; `prompt` is normalized to a list of prompts, each a
+    string or token ids (a batch: each gets `n` choices)."""
 
-    prompt: str | list[int]
+    prompt: list[str | list[int]]
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=_INT64_MAX)
     echo: bool | None = False
     best_of: int | None = None
@@ -330,8 +331,14 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, value: object) -> object:
-        return _normalize_prompt(value, nested=False)
+    def _prompts(cls, value: object) -> object:
+        return _normalize_prompts(value)
+
+    @model_validator(mode="after")
+    def _at_most_max_choices_in_all(self) -> CompletionRequest:
+        if len(self.prompt) * (self.n or 1) > MAX_CHOICES:
+            raise _invalid(f"prompts times n must be at most {MAX_CHOICES}")
+        return self
 
     @field_validator("echo")
     @classmethod
@@ -355,21 +362,26 @@ class CompletionRequest(_SamplingRequest):
         return value
 
 
-def _normalize_prompt(value: object, nested: bool) -> str | list[int]:
-    """A string, a list of token ids, or a one-element list holding either."""
+_PROMPT_FORMS = "prompt must be a string, a list of token ids, or a list of either"
+
+
+def _normalize_prompts(value: object) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either: the prompts, in order."""
     if isinstance(value, str):
-        return value
+        return [value]
     if not isinstance(value, list):
-        raise _invalid("prompt must be a string or a list of token ids")
+        raise _invalid(_PROMPT_FORMS)
     if not value:
         raise _invalid("prompt must not be an empty list")
     if all(_is_token_id(item) for item in value):
-        return value
-    if nested or not all(isinstance(item, str | list) for item in value):
-        raise _invalid("prompt must be a string or a list of token ids")
-    if len(value) != 1:
-        raise _invalid("only one prompt per request is supported for now")
-    return _normalize_prompt(value[0], nested=True)
+        return [value]
+    if not all(isinstance(item, str) or _is_token_list(item) for item in value):
+        raise _invalid(_PROMPT_FORMS)
+    return value
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,8 +81,9 @@ class Reply:
     carries the logprobs of its tokens."""
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
-                 include_usage: bool, logprobs: bool = False) -> None:
-        assert generations, "a reply has at least one choice"
+                 include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
+                 ) -> None:
+        assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
         self.fmt = fmt
@@ -90,6 +91,7 @@ class Reply:
         self.state = state
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.choices_per_prompt = choices_per_prompt
         self.created = int(time.time())
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
 
@@ -186,13 +188,15 @@ class Reply:
         self.state.metrics.requests.labels(route, outcome).inc()
 
     def _usage(self) -> dict[str, Any]:
-        """The prompt counts once (it was prefilled once); the choices' tokens add up."""
-        first = self.generations[0]
-        prompt = first.prompt_tokens
+        """Each prompt counts once (it was prefilled once, whatever its choices); the choices'
+        tokens add up."""
+        firsts = self.generations[::self.choices_per_prompt]
+        prompt = sum(g.prompt_tokens for g in firsts)
         completion = sum(g.completion_tokens for g in self.generations)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": first.handle.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(g.handle.cached_tokens
+                                                               for g in firsts)}}
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -77,6 +78,29 @@ def test_sixteen_concurrent_streams_match_the_greedy_reference(
     # Both pools took part.
     assert all(f"{w} registered" in cluster.log(w) for w in ("prefill-0", "prefill-1"))
     assert cluster.metric("raging_requests_total", 'outcome="ok",route="completions"') >= 16
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_order(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference
+) -> None:
+    """A list of prompts, as vLLM and OpenAI take it: choice p * n + i is prompt p's i-th."""
+    prompts = ["A batch of prompts begins", "and goes on with a second", "then ends"]
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    expected = [tokenizer.decode(reference(ids, 8), skip_special_tokens=True)
+                for ids in prompt_ids]
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+    fields: dict[str, Any] = {"model": cluster.model, "max_tokens": 8, "temperature": 0,
+                              "n": 2, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=[prompts[0], prompt_ids[1], prompts[2]], **fields)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [text for text in expected for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
+    assert whole.usage.completion_tokens == 6 * 8
+    texts = [""] * 6
+    for chunk in client.completions.create(prompt=prompts, stream=True, **fields):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [choice.text for choice in whole.choices]
 
 
 def test_requests_sharing_a_client_request_id_are_served_apart(

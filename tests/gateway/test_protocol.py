@@ -170,8 +170,8 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(prompt=5), "prompt"),
     (completion(prompt=[]), "prompt"),
     (completion(prompt=[[]]), "prompt"),
-    (completion(prompt=["a", "b"]), "prompt"),
-    (completion(prompt=[[1, 2], [3]]), "prompt"),
+    (completion(prompt=["a", [1], []]), "prompt"),
+    (completion(prompt=["a"] * 9, n=2), None),  # 18 choices in all
     (completion(prompt=[[[1]]]), "prompt"),
     (completion(prompt=[1, "a"]), "prompt"),
     (completion(prompt=[1, True]), "prompt"),
@@ -247,8 +247,8 @@ def test_unsupported_features_say_so() -> None:
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     err = raises_400(parse_chat_request, chat(messages=[{"role": "user", "content": image}]))
     assert "text" in err.message
-    err = raises_400(parse_completion_request, completion(prompt=["a", "b"]))
-    assert "one prompt" in err.message
+    err = raises_400(parse_completion_request, completion(prompt=["a"] * 9, n=2))
+    assert "prompts times n must be at most 16" in err.message
 
 
 def test_unknown_fields_use_openai_wording() -> None:
@@ -334,11 +334,13 @@ def test_chat_params(fields: dict[str, Any], expected: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [
-        ("hello", "hello"),
-        ("", ""),
-        ([1, 2, 3], [1, 2, 3]),
-        (["hello"], "hello"),
-        ([[4, 5]], [4, 5]),
+        ("hello", ["hello"]),
+        ("", [""]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["hello"], ["hello"]),
+        ([[4, 5]], [[4, 5]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1, 2], "b", [3]], [[1, 2], "b", [3]]),
     ],
 )
 def test_completion_prompt_forms(prompt: object, expected: object) -> None:

@@ -220,7 +220,8 @@ def completion_cases() -> list[Case]:
         Case("prompt object", _json(TEXT, prompt={"text": MARKER}), "prompt"),
         Case("prompt empty list", _json(TEXT, prompt=[]), "prompt"),
         Case("prompt list of objects", _json(TEXT, prompt=[{"a": MARKER}]), "prompt"),
-        Case("prompt two strings", _json(TEXT, prompt=[MARKER, MARKER]), "prompt"),
+        Case("prompt a string and an empty list", _json(TEXT, prompt=[MARKER, []]), "prompt"),
+        Case("prompts times n over 16", _json(TEXT, prompt=[MARKER] * 6, n=3), None),
         Case("prompt floats", _json(TEXT, prompt=[1.5]), "prompt"),
         Case("prompt bools", _json(TEXT, prompt=[True]), "prompt"),
         Case("prompt negative id", _json(TEXT, prompt=[-1]), "prompt"),
@@ -241,7 +242,7 @@ WRONG_VALUES: dict[str, Any] = {
     "array": [MARKER], "object": {"k": MARKER},
 }
 # Types a field accepts beyond its schema (a `mode="before"` validator normalizes them).
-ALSO_ACCEPTED: dict[str, set[str]] = {"stop": {"string"}}
+ALSO_ACCEPTED: dict[str, set[str]] = {"stop": {"string"}, "prompt": {"string"}}
 
 
 def _json_types(schema: dict[str, Any]) -> set[str]:
