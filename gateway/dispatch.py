@@ -65,7 +65,8 @@ class RequestHandle:
     cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
     forked: bool = False  # another choice of an n > 1 request: decode draws its first token
-    unreached: set[str] = field(default_factory=set)  # decode workers its KV could not reach
+    unreached: dict[str, float] = field(default_factory=dict)  # decode worker its KV could
+    # not reach -> when; one that heartbeats after that was alive, not killed by this request
 
 
 _REABORT_MEMORY = 4096
@@ -245,7 +246,7 @@ class Dispatcher:
         decode = self.registry.workers.get(decode_id)
         if decode is not None:
             decode.unreachable = True
-        handle.unreached.add(decode_id)
+        handle.unreached[decode_id] = time.monotonic()
 
     def _on_token(self, worker_id: str, token: TokenEvent) -> None:
         handle = self.requests.get(token.request_id)
@@ -318,12 +319,14 @@ class Dispatcher:
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
             if handle is not None:
-                handle.unreached.discard(worker.worker_id)
+                handle.unreached.pop(worker.worker_id, None)
                 self._resume_or_fail(handle)
-        # Requests moved off it when their KV could not reach it: it may be one of them that
-        # killed it, so each counts it against its lost workers.
+        # Requests moved off it when their KV could not reach it, and it never heartbeat again:
+        # it may be one of them that killed it, so each counts it against its lost workers.
         for handle in [h for h in self.requests.values() if worker.worker_id in h.unreached]:
-            handle.unreached.discard(worker.worker_id)
+            marked = handle.unreached.pop(worker.worker_id)
+            if worker.last_seen > marked:
+                continue
             if handle.retries < _MAX_RESUMES:
                 handle.retries += 1
             else:

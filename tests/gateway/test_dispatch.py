@@ -1045,15 +1045,39 @@ def test_a_decode_worker_that_dies_after_a_failed_hand_off_counts_as_lost(
             prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
                                        retry=True))
             await prefill.expect(2)  # the abort, and the request again (to d2)
-            assert handle.decode_worker == "d2" and handle.unreached == {"d1"}
+            assert handle.decode_worker == "d2" and set(handle.unreached) == {"d1"}
             decode.send(Leave("d1", "i0"))
             await until(lambda: handle.retries == _MAX_RESUMES, "the loss counted")
-            assert not handle.done and handle.unreached == set()
+            assert not handle.done and not handle.unreached
             prefill.send(RequestFailed(handle.request_id, 1, "KV receiver not reachable",
                                        retry=True))
             await prefill.expect(2)
             other.send(Leave("d2", "i0"))  # a third worker lost: past the limit
             assert await next_event(handle) == Event(None, "error", STOPPED)
+
+    asyncio.run(body())
+
+
+def test_a_decode_worker_that_heartbeats_after_a_failed_hand_off_was_not_killed_by_it(
+        tmp_path: Path) -> None:
+    """Alive after the hand-off failed, the worker was not killed by the request: its later
+    loss does not count against the request, which never ran there."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            handle.retries = _MAX_RESUMES - 1
+            prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
+                                       retry=True))
+            await prefill.expect(2)
+            assert handle.decode_worker == "d2" and set(handle.unreached) == {"d1"}
+            decode.send(decode.heartbeat())
+            decode.send(Leave("d1", "i0"))
+            await decode.flush()
+            assert "d1" not in gw.dispatcher.registry.workers
+            assert handle.retries == _MAX_RESUMES - 1 and not handle.unreached
+            assert not handle.done
 
     asyncio.run(body())
 
