@@ -1,8 +1,9 @@
 """`chunked`: time to first token of a short prompt sent while a long one is being prefilled,
 with chunked prefill on and off.
 
-Two launched servers, the same but for `prefill.chunk_tokens`: on (default 256) and off (8192:
-a 4,000-token prompt runs in one pass). On each: the short prompt alone, then, per repeat, a
+Two launched servers, the same but for `prefill.chunk_tokens`: on (default 256) and off
+(100,000, and as large a step budget, `prefill.max_batch_tokens`: a 4,000-token prompt runs in
+one pass). On each: the short prompt alone, then, per repeat, a
 fresh long prompt, a pause of `delay_s` (the long one is then mid-prefill) and a fresh short
 one; both TTFTs are measured. Every prompt is new, so the prefix cache plays no part.
 By default conditional disaggregation is off, so that the short prompt waits on the prefill
@@ -71,6 +72,8 @@ def run(plan: ChunkedPlan) -> list[Measured]:
     measured = []
     for chunk_tokens in (plan.chunk_on, plan.chunk_off):
         flags = (*plan.launch_flags, "--set", f"prefill.chunk_tokens={chunk_tokens}")
+        if chunk_tokens == plan.chunk_off:
+            flags += ("--set", f"prefill.max_batch_tokens={chunk_tokens}")
         with launched(flags) as server:
             measured.append(asyncio.run(_measure(server.url, plan, specs, chunk_tokens)))
     return measured
@@ -142,8 +145,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="seconds between the long prompt and the short one")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-on", type=int, default=256, help="prefill.chunk_tokens, on")
-    parser.add_argument("--chunk-off", type=int, default=8192,
-                        help="prefill.chunk_tokens, off (over the long prompt's length)")
+    parser.add_argument("--chunk-off", type=int, default=100_000,
+                        help="prefill.chunk_tokens and max_batch_tokens, off (over the long "
+                             "prompt's cost)")
     parser.set_defaults(prepare=prepare)
 
 

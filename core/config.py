@@ -51,8 +51,10 @@ class GatewayConfig:
 class WorkerConfig:
     num_kv_blocks: int = 4096
     block_size: int = 16
+    # Step budgets in tokens at an empty context; deeper tokens cost more (engine/chunk_cost.py).
     max_batch_tokens: int = 2048
-    chunk_tokens: int = 256  # prompt tokens per step at most: longer prompts go in chunks
+    chunk_tokens: int = 256  # prefill: chunks of prompts over max_batch_tokens; decode: the
+    # step's budget for prompt tokens beside the running sequences' next ones
     # Prompts are prefilled earliest deadline first: arrival + this much per prompt token.
     ttft_ms_per_token: float = 5.0
     max_running: int = 64

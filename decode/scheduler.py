@@ -2,9 +2,11 @@
 
 A sequence's KV covers `tokens[:num_cached]`; each step feeds the next `num_scheduled` of the
 rest: one token in steady state, a chunk of them for a prompt prefilled here or for a
-preempted sequence's recompute. A step's chunks share one token budget, so a long prompt never
-holds the running sequences' next tokens back by more than one chunk; they go earliest deadline
-first (see prefill/scheduler.py), so a short prompt does not wait for a long one to finish.
+preempted sequence's recompute. A step's chunks share one budget, costed as the prefill
+worker's are (engine/chunk_cost.py: deep into a long prompt a chunk has fewer tokens), so a long
+prompt never holds the running sequences' next tokens back by more than one chunk's time; they go
+earliest deadline first (see prefill/scheduler.py), so a short prompt does not wait for a long
+one to finish.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from core.messages import DecodeRequest
 from engine.block_allocator import BlockAllocator, blocks_needed
+from engine.chunk_cost import TOKENS_ONLY, ChunkCost
 
 if TYPE_CHECKING:
     import torch
@@ -43,12 +46,13 @@ class DecodeSequence:
 
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
-                 chunk_tokens: int = 512) -> None:
+                 chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY) -> None:
         assert chunk_tokens > 0
         self.allocator = allocator
         self.block_size = block_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
+        self.cost = cost
         self.waiting: deque[DecodeSequence] = deque()
         self.running: list[DecodeSequence] = []
         self.preemptions = 0
@@ -82,14 +86,18 @@ class DecodeScheduler:
     def chunk(self, batch: list[DecodeSequence]) -> list[DecodeSequence]:
         """Set each sequence's `num_scheduled` for this step, once admitted KV is written:
         every decoding sequence its one token; sequences with more to compute, earliest
-        deadline first, what is left of the chunk budget. Returns those with something to
-        compute, in batch order."""
-        budget = self.chunk_tokens
+        deadline first, what is left of the chunk budget (the first at least one token).
+        Returns those with something to compute, in batch order."""
+        budget = float(self.chunk_tokens)
         for sequence in sorted(batch, key=lambda s: s.deadline):
             pending = len(sequence.tokens) - sequence.num_cached
             assert pending > 0, "a running sequence always has its last token to feed"
-            sequence.num_scheduled = pending if pending == 1 else min(pending, budget)
-            budget -= sequence.num_scheduled if pending > 1 else 0
+            if pending == 1:
+                sequence.num_scheduled = 1
+                continue
+            fits = self.cost.tokens_within(budget, sequence.num_cached, pending)
+            sequence.num_scheduled = max(fits, 1) if budget == self.chunk_tokens else fits
+            budget -= self.cost.cost(sequence.num_cached, sequence.num_scheduled)
         return [sequence for sequence in batch if sequence.num_scheduled > 0]
 
     @property

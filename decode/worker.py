@@ -32,6 +32,7 @@ from core.worker import Worker, WorkerIdentity
 from decode.incoming import IncomingKV, IncomingTable, Key
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.batch import ForwardBatch
+from engine.chunk_cost import ChunkCost
 from engine.grammar import Constraint, GrammarError, Grammars
 from engine.runner import ModelRunner
 from engine.sampler import Draw, History, draw, make_generator
@@ -51,7 +52,8 @@ class DecodeWorker(Worker):
                          config.decode.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
-                                         config.decode.max_running, config.decode.chunk_tokens)
+                                         config.decode.max_running, config.decode.chunk_tokens,
+                                         ChunkCost.of(runner.spec))
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)

@@ -1,13 +1,16 @@
-"""Prefill scheduling: earliest deadline first, under a token budget, long prompts in chunks.
+"""Prefill scheduling: earliest deadline first, under a compute budget, long prompts in chunks.
 Pure bookkeeping.
 
 A prompt's deadline is its arrival plus `ttft_s_per_token` for each of its tokens, the way
-users budget a first token: a long prompt may take longer. Each step's batch takes the next
-chunk (at most `chunk_tokens` tokens) of prompts in deadline order, in progress or waiting,
-while the step's tokens stay within `max_batch_tokens`; a step whose first chunk alone is over
-the budget runs it alone. A short prompt that arrives behind a long one therefore waits for
-the step in progress, not for the long prompt; the long one's deadline comes in its turn, so
-it is never starved.
+users budget a first token: a long prompt may take longer. Each step takes prompts in deadline
+order, in progress or waiting, while the step's cost stays within `max_batch_tokens` (costs
+count the keys each token attends to, engine/chunk_cost.py, so a chunk deep into a long prompt
+has fewer tokens). A prompt whose rest fits what is left goes whole. One that would fit a step
+of its own waits for the next step; a longer one gets a chunk of what is left, at most
+`chunk_tokens` worth (at least one token if it comes first). A short prompt that arrives
+behind a long one therefore waits for the step in progress, not for the long one, and is not
+cut in pieces that each ride with the long one's chunks; the long one's deadline comes in its
+turn, so it is never starved.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 from core.messages import PrefillRequest
 from engine.block_allocator import blocks_needed
+from engine.chunk_cost import TOKENS_ONLY, ChunkCost
 
 Key = tuple[str, int]  # (request id, epoch)
 
@@ -59,12 +63,13 @@ class Chunk:
 
 class PrefillScheduler:
     def __init__(self, max_batch_tokens: int, block_size: int, chunk_tokens: int = 512,
-                 ttft_s_per_token: float = 0.005) -> None:
+                 ttft_s_per_token: float = 0.005, cost: ChunkCost = TOKENS_ONLY) -> None:
         assert max_batch_tokens > 0 and chunk_tokens > 0 and ttft_s_per_token >= 0
         self.max_batch_tokens = max_batch_tokens
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.ttft_s_per_token = ttft_s_per_token
+        self.cost = cost
         self.waiting: list[Prefilling] = []  # no blocks yet, in arrival order
         self.running: list[Prefilling] = []  # in progress (blocks held), in admission order
 
@@ -96,39 +101,52 @@ class PrefillScheduler:
 
     def schedule(self, free_blocks: int,
                  start: Callable[[PrefillRequest], int] = lambda request: 0) -> list[Chunk]:
-        """The next step's chunks: the next chunk of prompts in deadline order, in progress
-        or waiting, within the token budget and the free KV blocks.
+        """The next step's chunks: prompts in deadline order, in progress or waiting, within
+        the cost budget and the free KV blocks.
 
         A waiting prompt admitted here (its blocks counted against `free_blocks`) is handed to
         `start`, which reserves its blocks and returns how many of its tokens are cached.
         Once one waiting prompt does not fit the free blocks, no later one is admitted.
         """
         chunks: list[Chunk] = []
-        tokens = blocks = 0
+        budget = float(self.max_batch_tokens)
+        blocks = 0
         admitting = True
         for prompt in sorted([*self.running, *self.waiting], key=lambda p: p.deadline):
-            size = min(self.chunk_tokens, prompt.remaining)
-            if chunks and tokens + size > self.max_batch_tokens:
+            if chunks and self._size(prompt, budget, first=False) == 0:
                 continue
-            if prompt in self.running:
-                chunk = Chunk(prompt, prompt.done, prompt.done + size)
-            else:
+            if prompt not in self.running:
                 need = blocks_needed(prompt.prompt_len, self.block_size)
                 admitting = admitting and blocks + need <= free_blocks
                 if not admitting:
                     continue
                 blocks += need
-                chunk = self._admit(prompt, start)
-            chunks.append(chunk)
-            tokens += size
+                self._admit(prompt, start)
+            size = self._size(prompt, budget, first=not chunks)
+            if size == 0:
+                continue  # admitted, its cached prefix made the rest dearer: next step
+            chunks.append(Chunk(prompt, prompt.done, prompt.done + size))
+            budget -= self.cost.cost(prompt.done, size)
         return chunks
 
-    def _admit(self, prompt: Prefilling, start: Callable[[PrefillRequest], int]) -> Chunk:
+    def _size(self, prompt: Prefilling, budget: float, first: bool) -> int:
+        """Tokens of `prompt` for this step. The rest, if it fits `budget`; else nothing for a
+        prompt that fits a step of its own (it goes whole later); else a chunk of at most
+        `chunk_tokens` worth, at least one token for a step's first prompt."""
+        rest = self.cost.cost(prompt.done, prompt.remaining)
+        if rest <= budget:
+            return prompt.remaining
+        if rest <= self.max_batch_tokens:
+            return 0
+        size = self.cost.tokens_within(min(budget, self.chunk_tokens), prompt.done,
+                                       prompt.remaining)
+        return max(size, 1) if first else size
+
+    def _admit(self, prompt: Prefilling, start: Callable[[PrefillRequest], int]) -> None:
         self.waiting.remove(prompt)
         self.running.append(prompt)  # before `start`, which may heartbeat: held all along
         prompt.done = start(prompt.request)
         assert 0 <= prompt.done < prompt.prompt_len, "the last token is always computed"
-        return Chunk(prompt, prompt.done, prompt.done + min(self.chunk_tokens, prompt.remaining))
 
     def advance(self, chunk: Chunk) -> None:
         """The chunk's KV is computed; a prompt whose KV is complete leaves."""

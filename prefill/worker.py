@@ -27,6 +27,7 @@ from core.worker import Worker, WorkerIdentity
 from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.block_hash import block_hashes
+from engine.chunk_cost import ChunkCost
 from engine.grammar import GrammarError, Grammars
 from engine.prefix_cache import PrefixCache
 from engine.runner import ModelRunner
@@ -63,7 +64,8 @@ class PrefillWorker(Worker):
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
                                           config.prefill.chunk_tokens,
-                                          config.prefill.ttft_ms_per_token / 1000)
+                                          config.prefill.ttft_ms_per_token / 1000,
+                                          ChunkCost.of(runner.spec))
         self.sender = make_sender(self.context, config.kv_transfer, self.keys)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
         self.stream = LayerStream(self.sender, runner.cache, fingerprint,

@@ -9,6 +9,7 @@ import pytest
 from core.messages import DecodeRequest, GenerationTask, Sampling
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.block_allocator import BlockAllocator, blocks_needed
+from engine.chunk_cost import ChunkCost
 
 BLOCK = 4
 
@@ -347,3 +348,30 @@ def test_chunk_gives_the_budget_to_prompts_earliest_deadline_first() -> None:
     short.tokens.append(9)  # and the short prompt drew its first token
     assert scheduler.chunk(batch) == [running, long, short]
     assert [s.num_scheduled for s in batch] == [1, 8, 1]
+
+
+def test_chunk_costs_the_keys_so_a_deep_chunk_has_fewer_tokens() -> None:
+    cost = ChunkCost(keys_per_token=1536)
+    scheduler = DecodeScheduler(BlockAllocator(400), 16, max_running=8, chunk_tokens=256,
+                                cost=cost)
+    long = prompt_to_prefill("long", 4000, deadline=20.0)
+    scheduler.add(long)
+    _, batch = scheduler.schedule()
+    scheduler.chunk(batch)
+    first = long.num_scheduled
+    long.num_cached = 3072  # deep into the prompt now
+    scheduler.chunk(batch)
+    assert first > 2.5 * long.num_scheduled > 0
+    assert cost.cost(3072, long.num_scheduled) <= 256 < cost.cost(3072, long.num_scheduled + 1)
+
+
+def test_a_chunk_deeper_than_the_whole_budget_still_gets_one_token() -> None:
+    scheduler = DecodeScheduler(BlockAllocator(400), 16, max_running=8, chunk_tokens=2,
+                                cost=ChunkCost(keys_per_token=10))
+    long = prompt_to_prefill("long", 1000, deadline=1.0)
+    later = prompt_to_prefill("later", 50, deadline=2.0)
+    for each in (long, later):
+        scheduler.add(each)
+    _, batch = scheduler.schedule()
+    long.num_cached = 900  # one token here costs 91
+    assert scheduler.chunk(batch) == [long] and long.num_scheduled == 1

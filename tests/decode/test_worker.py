@@ -29,6 +29,7 @@ from core.messages import (
     encode,
 )
 from decode.worker import DecodeWorker
+from engine.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
@@ -50,6 +51,8 @@ def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512) -> Iterator[
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
     decode_worker = DecodeWorker("decode-0", config, runner, "fingerprint")
+    assert decode_worker.scheduler.cost == ChunkCost.of(runner.spec)
+    decode_worker.scheduler.cost = TOKENS_ONLY  # chunks of chunk_tokens: the tiny keys are dear
     try:
         yield decode_worker, gateway
     finally:

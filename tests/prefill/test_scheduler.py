@@ -1,10 +1,12 @@
-"""Prefill scheduling: earliest deadline first, under a token budget and the free KV blocks,
-long prompts one chunk per step. Most tests give no time per token, so that the deadline is
-the arrival and the order first come, first served; the last ones test deadlines."""
+"""Prefill scheduling: earliest deadline first, under a cost budget and the free KV blocks,
+long prompts one chunk per step. Costs count tokens alone unless a test gives a ChunkCost.
+Most tests give no time per token, so that the deadline is the arrival and the order first
+come, first served; the last ones test deadlines."""
 
 from __future__ import annotations
 
 from core.messages import GenerationTask, PrefillRequest, Sampling
+from engine.chunk_cost import ChunkCost
 from prefill.scheduler import Chunk, Prefilling, PrefillScheduler
 
 BLOCK = 4
@@ -87,16 +89,18 @@ def test_no_free_blocks_schedules_nothing() -> None:
     assert ids(step(scheduler, free_blocks=1)) == ["r0"]
 
 
-def test_a_prompt_over_the_budget_runs_alone() -> None:
+def test_a_prompt_over_the_budget_goes_in_chunks_of_the_budget() -> None:
     scheduler = scheduler_with(25, 1, budget=10)
-    assert ids(step(scheduler, free_blocks=100)) == ["r0"]
-    assert ids(step(scheduler, free_blocks=100)) == ["r1"]
+    assert spans(step(scheduler)) == [("r0", 0, 10, False)]
+    assert spans(step(scheduler)) == [("r0", 10, 20, False)]
+    assert spans(step(scheduler)) == [("r0", 20, 25, True), ("r1", 0, 1, True)]
 
 
-def test_a_prompt_over_the_budget_waits_for_a_batch_of_its_own() -> None:
+def test_a_long_prompt_fills_what_earlier_ones_leave_of_the_budget() -> None:
     scheduler = scheduler_with(1, 25, 1, budget=10)
-    assert ids(step(scheduler, free_blocks=100)) == ["r0", "r2"]
-    assert ids(step(scheduler, free_blocks=100)) == ["r1"]
+    assert spans(step(scheduler)) == [("r0", 0, 1, True), ("r1", 0, 9, False)]
+    assert spans(step(scheduler)) == [("r1", 9, 19, False)]  # r2 is due after r1
+    assert spans(step(scheduler)) == [("r1", 19, 25, True), ("r2", 0, 1, True)]
 
 
 def test_a_prompt_over_the_budget_still_needs_its_blocks() -> None:
@@ -149,12 +153,17 @@ def test_a_repeated_request_is_queued_once_but_a_new_epoch_is_its_own() -> None:
 
 
 def test_a_long_prompt_goes_one_chunk_per_step_and_only_the_last_is_last() -> None:
-    scheduler = scheduler_with(20, chunk=8)
+    scheduler = scheduler_with(20, budget=10, chunk=8)
     assert spans(step(scheduler)) == [("r0", 0, 8, False)]
     assert scheduler.held() == [("r0", 0)] and scheduler.queued_tokens == 12
     assert spans(step(scheduler)) == [("r0", 8, 16, False)]
     assert spans(step(scheduler)) == [("r0", 16, 20, True)]
     assert scheduler.held() == [] and step(scheduler) == []
+
+
+def test_a_prompt_that_fits_the_budget_goes_whole_however_long_the_chunks() -> None:
+    scheduler = scheduler_with(20, budget=20, chunk=8)
+    assert spans(step(scheduler)) == [("r0", 0, 20, True)]
 
 
 def test_a_short_prompt_arriving_behind_a_long_one_waits_at_most_one_chunk() -> None:
@@ -170,29 +179,30 @@ def test_prompts_in_progress_go_first_each_one_chunk_within_the_budget() -> None
     assert spans(step(scheduler)) == [("r0", 0, 8, False), ("r1", 0, 8, False)]
     # Both in progress fill 16 of 20: r2 (5 tokens) waits, nothing newer passes an older one.
     assert spans(step(scheduler)) == [("r0", 8, 16, False), ("r1", 8, 16, False)]
-    assert ids(step(scheduler)) == ["r0", "r1"]
-    assert spans(step(scheduler)) == [("r0", 24, 30, True), ("r1", 24, 30, True),
-                                      ("r2", 0, 5, True)]  # 6 + 6 + 5 fit
+    # r0's rest fits: it goes whole; r1's 14 would not fit the 6 left, r2's 5 do.
+    assert spans(step(scheduler)) == [("r0", 16, 30, True), ("r2", 0, 5, True)]
+    assert spans(step(scheduler)) == [("r1", 16, 30, True)]
 
 
 def test_an_older_prompt_in_progress_is_not_passed_when_the_budget_is_full() -> None:
     scheduler = scheduler_with(30, 30, budget=10, chunk=8)
-    assert ids(step(scheduler)) == ["r0"]  # r1's first chunk would go over the budget
-    assert ids(step(scheduler)) == ["r0"]  # r0 in progress goes first
-    assert ids(step(scheduler)) == ["r0"]
-    assert spans(step(scheduler)) == [("r0", 24, 30, True)]
-    assert ids(step(scheduler)) == ["r1"]
+    assert spans(step(scheduler)) == [("r0", 0, 8, False), ("r1", 0, 2, False)]
+    assert spans(step(scheduler)) == [("r0", 8, 16, False), ("r1", 2, 4, False)]
+    assert spans(step(scheduler)) == [("r0", 16, 24, False), ("r1", 4, 6, False)]
+    assert spans(step(scheduler)) == [("r0", 24, 30, True), ("r1", 6, 10, False)]
+    assert spans(step(scheduler)) == [("r1", 10, 18, False)]
 
 
-def test_a_chunk_larger_than_the_budget_runs_alone() -> None:
+def test_a_chunk_is_cut_to_the_budget() -> None:
     scheduler = scheduler_with(30, 2, budget=10, chunk=16)
-    assert spans(step(scheduler)) == [("r0", 0, 16, False)]
-    assert spans(step(scheduler)) == [("r0", 16, 30, True)]
+    assert spans(step(scheduler)) == [("r0", 0, 10, False)]
+    assert spans(step(scheduler)) == [("r0", 10, 20, False)]
+    assert spans(step(scheduler)) == [("r0", 20, 30, True)]
     assert ids(step(scheduler)) == ["r1"]
 
 
 def test_blocks_are_counted_for_the_whole_prompt_at_admission_only() -> None:
-    scheduler = scheduler_with(32, 4, chunk=8)  # 8 blocks, then 1
+    scheduler = scheduler_with(32, 4, budget=12, chunk=8)  # 8 blocks, then 1
     assert step(scheduler, free_blocks=7) == []
     assert ids(step(scheduler, free_blocks=8)) == ["r0"]
     assert ids(step(scheduler, free_blocks=0)) == ["r0"]  # it holds its blocks already
@@ -223,7 +233,7 @@ def test_start_is_called_once_per_prompt_when_it_is_admitted() -> None:
 
 
 def test_abort_of_a_prompt_in_progress() -> None:
-    scheduler = scheduler_with(20, 20, chunk=8)
+    scheduler = scheduler_with(20, 20, budget=16, chunk=8)
     step(scheduler)
     assert scheduler.held() == [("r0", 0), ("r1", 0)] and scheduler.queued_tokens == 24
     assert scheduler.abort("r0", 0)
@@ -233,21 +243,20 @@ def test_abort_of_a_prompt_in_progress() -> None:
 
 
 def test_a_repeat_of_a_prompt_in_progress_is_not_queued() -> None:
-    scheduler = scheduler_with(20, chunk=8)
+    scheduler = scheduler_with(20, budget=10, chunk=8)
     step(scheduler)
     assert not scheduler.add(request("r0", 20))
     assert scheduler.add(request("r0", 20, epoch=1))
 
 
-def test_a_short_prompt_goes_before_a_long_one_in_progress() -> None:
-    """Deadlines: the long prompt's is 0 + 4000 x 5 ms = 20 s, the short one's 1 + 0.25 s."""
+def test_a_short_prompt_goes_whole_before_a_long_one_in_progress() -> None:
+    """Deadlines: the long prompt's is 0 + 4000 x 5 ms = 20 s, the short one's 1 + 1.5 s."""
     scheduler = scheduler_with(4000, budget=512, chunk=256, per_token=0.005)
     assert spans(step(scheduler, free_blocks=2000)) == [("r0", 0, 256, False)]
     scheduler.add(request("short", 300), now=1.0)
-    assert spans(step(scheduler, free_blocks=2000)) == [("short", 0, 256, False),
-                                                         ("r0", 256, 512, False)]
-    assert spans(step(scheduler, free_blocks=2000)) == [("short", 256, 300, True),
-                                                         ("r0", 512, 768, False)]
+    assert spans(step(scheduler, free_blocks=2000)) == [("short", 0, 300, True),
+                                                         ("r0", 256, 468, False)]
+    assert spans(step(scheduler, free_blocks=2000)) == [("r0", 468, 724, False)]
 
 
 def test_a_long_prompt_is_not_starved_by_later_short_ones() -> None:
@@ -279,3 +288,33 @@ def test_a_prompt_being_started_is_held() -> None:
 
     scheduler.schedule(free_blocks=100, start=start)
     assert seen == [{("r0", 0), ("r1", 0)}] * 2
+
+
+def test_costed_chunks_shrink_deep_into_a_long_prompt() -> None:
+    """With keys costed, each step of a long prompt alone costs about one chunk's worth."""
+    cost = ChunkCost(keys_per_token=1536)
+    scheduler = PrefillScheduler(max_batch_tokens=512, block_size=BLOCK, chunk_tokens=256,
+                                 cost=cost)
+    scheduler.add(request("long", 4000))
+    sizes, starts = [], []
+    while scheduler.held():
+        (chunk,) = step(scheduler, free_blocks=2000)
+        sizes.append(chunk.end - chunk.start)
+        starts.append(chunk.start)
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True) and sizes[0] > 2.5 * sizes[-2]
+    assert all(cost.cost(s, n) <= 256 for s, n in zip(starts[:-1], sizes[:-1], strict=True))
+    assert sum(sizes) == 4000
+
+
+def test_a_short_prompt_behind_a_deep_chunk_goes_whole_and_the_long_one_gets_the_rest() -> None:
+    cost = ChunkCost(keys_per_token=1536)
+    scheduler = PrefillScheduler(max_batch_tokens=512, block_size=BLOCK, chunk_tokens=256,
+                                 ttft_s_per_token=0.005, cost=cost)
+    scheduler.add(request("long", 4000), now=0.0)
+    while scheduler.running == [] or scheduler.running[0].done < 3000:
+        step(scheduler, free_blocks=2000)
+    scheduler.add(request("short", 277), now=10.0)
+    short, deep = step(scheduler, free_blocks=2000)
+    assert (short.prompt.request.request_id, short.start, short.end) == ("short", 0, 277)
+    spent = cost.cost(0, 277) + cost.cost(deep.start, deep.end - deep.start)
+    assert 0 < deep.end - deep.start < 100 and spent <= 512

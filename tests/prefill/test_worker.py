@@ -29,6 +29,7 @@ from core.messages import (
     decode,
     encode,
 )
+from engine.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
 from prefill.worker import PrefillWorker
@@ -245,6 +246,13 @@ def test_the_first_token_follows_the_grammar_after_resumed_output(setup) -> None
 CHUNK = 16
 
 
+def chunk_by_tokens(worker: PrefillWorker, budget: int = CHUNK) -> None:
+    """Chunks of CHUNK tokens, steps of `budget`, keys not costed (the tiny model's are dear)."""
+    worker.scheduler.chunk_tokens = CHUNK
+    worker.scheduler.max_batch_tokens = budget
+    worker.scheduler.cost = TOKENS_ONLY
+
+
 def kv_pieces(receiver: KVReceiver) -> dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
     """Each request's chunks in arrival order: (token start, layer start, K, V)."""
     got: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
@@ -291,7 +299,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_kv_and_token_of_one_pass(setup) 
     prompt = list(range(200, 270))  # 70 tokens: chunks of 16, 16, 16, 16 and 6
     whole = prefill_one(worker, gateway, receiver, "whole", prompt, salt="a")
     whole_kv = assembled(kv_pieces(receiver)["whole"], len(prompt))
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker)
     send(worker, gateway, receiver, "chunked", prompt, salt="b")  # no prefix reuse
     for _ in range(4):
         assert worker.step()
@@ -312,7 +320,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_kv_and_token_of_one_pass(setup) 
 
 def test_a_short_prompt_behind_a_long_one_waits_at_most_one_chunk(setup) -> None:
     worker, gateway, receiver = setup
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker, budget=2 * CHUNK)
     send(worker, gateway, receiver, "long", list(range(300, 400)))
     assert worker.step()  # the long prompt's first chunk
     send(worker, gateway, receiver, "short", list(range(10, 15)))
@@ -326,7 +334,7 @@ def test_a_short_prompt_behind_a_long_one_waits_at_most_one_chunk(setup) -> None
 def test_an_abort_between_chunks_frees_the_blocks_and_stops_the_stream(setup) -> None:
     worker, gateway, receiver = setup
     free = worker.cache.num_available
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker)
     send(worker, gateway, receiver, "a", list(range(300, 350)))
     assert worker.step() and worker.step()
     assert worker.cache.num_available < free
@@ -342,7 +350,7 @@ def test_an_abort_between_chunks_frees_the_blocks_and_stops_the_stream(setup) ->
 def test_an_abort_inside_a_later_chunk_stops_it_between_layers(setup) -> None:
     worker, gateway, receiver = setup
     free = worker.cache.num_available
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker)
     send(worker, gateway, receiver, "a", list(range(300, 350)))
     assert worker.step()
     abort_at_layer(worker, gateway, 2, [Abort("a", 0)])
@@ -360,7 +368,7 @@ def test_a_prompt_whose_decode_worker_is_gone_stops_at_the_failed_chunk(
     monkeypatch.setattr(kvtransfer.sender, "_CONNECT_WAIT_MS", 200)
     worker, gateway, _ = setup
     free = worker.cache.num_available
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker)
     doomed = make_receiver(worker.context, "tcp://127.0.0.1:*")
     send(worker, gateway, doomed, "a", list(range(300, 350)))  # four chunks
     assert worker.step()
@@ -407,7 +415,7 @@ def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None
     prefill_one(worker, gateway, receiver, "cold", prompt[:49])
     cold = prefill_one(worker, gateway, receiver, "other", prompt, salt="x")  # not shared
     cold_kv = assembled(kv_pieces(receiver)["other"], len(prompt))
-    worker.scheduler.chunk_tokens = CHUNK
+    chunk_by_tokens(worker)
     forward = worker.runner.forward
     computed: list[list[int]] = []
 
@@ -426,3 +434,9 @@ def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None
     assert sorted({t for t, _, _, _ in pieces}) == [0, 64, 80]  # the prefix goes with chunk 1
     for got, expected in zip(assembled(pieces, len(prompt)), cold_kv, strict=True):
         assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_steps_are_costed_by_the_model_shape(setup) -> None:
+    worker = setup[0]
+    assert worker.scheduler.cost == ChunkCost.of(worker.runner.spec)
+    assert worker.scheduler.cost.keys_per_token < float("inf")
