@@ -290,20 +290,22 @@ def test_a_prompt_being_started_is_held() -> None:
     assert seen == [{("r0", 0), ("r1", 0)}] * 2
 
 
-def test_costed_chunks_shrink_deep_into_a_long_prompt() -> None:
-    """With keys costed, each step of a long prompt alone costs about one chunk's worth."""
+def test_costed_chunks_shrink_deep_into_a_long_prompt_to_half_a_chunk() -> None:
+    """With keys costed, a long prompt alone gets a chunk's worth per step, but never fewer
+    than half a chunk's tokens."""
     cost = ChunkCost(keys_per_token=1536)
     scheduler = PrefillScheduler(max_batch_tokens=512, block_size=BLOCK, chunk_tokens=256,
                                  cost=cost)
     scheduler.add(request("long", 4000))
-    sizes, starts = [], []
+    chunks = []
     while scheduler.held():
         (chunk,) = step(scheduler, free_blocks=2000)
-        sizes.append(chunk.end - chunk.start)
-        starts.append(chunk.start)
-    assert sizes[:-1] == sorted(sizes[:-1], reverse=True) and sizes[0] > 2.5 * sizes[-2]
-    assert all(cost.cost(s, n) <= 256 for s, n in zip(starts[:-1], sizes[:-1], strict=True))
-    assert sum(sizes) == 4000
+        chunks.append((chunk.start, chunk.end - chunk.start))
+    sizes = [n for _, n in chunks[:-1]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 200 and sizes[-1] == 128
+    assert all(cost.cost(s, n) <= 256 for s, n in chunks[:-1] if n > 128)
+    assert cost.cost(*chunks[-2]) > 256  # deep in, half a chunk costs more than a chunk's worth
+    assert sum(n for _, n in chunks) == 4000
 
 
 def test_a_short_prompt_behind_a_deep_chunk_goes_whole_and_the_long_one_gets_the_rest() -> None:
