@@ -89,6 +89,7 @@ class DecodeScheduler:
         deadline first, what is left of the chunk budget (the first at least one token).
         Returns those with something to compute, in batch order."""
         budget = float(self.chunk_tokens)
+        first = True
         for sequence in sorted(batch, key=lambda s: s.deadline):
             pending = len(sequence.tokens) - sequence.num_cached
             assert pending > 0, "a running sequence always has its last token to feed"
@@ -96,8 +97,9 @@ class DecodeScheduler:
                 sequence.num_scheduled = 1
                 continue
             fits = self.cost.tokens_within(budget, sequence.num_cached, pending)
-            sequence.num_scheduled = max(fits, 1) if budget == self.chunk_tokens else fits
+            sequence.num_scheduled = max(fits, 1) if first else fits
             budget -= self.cost.cost(sequence.num_cached, sequence.num_scheduled)
+            first = False
         return [sequence for sequence in batch if sequence.num_scheduled > 0]
 
     @property

@@ -47,9 +47,10 @@ class ChunkCost:
         if self.cost(start, pending) <= budget:
             return pending
         k = self.keys_per_token
+        if k == math.inf:
+            return min(int(budget), pending)
         linear = 1 + (start + 0.5) / k  # cost = count^2 / 2k + linear * count
-        count = int(k * (math.sqrt(linear * linear + 2 * budget / k) - linear)) if k < math.inf \
-            else int(budget)
+        count = int(k * (math.sqrt(linear * linear + 2 * budget / k) - linear))
         while count > 0 and self.cost(start, count) > budget:  # float rounding
             count -= 1
         return min(count, pending)
