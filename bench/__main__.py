@@ -191,6 +191,9 @@ def runner_parser(commands: argparse._SubParsersAction) -> None:
                         help="tokens cached per sequence before the timed decode steps")
     parser.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype,
                         help="weights, activations and KV of both sides (default: %(default)s)")
+    parser.add_argument("--block-rows", type=int, default=defaults.block_rows,
+                        help="ours: products of at most this many rows read the GGUF's "
+                             "quantized blocks (-1: as many as is faster, measured; 0: never)")
     parser.add_argument("--out", type=Path, help="results JSON (default runs/bench-TIME/)")
     parser.set_defaults(prepare=prepare_runner)
 
@@ -201,7 +204,7 @@ def prepare_runner(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[]
     base = microbench.QUICK if args.quick else microbench.RunnerPlan()
     plan = dataclasses.replace(base, prefill_lens=args.prefill_lens,
                                batch_sizes=args.batch_sizes, context=args.context,
-                               dtype=args.dtype)
+                               dtype=args.dtype, block_rows=args.block_rows)
     folder = resolve_model(args.model, ModelConfig().cache_dir)
     return lambda: run_runner(folder, plan, args.out or default_out("runner.json"))
 

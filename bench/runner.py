@@ -39,11 +39,14 @@ class RunnerPlan:
     repeats: int = 3
     steps: int = 8
     dtype: str = "float32"  # both sides run in it (engine.loading.DTYPES)
+    block_rows: int = -1  # ours: products of this many rows over the GGUF blocks (-1: measured)
 
     def __post_init__(self) -> None:
         sizes = (*self.prefill_lens, *self.batch_sizes, self.context, self.repeats, self.steps)
         if not self.prefill_lens or not self.batch_sizes or min(sizes) < 1:
             raise ValueError("every length, batch size, repeat and step count must be >= 1")
+        if self.block_rows < -1:
+            raise ValueError(f"block_rows must be -1 (measured) or more, not {self.block_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
 
@@ -69,6 +72,7 @@ class RunnerResults:
     plan: RunnerPlan
     ours: Figures
     transformers: Figures
+    block_rows: int  # ours: the most rows multiplied over the weights' blocks (0: none)
 
     @property
     def same_next_token(self) -> bool:
@@ -112,7 +116,8 @@ class OursBackend:
         per_seq = blocks_needed(plan.context + plan.steps + 1, BLOCK_SIZE)
         num_blocks = max(blocks_needed(max(plan.prefill_lens), BLOCK_SIZE),
                          per_seq * max(plan.batch_sizes))
-        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE, DTYPES[plan.dtype])
+        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE, DTYPES[plan.dtype],
+                                  None if plan.block_rows < 0 else plan.block_rows)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits of the last token of `ids`, prefilled into freshly allocated blocks."""
@@ -198,7 +203,10 @@ def measure(backend: Backend, prompt: Callable[[int], Sequence[int]], plan: Runn
 def run(folder: Path, plan: RunnerPlan, prompt: Callable[[int], Sequence[int]],
         progress: Callable[[str], None]) -> RunnerResults:
     """Ours, then transformers, on the model in `folder` with torch's current thread count."""
-    ours = measure(OursBackend(folder, plan), prompt, plan, progress)
+    backend = OursBackend(folder, plan)
+    block_rows = backend.runner.model.block_rows
+    ours = measure(backend, prompt, plan, progress)
+    del backend
     gc.collect()
     theirs = measure(TransformersBackend(folder, DTYPES[plan.dtype]), prompt, plan, progress)
-    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs)
+    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs, block_rows)

@@ -22,6 +22,15 @@ class ModelConfig:
     cache_dir: str = "~/.cache/raging/models"
     dtype: str = "auto"  # bfloat16 where the CPU has bf16 instructions, else float32
     max_model_len: int = 0  # 0: the model's own max_position_embeddings
+    # Products of at most this many rows (decode steps of few sequences) read the 4-/8-bit
+    # blocks the model shipped in, where the weights are exactly those (engine.blocks).
+    # -1: as many rows as that is faster, measured by each worker at load; 0: never.
+    block_rows: int = -1
+
+    def __post_init__(self) -> None:
+        if self.block_rows < -1:
+            raise ValueError(f"model.block_rows must be -1 (measured), 0 (never) or more, "
+                             f"not {self.block_rows}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""raging's C++ kernels (engine/csrc): decode attention over the paged cache, RMSNorm, RoPE.
+"""raging's C++ kernels (engine/csrc): decode attention over the paged cache, products over
+quantized weight blocks, RMSNorm, RoPE.
 
 They are compiled once per machine with the system C++ compiler (about 30 s, cached under
 ~/.cache/torch_extensions). Where that fails, every caller falls back to torch's own ops.
@@ -7,6 +8,7 @@ They are compiled once per machine with the system C++ compiler (about 30 s, cac
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import subprocess
 from collections.abc import Iterator
@@ -19,8 +21,10 @@ import torch
 from torch.utils.cpp_extension import get_default_build_root, load
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("module.cpp", "paged_decode.cpp", "pointwise.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name
+            for name in ("module.cpp", "block_linear.cpp", "paged_decode.cpp", "pointwise.cpp")]
+_HEADERS = [_CSRC / "lanes.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes
 
@@ -36,11 +40,18 @@ def kernels() -> ModuleType | None:
             # build waits on it forever; holding our lock, no build of ours is running.
             (folder / "lock").unlink(missing_ok=True)
             return load(name="raging_kernels", sources=[str(s) for s in _SOURCES],
-                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                        extra_cflags=[*_FLAGS, _headers_digest()], extra_ldflags=["-fopenmp"],
                         build_directory=str(folder))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         log.warning("C++ kernels unavailable, using torch ops: %s", exc)
         return None
+
+
+def _headers_digest() -> str:
+    """A define that changes with the headers: torch rebuilds when sources or flags change, and
+    does not look at the headers the sources include."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
+    return f"-DRAGING_HEADERS_{digest}"
 
 
 def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:

@@ -1,4 +1,5 @@
-"""Products with the weight matrices: plain `F.linear`, or oneDNN's packed bf16 path.
+"""Products with the weight matrices: plain `F.linear`, oneDNN's packed bf16 path, or over the
+model's quantized blocks (engine.blocks) at small batch sizes.
 
 On a CPU with bf16 matrix instructions (AMX or AVX512-BF16), oneDNN reorders a bf16 weight into
 its blocked layout at every call, which costs about as much as the product itself at decode
@@ -9,6 +10,7 @@ from ~45 to ~30 ms of products, flat from batch 1 to 16, and a 256-token chunk f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -17,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.blocks import BlockMatrix
+
+BLOCK_ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PACK_BATCH = 16  # the row count oneDNN tunes the packed layout for; larger batches still gain
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
@@ -36,19 +41,49 @@ def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 @dataclass(frozen=True)
-class Projection:
-    """Weight matrices applied to the same input, one output each. Packed, they are stacked
-    into one matrix and multiplied once (q/k/v: ~30 % less time at decode batch sizes); plain,
-    each stays a view of the mapped file, shared between processes."""
+class Matrices:
+    """Weight matrices applied to the same input, one output each, two ways:
+
+    - dense, as the layout stores them: packed, they are stacked into one matrix and
+      multiplied once (q/k/v: ~30 % less time at decode batch sizes); plain, each stays a view
+      of the mapped file, shared between processes;
+    - over the quantized blocks the model shipped in (engine.blocks), where every matrix has
+      them: for inputs of at most `block_rows` rows, where reading a quarter of the bytes beats
+      the dense product's better arithmetic.
+    """
 
     matrices: tuple[torch.Tensor, ...]
     sizes: tuple[int, ...]  # output features of each weight
     product: Product
+    blocks: tuple[BlockMatrix, ...] = ()
+    block_rows: int = 0
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.blocks and x.shape[0] <= self.block_rows:
+            return self.block_outputs(x)
+        return self.dense_outputs(x)
+
+    def dense_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(self.matrices) < len(self.sizes):
             return self.product(x, self.matrices[0]).split(self.sizes, dim=-1)
         return tuple(self.product(x, matrix) for matrix in self.matrices)
+
+    def block_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(matrix.multiply(x) for matrix in self.blocks)
+
+
+class Projection(Matrices):
+    """Several weights of one input (q/k/v, gate/up): a tuple of outputs."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.outputs(x)
+
+
+class Linear(Matrices):
+    """One weight: one output."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outputs(x)[0]
 
 
 @dataclass(frozen=True)
@@ -59,12 +94,60 @@ class WeightLayout:
     product: Product
     packed: bool
 
-    def project(self, weights: Sequence[torch.Tensor]) -> Projection:
-        """The products of `weights` with one input, stacked where the layout packs."""
+    def project(self, weights: Sequence[torch.Tensor],
+                blocks: Sequence[BlockMatrix | None] = (), block_rows: int = 0) -> Projection:
+        """The products of `weights` with one input, stacked where the layout packs; over
+        `blocks` (each weight's, in order) for inputs of at most `block_rows` rows."""
+        return Projection(*self._matrices(weights), self.product,
+                          *_all_blocks(blocks, len(weights), block_rows))
+
+    def linear(self, weight: torch.Tensor, blocks: BlockMatrix | None = None,
+               block_rows: int = 0) -> Linear:
+        """The product of one weight (over `blocks` for at most `block_rows` rows)."""
+        return Linear(*self._matrices((weight,)), self.product,
+                      *_all_blocks((blocks,), 1, block_rows))
+
+    def _matrices(self, weights: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...],
+                                                                  tuple[int, ...]]:
         sizes = tuple(weight.shape[0] for weight in weights)
         if self.packed and len(weights) > 1:
-            return Projection((self.prepare(torch.cat(tuple(weights))),), sizes, self.product)
-        return Projection(tuple(self.prepare(weight) for weight in weights), sizes, self.product)
+            return (self.prepare(torch.cat(tuple(weights))),), sizes
+        return tuple(self.prepare(weight) for weight in weights), sizes
+
+
+def _all_blocks(blocks: Sequence[BlockMatrix | None], count: int,
+                block_rows: int) -> tuple[tuple[BlockMatrix, ...], int]:
+    """Blocks only where every weight has them."""
+    present = tuple(matrix for matrix in blocks if matrix is not None)
+    return (present, block_rows) if len(present) == count else ((), 0)
+
+
+def measure_block_rows(weights: Sequence[Matrices], dtype: torch.dtype,
+                       candidates: Sequence[int] = BLOCK_ROW_CANDIDATES) -> int:
+    """The most input rows (of `candidates`, in order) for which the block products of all of
+    `weights` together take less time than their dense products: 0 if none. Timed once at load
+    over every matrix, because it depends on the CPU, the dtype and the dense layout (here:
+    about 4 rows against packed bf16, 16 against plain fp32)."""
+    timed = [matrices for matrices in weights if matrices.blocks]
+    best = 0
+    for rows in candidates:
+        inputs = [torch.randn(rows, matrices.blocks[0].shape[1]).to(dtype) for matrices in timed]
+        pairs = list(zip(timed, inputs, strict=True))
+        dense = _best_seconds(lambda pairs=pairs: [m.dense_outputs(x) for m, x in pairs])
+        blocked = _best_seconds(lambda pairs=pairs: [m.block_outputs(x) for m, x in pairs])
+        if not timed or blocked >= dense:
+            break
+        best = rows
+    return best
+
+
+def _best_seconds(function: Callable[[], object], runs: int = 2) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

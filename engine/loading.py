@@ -36,7 +36,8 @@ def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
     # Found, or built if stale, before the worker registers: built inside its first decode
     # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
     kernels()
-    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype)
+    block_rows = None if model.block_rows < 0 else model.block_rows
+    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype, block_rows)
 
 
 def kv_fingerprint(spec: ModelSpec, dtype: str) -> str:

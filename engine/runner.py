@@ -9,6 +9,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.block_allocator import BlockAllocator
+from engine.blocks import load_blocks
 from engine.kv_cache import PagedKVCache
 from engine.model import LlamaModel
 from engine.spec import load_spec
@@ -33,11 +34,15 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.float32,
+        block_rows: int | None = None,
     ) -> None:
+        """`block_rows`: products of at most this many rows read the model's quantized blocks
+        where it has them (engine.blocks); None: measured here at load, 0: never."""
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
-        self.model = LlamaModel(self.spec, load_weights(Path(model_dir), dtype))
+        self.model = LlamaModel(self.spec, load_weights(self.model_dir, dtype),
+                                blocks=load_blocks(self.model_dir), block_rows=block_rows)
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype)
         self.allocator = BlockAllocator(num_blocks)
 

@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.blocks import dequantize, quantize, write_blocks
 from engine.prepare import resolve_model
+from engine.weights import EMBED
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
 MODEL_CACHE_DIR = "~/.cache/raging/models"
@@ -102,3 +105,18 @@ def make_tiny_model(
 def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with the real tokenizer."""
     return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def block_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """The tiny Llama as a GGUF would ship it: its layers' matrices rounded to 4-bit blocks,
+    its embedding to 8-bit ones, saved dequantized, with the blocks file written."""
+    folder = make_tiny_model()
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2:
+            tensors[name] = dequantize(quantize(tensor, 8 if name == EMBED else 4))
+    save_file(tensors, path, metadata={"format": "pt"})
+    write_blocks(folder)
+    return folder

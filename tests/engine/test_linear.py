@@ -3,12 +3,16 @@ CPU has bf16 instructions."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.blocks import BlockMatrix, dequantize, quantize
+from engine.kernels import kernels
 from engine.linear import (
     PACKED,
     PLAIN,
@@ -16,11 +20,13 @@ from engine.linear import (
     can_pack_bf16,
     fast_bf16,
     layout_for,
+    measure_block_rows,
     native_bf16,
 )
 
 needs_mkldnn_bf16 = pytest.mark.skipif(not can_pack_bf16(),
                                        reason="oneDNN has no bf16 path on this CPU")
+needs_kernels = pytest.mark.skipif(kernels() is None, reason="the C++ kernels did not build")
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
@@ -78,3 +84,53 @@ def test_projection_gives_each_weights_product(layout: WeightLayout) -> None:
     assert [out.shape for out in outputs] == [(5, 96), (5, 32), (5, 32)]
     for out, weight in zip(outputs, weights, strict=True):
         torch.testing.assert_close(out, F.linear(x, weight), atol=2e-2, rtol=2e-2)
+
+
+def quantized(rows: int, columns: int, seed: int) -> tuple[torch.Tensor, BlockMatrix]:
+    """A weight exactly held by 4-bit blocks, and those blocks."""
+    weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed))
+    blocks = quantize(weight, 4)
+    return dequantize(blocks), blocks
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_small_inputs_go_over_the_blocks_and_larger_ones_dense(rows: int) -> None:
+    pairs = [quantized(n, 64, seed=n) for n in (96, 32)]
+    weights, blocks = [w for w, _ in pairs], [b for _, b in pairs]
+    projection = PLAIN.project(weights, blocks, block_rows=4)
+    linear = PLAIN.linear(weights[0], blocks[0], block_rows=4)
+    x = torch.randn(rows, 64)
+    expected = projection.block_outputs(x) if rows <= 4 else projection.dense_outputs(x)
+    for out, want in zip(projection(x), expected, strict=True):
+        assert torch.equal(out, want)
+    assert torch.equal(linear(x), expected[0])
+    for out, weight in zip(projection(x), weights, strict=True):
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_serve_only_where_every_weight_has_them() -> None:
+    (weight, blocks), (other, _) = quantized(32, 64, seed=1), quantized(32, 64, seed=2)
+    projection = PLAIN.project([weight, other], [blocks, None], block_rows=8)
+    assert projection.blocks == () and projection.block_rows == 0
+
+
+def slow(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def slowed(*args: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return function(*args)
+    return slowed
+
+
+@needs_kernels
+def test_block_rows_measured_are_those_where_blocks_are_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weight, blocks = quantized(64, 64, seed=3)
+    candidates = (1, 2, 4)
+    slow_dense = WeightLayout(PLAIN.prepare, slow(F.linear), packed=False)
+    assert measure_block_rows([slow_dense.linear(weight, blocks)], torch.float32,
+                              candidates) == 4
+    monkeypatch.setattr(BlockMatrix, "multiply", slow(BlockMatrix.multiply))
+    assert measure_block_rows([PLAIN.linear(weight, blocks)], torch.float32, candidates) == 0
+    assert measure_block_rows([PLAIN.linear(weight)], torch.float32, candidates) == 0

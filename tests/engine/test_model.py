@@ -10,6 +10,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine.batch import ForwardBatch
+from engine.blocks import load_blocks
+from engine.kernels import kernels
 from engine.kv_cache import PagedKVCache
 from engine.linear import PACKED, PLAIN, can_pack_bf16
 from engine.model import LlamaModel
@@ -175,3 +177,25 @@ def test_bf16_logits_stay_near_fp32(tiny: Fixture, tiny_model_dir: Path) -> None
     logits = model.forward(ForwardBatch([ids], [0], [tiny.blocks(len(ids))]), cache)
     expected = tiny.reference(ids)
     assert (logits[0] - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+
+
+@pytest.mark.skipif(kernels() is None, reason="the C++ kernels did not build")
+def test_products_over_the_blocks_give_the_dense_logits(block_model_dir: Path) -> None:
+    spec = load_spec(block_model_dir)
+    weights, blocks = load_weights(block_model_dir, torch.float32), load_blocks(block_model_dir)
+    prompts = [random_prompt(n, seed=n) for n in (3, 6)]
+    logits = []
+    for block_rows in (0, 16):  # never over the blocks; every step of this test over them
+        model = LlamaModel(spec, weights, blocks=blocks, block_rows=block_rows)
+        assert model.block_rows == block_rows and model.lm_head.blocks
+        cache = PagedKVCache(spec, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+        tables = [list(range(3)), list(range(3, 6))]
+        prefill = model.forward(ForwardBatch(prompts, [0, 0], tables), cache)
+        step = model.forward(ForwardBatch([[7], [8]], [3, 6], tables), cache)
+        logits.append(torch.cat([prefill, step]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_blocks_never_uses_them(tiny_model_dir: Path) -> None:
+    model = LlamaModel(load_spec(tiny_model_dir), load_weights(tiny_model_dir, torch.float32))
+    assert model.block_rows == 0 and not model.lm_head.blocks

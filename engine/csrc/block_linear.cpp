@@ -1,0 +1,165 @@
+// Products with weight matrices kept as the quantized blocks a GGUF file ships: each row of a
+// weight is cut into blocks of 32 values, each block stored as a few bits per value plus fp16
+// constants. A block is widened to fp32 in registers and multiplied there, so a matrix-vector
+// product reads a quarter (4-bit) or half (8-bit) of the bf16 bytes, and the values multiplied
+// are exactly those of the dequantized weight (d * q + m is exact in fp32 for fp16 d, m).
+#include <torch/extension.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "lanes.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per block
+constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
+constexpr int kRows = 4;        // input rows multiplied together: each block widened once
+constexpr int kWideRows = 8;    // ... up to this many, against half as many weight rows
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// llama.cpp's Q4_1: fp16 d, fp16 m, 16 bytes whose low nibbles are values 0-15 of the block
+// and high nibbles values 16-31; value = d * q + m.
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
+    const float d = half_to_float(block), m = half_to_float(block + 2);
+    const uint8_t* q = block + 4;
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i nibble = _mm512_set1_epi32(0xF);
+    low = fma(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), splat(d), splat(m));
+    high = fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), splat(d), splat(m));
+#else
+    for (int64_t i = 0; i < kLanes; ++i) {
+      low.v[i] = d * static_cast<float>(q[i] & 0xF) + m;
+      high.v[i] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+#endif
+  }
+};
+
+// llama.cpp's Q8_0: fp16 d, 32 signed bytes; value = d * q.
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
+    const float d = half_to_float(block);
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+#if defined(__AVX512F__)
+    const auto load = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    low = mul(load(q), splat(d));
+    high = mul(load(q + kLanes), splat(d));
+#else
+    for (int64_t i = 0; i < kLanes; ++i) {
+      low.v[i] = d * static_cast<float>(q[i]);
+      high.v[i] = d * static_cast<float>(q[i + kLanes]);
+    }
+#endif
+  }
+};
+
+// out[r, n + o] = x[r] . weight[n + o] for O weight rows and R input rows, over every block.
+// (Rounding the widened block to bf16 and multiplying pairs with AVX512-BF16 was slower here:
+// the conversion costs more than the halved multiplies save.)
+template <typename Format, int O, int R, typename T>
+void tile(const float* x, int64_t width, const uint8_t* weight, int64_t row_bytes, int64_t n,
+          T* out, int64_t out_stride) {
+  Lanes acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = splat(0.0f);
+  for (int64_t b = 0; b < width / kBlock; ++b) {
+    Lanes low[R], high[R];
+    for (int r = 0; r < R; ++r) {
+      low[r] = load_lanes(x + r * width + b * kBlock);
+      high[r] = load_lanes(x + r * width + b * kBlock + kLanes);
+    }
+    for (int o = 0; o < O; ++o) {
+      Lanes w_low, w_high;
+      Format::widen(weight + (n + o) * row_bytes + b * Format::kBytes, w_low, w_high);
+      for (int r = 0; r < R; ++r) acc[o][r] = fma(w_high, high[r], fma(w_low, low[r], acc[o][r]));
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) out[r * out_stride + n + o] = static_cast<T>(sum(acc[o][r]));
+}
+
+// One tile of R rows against weight rows n..n+3, split so that every sum stays in a register.
+template <typename Format, int R, typename T>
+void tile_of_four(const float* x, int64_t width, const uint8_t* weight, int64_t row_bytes,
+                  int64_t n, T* out, int64_t out_stride) {
+  constexpr int O = R > kRows ? kOutputs / 2 : kOutputs;
+  for (int64_t first = n; first < n + kOutputs; first += O)
+    tile<Format, O, R>(x, width, weight, row_bytes, first, out, out_stride);
+}
+
+// The last `rows` (< R) rows as one tile.
+template <typename Format, int R, typename T>
+void last_tile(int64_t rows, const float* x, int64_t width, const uint8_t* weight,
+               int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
+  if constexpr (R > 1) {
+    if (rows == R - 1)
+      tile_of_four<Format, R - 1>(x, width, weight, row_bytes, n, out, out_stride);
+    else
+      last_tile<Format, R - 1>(rows, x, width, weight, row_bytes, n, out, out_stride);
+  }
+}
+
+template <typename Format, typename T>
+void product(const float* x, int64_t rows, int64_t width, const uint8_t* weight, int64_t outputs,
+             T* out) {
+  const int64_t row_bytes = width / kBlock * Format::kBytes;
+  const int64_t groups = outputs / kOutputs;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kOutputs; n < end * kOutputs; n += kOutputs) {
+      int64_t r = 0;
+      for (; r + kWideRows <= rows; r += kWideRows)
+        tile_of_four<Format, kWideRows>(x + r * width, width, weight, row_bytes, n,
+                                        out + r * outputs, outputs);
+      last_tile<Format, kWideRows>(rows - r, x + r * width, width, weight, row_bytes, n,
+                                   out + r * outputs, outputs);
+    }
+  });
+  for (int64_t n = groups * kOutputs; n < outputs; ++n)  // a last, partial group
+    for (int64_t r = 0; r < rows; ++r)
+      tile<Format, 1, 1>(x + r * width, width, weight, row_bytes, n, out + r * outputs, outputs);
+}
+
+}  // namespace
+
+// x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
+// 4-bit (Q4_1) or 8-bit (Q8_0) blocks. Returns x @ weight.T as [rows, N] in x's dtype.
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear takes 4-bit or 8-bit blocks");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "block_linear takes fp32 or bf16 inputs");
+  const int64_t block_bytes = bits == 4 ? Q4_1::kBytes : Q8_0::kBytes;
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
+              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes,
+              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes, "]");
+  const auto wide = x.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "block_linear", [&] {
+    const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
+                                      weight.data_ptr<uint8_t>(), weight.size(0),
+                                      out.data_ptr<scalar_t>());
+    if (bits == 4)
+      std::apply(product<Q4_1, scalar_t>, args);
+    else
+      std::apply(product<Q8_0, scalar_t>, args);
+  });
+  return out;
+}

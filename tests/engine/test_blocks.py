@@ -1,0 +1,137 @@
+"""Quantized blocks: llama.cpp's Q4_1 and Q8_0 found again bit for bit, and the C++ product
+over them equal to the product with the dequantized weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.blocks import (
+    BLOCK_BYTES,
+    BLOCKS_FILE,
+    BlockMatrix,
+    dequantize,
+    exact_blocks,
+    load_blocks,
+    quantize,
+    write_blocks,
+)
+from engine.kernels import kernels
+from engine.weights import EMBED, LM_HEAD, load_weights
+
+needs_kernels = pytest.mark.skipif(kernels() is None, reason="the C++ kernels did not build")
+
+
+def random_weight(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_hold_the_weight_to_within_half_a_step(bits: int) -> None:
+    weight = random_weight(8, 96)
+    matrix = quantize(weight, bits)
+    assert matrix.shape == (8, 96) and matrix.blocks.shape == (8, 3 * BLOCK_BYTES[bits])
+    per_block = weight.reshape(8, 3, 32)
+    span = per_block.amax(-1) - per_block.amin(-1) if bits == 4 else per_block.abs().amax(-1)
+    step = span / (15 if bits == 4 else 127)
+    error = (dequantize(matrix) - weight).abs().reshape(8, 3, 32).amax(-1)
+    assert (error <= step * 0.51).all()  # half a step, and fp16 rounding of d and m
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_a_dequantized_matrix_finds_the_same_blocks(bits: int) -> None:
+    matrix = quantize(random_weight(16, 64, seed=bits), bits)
+    again = quantize(dequantize(matrix), bits)
+    assert torch.equal(again.blocks, matrix.blocks)
+
+
+def test_exact_blocks_pick_the_fewest_bits_that_reproduce_the_weight() -> None:
+    four = dequantize(quantize(random_weight(4, 64), 4))
+    eight = dequantize(quantize(random_weight(4, 64, seed=1), 8))
+    assert exact_blocks(four).bits == 4
+    assert exact_blocks(eight).bits == 8
+    assert exact_blocks(random_weight(4, 64)) is None  # never quantized
+    assert exact_blocks(four[:, :48]) is None  # rows do not split into blocks
+    assert exact_blocks(four.to(torch.bfloat16)) is None
+
+
+def test_a_block_of_equal_values_is_exact() -> None:
+    weight = torch.full((2, 32), 0.25)
+    matrix = exact_blocks(weight)
+    assert matrix is not None and torch.equal(dequantize(matrix), weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 21])
+def test_fp32_product_equals_the_dequantized_product(bits: int, rows: int) -> None:
+    matrix = quantize(random_weight(22, 160, seed=rows), bits)  # 22 rows: a partial group of 4
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
+    out = matrix.multiply(x)
+    assert out.shape == (rows, 22) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, dequantize(matrix)), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_bf16_product_stays_within_bf16_rounding(rows: int) -> None:
+    """With AVX512-BF16 the blocks are rounded to bf16, as the dense bf16 weights are."""
+    matrix = quantize(random_weight(64, 576), 4)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    out = matrix.multiply(x)
+    assert out.shape == (rows, 64) and out.dtype == torch.bfloat16
+    bf16_weight = dequantize(matrix).to(torch.bfloat16).float()
+    torch.testing.assert_close(out.float(), F.linear(x.float(), bf16_weight), rtol=1e-2,
+                               atol=1e-2)
+
+
+@needs_kernels
+def test_the_kernel_refuses_a_weight_of_the_wrong_width() -> None:
+    matrix = quantize(random_weight(8, 64), 4)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels().block_linear(torch.randn(1, 96), matrix.blocks, 4)
+
+
+def test_blocks_file_holds_every_exact_weight_once(block_model_dir: Path) -> None:
+    weights = load_weights(block_model_dir, torch.float32)
+    blocks = load_blocks(block_model_dir)
+    assert LM_HEAD not in blocks  # tied: the embedding's blocks serve
+    assert blocks[EMBED].bits == 8
+    matrices = [name for name, weight in weights.items() if weight.dim() == 2 and name != LM_HEAD]
+    assert sorted(blocks) == sorted(matrices)
+    for name, matrix in blocks.items():
+        assert torch.equal(dequantize(matrix), weights[name]), name
+
+
+def test_a_model_never_quantized_has_an_empty_blocks_file(tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    for path in tiny_model_dir.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    assert write_blocks(tmp_path) == 0
+    assert (tmp_path / BLOCKS_FILE).exists() and load_blocks(tmp_path) == {}
+
+
+def test_no_blocks_file_means_no_blocks(tmp_path: Path) -> None:
+    assert load_blocks(tmp_path) == {}
+
+
+def test_a_block_matrix_checks_its_own_shape() -> None:
+    with pytest.raises(AssertionError):
+        BlockMatrix(torch.zeros(2, 21, dtype=torch.uint8), 4)
+
+
+@pytest.mark.realmodel
+def test_every_matrix_of_the_real_model_is_its_gguf_blocks(real_model_dir: Path) -> None:
+    """SmolLM2's GGUF stores the layers' matrices as Q4_1 and the embedding as Q8_0."""
+    weights, blocks = load_weights(real_model_dir, torch.float32), load_blocks(real_model_dir)
+    assert blocks[EMBED].bits == 8
+    layer_matrices = [name for name in weights if name.startswith("model.layers.")
+                      and weights[name].dim() == 2]
+    assert len(layer_matrices) == 30 * 7
+    assert sorted(blocks) == sorted([EMBED, *layer_matrices])
+    for name in layer_matrices:
+        assert blocks[name].bits == 4
+        assert torch.equal(dequantize(blocks[name]), weights[name]), name
