@@ -5,6 +5,7 @@
         --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
     python -m bench runner --quick
     python -m bench attention --contexts 256x8,3400 --dtype bfloat16
+    python -m bench blocks --rows 1,4,8,16 --dtype bfloat16
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
@@ -27,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench import attention as decode_attention
+from bench import blocks as block_products
 from bench import chunked as chunked_prefill
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
@@ -44,6 +46,7 @@ from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
 from core.config import KV_BACKENDS, ModelConfig
+from engine.linear import measure_block_rows
 from engine.loading import DTYPES
 from engine.prepare import resolve_model
 from engine.runner import set_threads
@@ -250,6 +253,34 @@ def prepare_attention(args: argparse.Namespace, argv: Sequence[str]) -> Callable
     return job
 
 
+def blocks_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench blocks`: weight products over the GGUF's blocks against dense."""
+    parser = commands.add_parser("blocks", help="weight products: quantized blocks vs dense",
+                                 description=block_products.__doc__)
+    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    parser.add_argument("--rows", type=numbers(int), default=block_products.DEFAULT_ROWS,
+                        metavar="R1,R2,...", help="input rows (sequences in a decode step)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.set_defaults(prepare=prepare_blocks)
+
+
+def prepare_blocks(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if args.repeats < 1 or min(args.rows) < 1:
+        raise ValueError("--repeats and every --rows must be >= 1")
+    set_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+
+    def job() -> int:
+        matrices = block_products.load_matrices(args.model, ModelConfig().cache_dir, dtype)
+        figures = block_products.measure(matrices, dtype, args.rows, args.repeats)
+        measured = measure_block_rows(matrices, dtype)
+        print(block_products.markdown(figures, args.dtype, args.threads, measured))
+        return 0
+    return job
+
+
 def transfer_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench transfer`: KV hand-off GB/s per backend against memcpy."""
     parser = commands.add_parser("transfer", help="KV transfer GB/s per backend vs memcpy",
@@ -365,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser(commands)
     runner_parser(commands)
     attention_parser(commands)
+    blocks_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)
     overload_parser(commands)

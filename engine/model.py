@@ -106,7 +106,7 @@ class LlamaModel:
         self.layers = [load_layer(weights, blocks, i, self.layout)
                        for i in range(spec.num_layers)]
         if block_rows is None:
-            block_rows = measure_block_rows(self._matrices(), self.dtype) if blocks else 0
+            block_rows = measure_block_rows(self.matrices(), self.dtype) if blocks else 0
         self.block_rows = block_rows
         self.lm_head = replace(self.lm_head, block_rows=block_rows)
         self.layers = [layer.with_block_rows(block_rows) for layer in self.layers]
@@ -135,7 +135,7 @@ class LlamaModel:
         last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
         return self.lm_head(last).float()
 
-    def _matrices(self) -> list[Matrices]:
+    def matrices(self) -> list[Matrices]:
         """Every weight matrix (timing a few layers, warm in cache, favours the dense ones)."""
         return [self.lm_head, *(matrices for layer in self.layers for matrices in layer.matrices())]
 

@@ -5,6 +5,10 @@
 // are exactly those of the dequantized weight (d * q + m is exact in fp32 for fp16 d, m).
 #include <torch/extension.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -16,7 +20,8 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
 constexpr int kRows = 4;        // input rows multiplied together: each block widened once
-constexpr int kWideRows = 8;    // ... up to this many, against half as many weight rows
+constexpr int kWideRows = 8;
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch    // ... up to this many, against half as many weight rows
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -87,8 +92,10 @@ void tile(const float* x, int64_t width, const uint8_t* weight, int64_t row_byte
       high[r] = load_lanes(x + r * width + b * kBlock + kLanes);
     }
     for (int o = 0; o < O; ++o) {
+      const uint8_t* block = weight + (n + o) * row_bytes + b * Format::kBytes;
+      __builtin_prefetch(block + kPrefetchBytes);
       Lanes w_low, w_high;
-      Format::widen(weight + (n + o) * row_bytes + b * Format::kBytes, w_low, w_high);
+      Format::widen(block, w_low, w_high);
       for (int r = 0; r < R; ++r) acc[o][r] = fma(w_high, high[r], fma(w_low, low[r], acc[o][r]));
     }
   }
@@ -137,6 +144,114 @@ void product(const float* x, int64_t rows, int64_t width, const uint8_t* weight,
       tile<Format, 1, 1>(x + r * width, width, weight, row_bytes, n, out + r * outputs, outputs);
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// bf16 x on a CPU with AMX: the matrix unit multiplies a 16 x 32 tile of weights (sixteen weight
+// rows' blocks, each widened and rounded to bf16 as the dense bf16 weights are) by 32 values of
+// up to 16 rows of x in one instruction, so the cost is widening the blocks, whatever the rows.
+namespace amx {
+
+constexpr int64_t kTile = 16;  // weight rows, and rows of x, per tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The kernel lets a process use the tile registers only once it asks (Linux 5.16+).
+bool enabled() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Tile 0: weights (16 rows x 32 bf16). Tiles 1 and 3: x, pairs of values by row (16 x `cols`
+// pairs), two sets of up to 16 rows; tiles 2 and 4: their sums (16 weight rows x `cols`, fp32).
+void configure(const int64_t (&cols)[2]) {
+  TileConfig config;
+  config.rows[0] = kTile, config.bytes_per_row[0] = 64;
+  for (int half = 0; half < 2 && cols[half] > 0; ++half)
+    for (int t : {1 + 2 * half, 2 + 2 * half})
+      config.rows[t] = kTile, config.bytes_per_row[t] = static_cast<uint16_t>(cols[half] * 4);
+  _tile_loadconfig(&config);
+}
+
+// x rows [0, cols) as the matrix unit's right operand, one tile per block: pairs[b][k][c]
+// holds values 2k and 2k + 1 of block b of row c.
+std::vector<uint32_t> pair_rows(const at::BFloat16* x, int64_t width, int64_t cols) {
+  const int64_t blocks = width / kBlock;
+  std::vector<uint32_t> pairs(blocks * kTile * cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    const auto* row = reinterpret_cast<const uint32_t*>(x + c * width);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t k = 0; k < kTile; ++k) pairs[(b * kTile + k) * cols + c] = row[b * kTile + k];
+  }
+  return pairs;
+}
+
+// Sixteen weight rows' block b, widened and rounded to bf16 into `tile`, then into tile 0.
+template <typename Format>
+void load_weights(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t b,
+                  at::BFloat16* tile) {
+  for (int64_t o = 0; o < kTile; ++o) {
+    const uint8_t* block = weight + (n + o) * row_bytes + b * Format::kBytes;
+    __builtin_prefetch(block + kPrefetchBytes);
+    Lanes low, high;
+    Format::widen(block, low, high);
+    _mm512_store_si512(tile + o * kBlock,
+                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+  _tile_loadd(0, tile, 64);
+}
+
+template <typename T>
+void store_sums(const float* sums, int64_t cols, int64_t n, int64_t outputs, T* out) {
+  for (int64_t o = 0; o < kTile; ++o)
+    for (int64_t c = 0; c < cols; ++c)
+      out[c * outputs + n + o] = static_cast<T>(sums[o * cols + c]);
+}
+
+// Up to 32 rows of x per pass, so each block is widened once for all of them.
+template <typename Format>
+void product(const at::BFloat16* x, int64_t rows, int64_t width, const uint8_t* weight,
+             int64_t outputs, at::BFloat16* out) {
+  const int64_t row_bytes = width / kBlock * Format::kBytes, blocks = width / kBlock;
+  for (int64_t first = 0; first < rows; first += 2 * kTile) {
+    const int64_t cols[2] = {std::min(kTile, rows - first),
+                             std::clamp<int64_t>(rows - first - kTile, 0, kTile)};
+    const auto low = pair_rows(x + first * width, width, cols[0]);
+    const auto high = pair_rows(x + (first + kTile) * width, width, cols[1]);
+    at::parallel_for(0, outputs / kTile, 1, [&](int64_t begin, int64_t end) {
+      configure(cols);
+      alignas(64) at::BFloat16 tile[kTile * kBlock];
+      alignas(64) float sums[kTile * kTile];
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t n = group * kTile;
+        _tile_zero(2);
+        if (cols[1] > 0) _tile_zero(4);
+        for (int64_t b = 0; b < blocks; ++b) {
+          load_weights<Format>(weight, row_bytes, n, b, tile);
+          _tile_loadd(1, low.data() + b * kTile * cols[0], cols[0] * 4);
+          _tile_dpbf16ps(2, 0, 1);
+          if (cols[1] == 0) continue;
+          _tile_loadd(3, high.data() + b * kTile * cols[1], cols[1] * 4);
+          _tile_dpbf16ps(4, 0, 3);
+        }
+        _tile_stored(2, sums, cols[0] * 4);
+        store_sums(sums, cols[0], n, outputs, out + first * outputs);
+        if (cols[1] == 0) continue;
+        _tile_stored(4, sums, cols[1] * 4);
+        store_sums(sums, cols[1], n, outputs, out + (first + kTile) * outputs);
+      }
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace amx
+#endif
+
 }  // namespace
 
 // x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
@@ -150,8 +265,20 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) 
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
               weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes,
               "weight must be contiguous uint8 [N, K / 32 * ", block_bytes, "]");
-  const auto wide = x.to(torch::kFloat32).contiguous();
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  // Up to kRows rows the fp32 path below is faster: widening is the cost, and it widens less.
+  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows &&
+      weight.size(0) % amx::kTile == 0 && amx::enabled()) {
+    const auto rows = x.contiguous();
+    const auto args = std::make_tuple(rows.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                                      weight.data_ptr<uint8_t>(), weight.size(0),
+                                      out.data_ptr<at::BFloat16>());
+    std::apply(bits == 4 ? amx::product<Q4_1> : amx::product<Q8_0>, args);
+    return out;
+  }
+#endif
+  const auto wide = x.to(torch::kFloat32).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "block_linear", [&] {
     const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
                                       weight.data_ptr<uint8_t>(), weight.size(0),

@@ -76,7 +76,7 @@ def test_fp32_product_equals_the_dequantized_product(bits: int, rows: int) -> No
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 21, 40])
 def test_bf16_product_stays_within_bf16_rounding(rows: int) -> None:
     """With AVX512-BF16 the blocks are rounded to bf16, as the dense bf16 weights are."""
     matrix = quantize(random_weight(64, 576), 4)
