@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from core.cli import base_parser, config_from_args, setup_logging
@@ -14,6 +16,7 @@ from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,6 +60,8 @@ def worker_main(role: str, worker_class: type[Worker]) -> None:
     setup_logging(args.worker_id)
     worker_config: WorkerConfig = getattr(config, role)
     runner = load_runner(config.model, worker_config)
+    log.info("%s: products of up to %d rows read the weights' quantized blocks", args.worker_id,
+             runner.model.block_rows)
     fingerprint = kv_fingerprint(runner.spec, model_dtype(config.model.dtype))
     worker = worker_class(args.worker_id, config, runner, fingerprint)  # type: ignore[call-arg]
     try:
