@@ -97,6 +97,13 @@ def test_unknown_override_names_it(dotted: str) -> None:
         load_config(overrides={dotted: "1"})
 
 
+def test_block_rows_are_measured_never_or_a_count() -> None:
+    assert load_config().model.block_rows == -1
+    assert load_config(overrides={"model.block_rows": "0"}).model.block_rows == 0
+    with pytest.raises(ValueError, match="block_rows"):
+        load_config(overrides={"model.block_rows": "-2"})
+
+
 def test_override_without_a_dot_is_refused() -> None:
     with pytest.raises(ValueError, match="port"):
         load_config(overrides={"port": "1"})
