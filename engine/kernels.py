@@ -54,6 +54,13 @@ def _headers_digest() -> str:
     return f"-DRAGING_HEADERS_{digest}"
 
 
+@cache
+def kernels_digest() -> str:
+    """A digest of every kernel source and header: it changes whenever the kernels may."""
+    return hashlib.sha256(b"".join(path.read_bytes()
+                                   for path in (*_SOURCES, *_HEADERS))).hexdigest()[:16]
+
+
 def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
     """The module if it reads `tensors` (all fp32 or all bf16, on the CPU), else None."""
     first = tensors[0]

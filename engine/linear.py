@@ -29,15 +29,19 @@ Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @cache
-def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (else bf16 is emulated, and slow)."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first CPU's flags in `cpuinfo` (none if it cannot be read)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return not BF16_FLAGS.isdisjoint(flags)
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (else bf16 is emulated, and slow)."""
+    return not BF16_FLAGS.isdisjoint(cpu_flags(cpuinfo))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -10,8 +15,8 @@ from core.cli import base_parser, config_from_args, setup_logging
 from core.config import ModelConfig, WorkerConfig
 from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
-from engine.kernels import kernels
-from engine.linear import fast_bf16
+from engine.kernels import kernels, kernels_digest
+from engine.linear import cpu_flags, fast_bf16
 from engine.prepare import resolve_model
 from engine.runner import ModelRunner, set_threads
 from engine.spec import ModelSpec
@@ -32,15 +37,63 @@ def model_dtype(name: str) -> str:
 
 
 def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
-    dtype = DTYPES[model_dtype(model.dtype)]
+    dtype_name = model_dtype(model.dtype)
     pin_to(worker.cpus)
     set_threads(worker.threads or None)
     folder = resolve_model(model.name, model.cache_dir)
     # Found, or built if stale, before the worker registers: built inside its first decode
     # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
     kernels()
-    block_rows = None if model.block_rows < 0 else model.block_rows
-    return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, dtype, block_rows)
+    if model.block_rows >= 0:
+        return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[dtype_name],
+                           model.block_rows)
+    measured = MeasuredBlockRows(folder)
+    known = measured.get(dtype_name)
+    runner = ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[dtype_name],
+                         known)
+    if known is None:
+        measured.put(dtype_name, runner.model.block_rows)
+    return runner
+
+
+class MeasuredBlockRows:
+    """The block row counts measured on this machine, kept in the model folder by dtype and
+    thread count (`block_rows.json`). Workers that start together and each time their
+    products time them against each other's load, and measured 0-4 rows where one alone
+    measures 32; `engine.prepare`, which `launch.sh` runs first and alone, measures once for
+    all of them."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / "block_rows.json"
+
+    def key(self, dtype_name: str) -> str:
+        return f"{dtype_name}|threads={torch.get_num_threads()}|{machine_fingerprint()}"
+
+    def get(self, dtype_name: str) -> int | None:
+        value = self._known().get(self.key(dtype_name))
+        return value if isinstance(value, int) and value >= 0 else None
+
+    def put(self, dtype_name: str, rows: int) -> None:
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+        try:
+            partial.write_text(json.dumps({**self._known(), self.key(dtype_name): rows}, indent=1))
+            partial.rename(self.path)
+        except OSError as exc:  # a read-only model folder: every worker measures for itself
+            log.warning("cannot keep the measured block rows in %s: %s", self.path, exc)
+
+    def _known(self) -> dict[str, object]:
+        try:
+            known = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or damaged: measured again
+            return {}
+        return known if isinstance(known, dict) else {}
+
+
+def machine_fingerprint() -> str:
+    """What the measurement depends on besides dtype and threads: CPU, torch and kernels."""
+    cpu = platform.processor() + "|" + ",".join(sorted(cpu_flags()))
+    text = f"{cpu}|{torch.__version__}|{kernels_digest()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def kv_fingerprint(spec: ModelSpec, dtype: str) -> str:

@@ -7,6 +7,7 @@ it on first use. A path to an existing folder is returned unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 import time
@@ -99,15 +100,22 @@ def save_weights(model: torch.nn.Module, folder: Path) -> None:
 def main() -> None:
     """`python -m engine.prepare [--config FILE] [--model NAME_OR_PATH]`: prints the folder.
 
-    Also builds the C++ kernels once, so that workers starting together need not.
+    Also builds the C++ kernels once, so that workers starting together need not, and times
+    the block products for each pool's thread count (engine.loading.MeasuredBlockRows).
     """
     from core.cli import base_parser, config_from_args
     from engine.kernels import kernels
+    from engine.loading import load_runner
 
     args = base_parser("Prepare a model folder and kernels for raging.").parse_args()
     config = config_from_args(args, {})
     folder = resolve_model(config.model.name, config.model.cache_dir)
     kernels()
+    if config.model.block_rows < 0:
+        for threads in sorted({config.prefill.threads or 1, config.decode.threads or 1}):
+            tiny_pool = dataclasses.replace(config.decode, threads=threads, cpus="",
+                                            num_kv_blocks=1)
+            load_runner(config.model, tiny_pool)
     print(folder)
 
 
