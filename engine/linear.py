@@ -129,9 +129,10 @@ def _all_blocks(blocks: Sequence[BlockMatrix | None], count: int,
 def measure_block_rows(weights: Sequence[Matrices], dtype: torch.dtype,
                        candidates: Sequence[int] = BLOCK_ROW_CANDIDATES) -> int:
     """The most input rows (of `candidates`, in order) for which the block products of all of
-    `weights` together take less time than their dense products: 0 if none. Timed once at load
-    over every matrix, because it depends on the CPU, the dtype and the dense layout (here:
-    about 32 rows against packed bf16, 32 against plain fp32)."""
+    `weights` together take less time than their dense products: 0 if none. Timed over every
+    matrix (a few layers stay warm in cache and flatter the dense ones), because it depends on
+    the CPU, the dtype and the dense layout (here: 32 rows against packed bf16 and against
+    plain fp32); engine.loading keeps the result per machine."""
     timed = [matrices for matrices in weights if matrices.blocks]
     best = 0
     for rows in candidates:
