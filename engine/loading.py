@@ -44,24 +44,21 @@ def load_runner(model: ModelConfig, worker: WorkerConfig) -> ModelRunner:
     # Found, or built if stale, before the worker registers: built inside its first decode
     # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
     kernels()
-    if model.block_rows >= 0:
-        return ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[dtype_name],
-                           model.block_rows)
     measured = MeasuredBlockRows(folder)
-    known = measured.get(dtype_name)
+    rows = model.block_rows if model.block_rows >= 0 else measured.get(dtype_name)
     runner = ModelRunner(folder, worker.num_kv_blocks, worker.block_size, DTYPES[dtype_name],
-                         known)
-    if known is None:
+                         rows)
+    if rows is None:  # measured just now
         measured.put(dtype_name, runner.model.block_rows)
     return runner
 
 
 class MeasuredBlockRows:
     """The block row counts measured on this machine, kept in the model folder by dtype and
-    thread count (`block_rows.json`). Workers that start together and each time their
-    products time them against each other's load, and measured 0-4 rows where one alone
-    measures 32; `engine.prepare`, which `launch.sh` runs first and alone, measures once for
-    all of them."""
+    thread count (`block_rows.json`). Workers that start together and each time their own
+    products do so against each other's memory traffic: they measured 0-4 rows where one
+    alone measures 32. `engine.prepare`, which `launch.sh` runs first and alone, measures
+    once for all of them."""
 
     def __init__(self, folder: Path) -> None:
         self.path = Path(folder) / "block_rows.json"
