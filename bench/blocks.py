@@ -6,7 +6,7 @@ The real model's 211 matrices (30 layers' q/k/v, o, gate/up and down, and the LM
 worker holds them: dense in the layout its dtype gets (packed for oneDNN in bf16 on a CPU with
 bf16 instructions, the mapped file in fp32), and as 4-bit (layers) and 8-bit (LM head) blocks.
 Each row count is timed both ways, the median of `repeats` passes over every matrix; the last
-line gives the row count a worker would measure at load (`model.block_rows: -1`).
+line gives the row count `model.block_rows: -1` measures on this machine.
 """
 
 from __future__ import annotations
@@ -82,4 +82,4 @@ def markdown(figures: list[ProductFigure], dtype: str, threads: int, measured: i
     header = [f"rows ({dtype}, {threads} thread{'s' * (threads > 1)})", "dense ms",
               "blocks ms", "dense / blocks"]
     return (table(header, rows) +
-            f"\n\nrows a worker would take over the blocks (measured at load): {measured}")
+            f"\n\nrows taken over the blocks (model.block_rows: -1): {measured}")

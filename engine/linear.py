@@ -134,13 +134,15 @@ def measure_block_rows(weights: Sequence[Matrices], dtype: torch.dtype,
     the CPU, the dtype and the dense layout (here: 32 rows against packed bf16 and against
     plain fp32); engine.loading keeps the result per machine."""
     timed = [matrices for matrices in weights if matrices.blocks]
+    if not timed:
+        return 0
     best = 0
     for rows in candidates:
         inputs = [torch.randn(rows, matrices.blocks[0].shape[1]).to(dtype) for matrices in timed]
         pairs = list(zip(timed, inputs, strict=True))
         dense = _best_seconds(lambda pairs=pairs: [m.dense_outputs(x) for m, x in pairs])
         blocked = _best_seconds(lambda pairs=pairs: [m.block_outputs(x) for m, x in pairs])
-        if not timed or blocked >= dense:
+        if blocked >= dense:
             break
         best = rows
     return best

@@ -19,7 +19,7 @@ def test_every_matrix_is_timed_both_ways(block_model_dir: Path) -> None:
     assert [f.rows for f in figures] == [1, 3]
     assert all(f.dense_ms > 0 and f.blocks_ms > 0 for f in figures)
     text = markdown(figures, "float32", 1, measured=3)
-    assert "| 3 |" in text and text.endswith("measured at load): 3")
+    assert "| 3 |" in text and text.endswith("(model.block_rows: -1): 3")
 
 
 def test_a_model_without_blocks_is_refused(tiny_model_dir: Path) -> None:
