@@ -47,7 +47,11 @@ def load_matrices(model: str, cache_dir: str, dtype: torch.dtype) -> list[Matric
     if not blocks:
         raise ValueError(f"{folder} has no quantized blocks")
     weights = load_weights(folder, dtype)
-    return LlamaModel(load_spec(folder), weights, blocks=blocks, block_rows=0).matrices()
+    model = LlamaModel(load_spec(folder), weights, blocks=blocks, block_rows=0)
+    matrices = [m for m in model.matrices() if m.blocks]
+    if not matrices:
+        raise ValueError("no block products here: the C++ kernels could not be built")
+    return matrices
 
 
 def measure(matrices: list[Matrices], dtype: torch.dtype, rows: tuple[int, ...],

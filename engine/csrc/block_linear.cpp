@@ -20,8 +20,8 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
 constexpr int kRows = 4;        // input rows multiplied together: each block widened once
-constexpr int kWideRows = 8;
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch    // ... up to this many, against half as many weight rows
+constexpr int kWideRows = 8;    // ... up to this many, against half as many weight rows
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -76,27 +76,48 @@ struct Q8_0 {
   }
 };
 
+// How a tile multiplies a widened block by rows of x. Fp32: the block's two halves against x
+// in fp32, two fused multiply-adds per row (the exact weights).
+struct Fp32Math {
+  using X = float;
+  struct Weights {
+    Lanes low, high;
+  };
+  static Weights weights(Lanes low, Lanes high) { return {low, high}; }
+  static Lanes multiply_add(Lanes acc, const Weights& w, const float* x) {
+    return fma(w.high, load_lanes(x + kLanes), fma(w.low, load_lanes(x), acc));
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16 x on a CPU with AVX512-BF16: the block rounded to bf16 once (as the dense bf16 weights
+// are), then one instruction per row for all 32 products.
+struct Bf16DotMath {
+  using X = at::BFloat16;
+  using Weights = __m512bh;
+  static Weights weights(Lanes low, Lanes high) { return _mm512_cvtne2ps_pbh(high, low); }
+  static Lanes multiply_add(Lanes acc, Weights w, const at::BFloat16* x) {
+    return _mm512_dpbf16_ps(acc, w, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)));
+  }
+};
+#endif
+
 // out[r, n + o] = x[r] . weight[n + o] for O weight rows and R input rows, over every block.
-// (Rounding the widened block to bf16 and multiplying pairs with AVX512-BF16 was slower here:
-// the conversion costs more than the halved multiplies save.)
-template <typename Format, int O, int R, typename T>
-void tile(const float* x, int64_t width, const uint8_t* weight, int64_t row_bytes, int64_t n,
-          T* out, int64_t out_stride) {
+template <typename Format, typename Math, int O, int R, typename T>
+void tile(const typename Math::X* x, int64_t width, const uint8_t* weight, int64_t row_bytes,
+          int64_t n, T* out, int64_t out_stride) {
   Lanes acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = splat(0.0f);
   for (int64_t b = 0; b < width / kBlock; ++b) {
-    Lanes low[R], high[R];
-    for (int r = 0; r < R; ++r) {
-      low[r] = load_lanes(x + r * width + b * kBlock);
-      high[r] = load_lanes(x + r * width + b * kBlock + kLanes);
-    }
     for (int o = 0; o < O; ++o) {
       const uint8_t* block = weight + (n + o) * row_bytes + b * Format::kBytes;
       __builtin_prefetch(block + kPrefetchBytes);
-      Lanes w_low, w_high;
-      Format::widen(block, w_low, w_high);
-      for (int r = 0; r < R; ++r) acc[o][r] = fma(w_high, high[r], fma(w_low, low[r], acc[o][r]));
+      Lanes low, high;
+      Format::widen(block, low, high);
+      const auto w = Math::weights(low, high);
+      for (int r = 0; r < R; ++r)
+        acc[o][r] = Math::multiply_add(acc[o][r], w, x + r * width + b * kBlock);
     }
   }
   for (int o = 0; o < O; ++o)
@@ -104,46 +125,46 @@ void tile(const float* x, int64_t width, const uint8_t* weight, int64_t row_byte
 }
 
 // One tile of R rows against weight rows n..n+3, split so that every sum stays in a register.
-template <typename Format, int R, typename T>
-void tile_of_four(const float* x, int64_t width, const uint8_t* weight, int64_t row_bytes,
-                  int64_t n, T* out, int64_t out_stride) {
+template <typename Format, typename Math, int R, typename T>
+void tile_of_four(const typename Math::X* x, int64_t width, const uint8_t* weight,
+                  int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
   constexpr int O = R > kRows ? kOutputs / 2 : kOutputs;
   for (int64_t first = n; first < n + kOutputs; first += O)
-    tile<Format, O, R>(x, width, weight, row_bytes, first, out, out_stride);
+    tile<Format, Math, O, R>(x, width, weight, row_bytes, first, out, out_stride);
 }
 
 // The last `rows` (< R) rows as one tile.
-template <typename Format, int R, typename T>
-void last_tile(int64_t rows, const float* x, int64_t width, const uint8_t* weight,
+template <typename Format, typename Math, int R, typename T>
+void last_tile(int64_t rows, const typename Math::X* x, int64_t width, const uint8_t* weight,
                int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
   if constexpr (R > 1) {
     if (rows == R - 1)
-      tile_of_four<Format, R - 1>(x, width, weight, row_bytes, n, out, out_stride);
+      tile_of_four<Format, Math, R - 1>(x, width, weight, row_bytes, n, out, out_stride);
     else
-      last_tile<Format, R - 1>(rows, x, width, weight, row_bytes, n, out, out_stride);
+      last_tile<Format, Math, R - 1>(rows, x, width, weight, row_bytes, n, out, out_stride);
   }
 }
 
-template <typename Format, typename T>
-void product(const float* x, int64_t rows, int64_t width, const uint8_t* weight, int64_t outputs,
-             T* out) {
+template <typename Format, typename Math, typename T>
+void product(const typename Math::X* x, int64_t rows, int64_t width, const uint8_t* weight,
+             int64_t outputs, T* out) {
   const int64_t row_bytes = width / kBlock * Format::kBytes;
   const int64_t groups = outputs / kOutputs;
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin * kOutputs; n < end * kOutputs; n += kOutputs) {
       int64_t r = 0;
       for (; r + kWideRows <= rows; r += kWideRows)
-        tile_of_four<Format, kWideRows>(x + r * width, width, weight, row_bytes, n,
-                                        out + r * outputs, outputs);
-      last_tile<Format, kWideRows>(rows - r, x + r * width, width, weight, row_bytes, n,
-                                   out + r * outputs, outputs);
+        tile_of_four<Format, Math, kWideRows>(x + r * width, width, weight, row_bytes, n,
+                                              out + r * outputs, outputs);
+      last_tile<Format, Math, kWideRows>(rows - r, x + r * width, width, weight, row_bytes, n,
+                                         out + r * outputs, outputs);
     }
   });
   for (int64_t n = groups * kOutputs; n < outputs; ++n)  // a last, partial group
     for (int64_t r = 0; r < rows; ++r)
-      tile<Format, 1, 1>(x + r * width, width, weight, row_bytes, n, out + r * outputs, outputs);
+      tile<Format, Math, 1, 1>(x + r * width, width, weight, row_bytes, n, out + r * outputs,
+                               outputs);
 }
-
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // bf16 x on a CPU with AMX: the matrix unit multiplies a 16 x 32 tile of weights (sixteen weight
@@ -266,27 +287,33 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) 
               weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes,
               "weight must be contiguous uint8 [N, K / 32 * ", block_bytes, "]");
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  // Up to kRows rows the fp32 path below is faster: widening is the cost, and it widens less.
-  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows &&
-      weight.size(0) % amx::kTile == 0 && amx::enabled()) {
+  // Up to kRows rows the fp32 path is faster: widening is the cost, and it widens less.
+  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows) {
     const auto rows = x.contiguous();
     const auto args = std::make_tuple(rows.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
                                       weight.data_ptr<uint8_t>(), weight.size(0),
                                       out.data_ptr<at::BFloat16>());
-    std::apply(bits == 4 ? amx::product<Q4_1> : amx::product<Q8_0>, args);
-    return out;
-  }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (weight.size(0) % amx::kTile == 0 && amx::enabled()) {
+      std::apply(bits == 4 ? amx::product<Q4_1> : amx::product<Q8_0>, args);
+      return out;
+    }
 #endif
+#if defined(__AVX512BF16__)
+    std::apply(bits == 4 ? product<Q4_1, Bf16DotMath, at::BFloat16>
+                         : product<Q8_0, Bf16DotMath, at::BFloat16>, args);
+    return out;
+#endif
+  }
   const auto wide = x.to(torch::kFloat32).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "block_linear", [&] {
     const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
                                       weight.data_ptr<uint8_t>(), weight.size(0),
                                       out.data_ptr<scalar_t>());
     if (bits == 4)
-      std::apply(product<Q4_1, scalar_t>, args);
+      std::apply(product<Q4_1, Fp32Math, scalar_t>, args);
     else
-      std::apply(product<Q8_0, scalar_t>, args);
+      std::apply(product<Q8_0, Fp32Math, scalar_t>, args);
   });
   return out;
 }
