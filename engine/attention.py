@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, planned once per forward pass and reused by every layer.
 
 New tokens of all sequences are laid out as consecutive rows of one flat batch. Single-token
-sequences (decode steps) attend in one padded, masked SDPA call; longer ones (prefill chunks)
-each get their own causal SDPA call over cached prefix + new tokens.
+sequences (decode steps) attend together, straight from the paged cache (engine.paged_decode);
+longer ones (prefill chunks) each attend causally to cached prefix + new tokens, straight from
+the cache where engine.paged_prefill applies (bf16 on a CPU with AVX512-BF16), else in their own
+SDPA call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.batch import ForwardBatch
 from engine.block_allocator import blocks_needed
 from engine.kv_cache import slot_mapping
 from engine.paged_decode import paged_decode
+from engine.paged_prefill import paged_prefill
 from engine.workspace import Workspace
 
 
@@ -143,7 +146,12 @@ def attend(
         out[decode.rows] = _decode_attention(q[decode.rows], paged, decode)
     for prefill in plan.prefills:
         rows = slice(prefill.begin, prefill.end)
-        if prefill.mask is None:  # nothing cached before this prompt
+        start = prefill.context_len - (prefill.end - prefill.begin)
+        direct = paged_prefill(q[rows], k_cache, v_cache, prefill.blocks, start,
+                               plan.block_size)
+        if direct is not None:
+            out[rows] = direct
+        elif prefill.mask is None:  # nothing cached before this prompt
             out[rows] = _causal_attention(q[rows], new_kv[0][rows], new_kv[1][rows])
         else:
             out[rows] = _prefill_attention(q[rows], paged, prefill)

@@ -1,5 +1,5 @@
-"""raging's C++ kernels (engine/csrc): decode attention over the paged cache, products over
-quantized weight blocks, RMSNorm, RoPE.
+"""raging's C++ kernels (engine/csrc): decode and prefill attention over the paged cache,
+products over quantized weight blocks, RMSNorm, RoPE.
 
 They are compiled once per machine with the system C++ compiler (about 30 s, cached under
 ~/.cache/torch_extensions). Where that fails, every caller falls back to torch's own ops.
@@ -23,7 +23,8 @@ from torch.utils.cpp_extension import get_default_build_root, load
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name
-            for name in ("module.cpp", "block_linear.cpp", "paged_decode.cpp", "pointwise.cpp")]
+            for name in ("module.cpp", "block_linear.cpp", "paged_decode.cpp", "paged_prefill.cpp",
+                         "pointwise.cpp")]
 _HEADERS = [_CSRC / "lanes.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes

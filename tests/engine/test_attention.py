@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from engine.attention import plan_attention
+from engine.attention import attend, plan_attention
 from engine.batch import ForwardBatch
+from engine.workspace import Workspace
 
 
 def test_plan_lays_out_mixed_batch() -> None:
@@ -39,3 +41,30 @@ def test_decode_plan_pads_to_the_longest_context() -> None:
 def test_table_too_short_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         plan_attention(ForwardBatch([[1, 2]], [3], [[0]]), block_size=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attend_matches_causal_attention_over_each_context(dtype: torch.dtype) -> None:
+    """A chunk after a cached prefix, a whole prompt and a decode token in one batch, whichever
+    kernels serve them here."""
+    torch.manual_seed(0)
+    batch = ForwardBatch([[0] * 7, [0] * 5, [0]], [9, 0, 4], [[3, 1, 6, 0], [2, 5], [7, 4]])
+    plan = plan_attention(batch, block_size=4, dtype=dtype)
+    k_cache, v_cache = (torch.randn(32, 3, 64).to(dtype) for _ in range(2))
+    q = torch.randn(batch.num_tokens, 9, 64).to(dtype)
+    new_kv = k_cache[plan.slots], v_cache[plan.slots]
+    out = attend(q, new_kv, k_cache, v_cache, plan, Workspace())
+    row = 0
+    for tokens, start, table in zip(batch.token_ids, batch.start_positions, batch.block_tables,
+                                    strict=True):
+        context = start + len(tokens)
+        slots = (torch.tensor(table)[:, None] * 4 + torch.arange(4)).flatten()[:context]
+        visible = torch.arange(start, context)[:, None] >= torch.arange(context)[None, :]
+        rows = slice(row, row + len(tokens))
+        expected = F.scaled_dot_product_attention(
+            q[rows].float().transpose(0, 1), k_cache[slots].float().transpose(0, 1),
+            v_cache[slots].float().transpose(0, 1), attn_mask=visible, enable_gqa=True)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[rows].float(), expected.transpose(0, 1),
+                                   atol=tolerance, rtol=tolerance)
+        row += len(tokens)
