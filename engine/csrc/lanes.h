@@ -29,6 +29,18 @@ inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
 inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
 inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
 inline float sum(Lanes a) { return _mm512_reduce_add_ps(a); }
+inline __mmask16 first_mask(int64_t n) {  // lanes 0..n-1
+  return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
+}
+// The first `n` lanes of `a` (all of them from n = 16), the others 0.
+inline Lanes first_lanes(Lanes a, int64_t n) { return _mm512_maskz_mov_ps(first_mask(n), a); }
+// The largest of p[0..n), n >= 1.
+inline float max_of(const float* p, int64_t n) {
+  Lanes best = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += kLanes)
+    best = _mm512_max_ps(best, _mm512_mask_loadu_ps(best, first_mask(n - i), p + i));
+  return _mm512_reduce_max_ps(best);
+}
 inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a); }
 // e^x for x <= 0: 2^n * 2^f with n = round(x log2 e) and 2^f from its Taylor series
 // (|f| <= 1/2, relative error about 1e-7).
@@ -70,6 +82,11 @@ inline Lanes mul(Lanes a, Lanes b) {
   return a;
 }
 inline float sum(Lanes a) { return std::accumulate(a.v, a.v + kLanes, 0.0f); }
+inline Lanes first_lanes(Lanes a, int64_t n) {
+  for (int64_t i = std::max<int64_t>(n, 0); i < kLanes; ++i) a.v[i] = 0.0f;
+  return a;
+}
+inline float max_of(const float* p, int64_t n) { return *std::max_element(p, p + n); }
 inline void store(float* p, Lanes a) { std::copy(a.v, a.v + kLanes, p); }
 inline Lanes exp_lanes(Lanes x) {
   for (float& value : x.v) value = std::exp(value);

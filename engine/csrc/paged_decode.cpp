@@ -53,14 +53,21 @@ inline void weigh_block(GroupState& state, float* scores, int64_t count, int64_t
   const int64_t chunks = static_cast<int64_t>(state.acc.size()) / group;
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * stride;
-    const float block_max = std::max(state.best[h], *std::max_element(s, s + count));
-    const float shrink = std::exp(state.best[h] - block_max);
-    state.best[h] = block_max;
-    for (int64_t c = 0; c < chunks; ++c)
-      state.acc[h * chunks + c] = mul(state.acc[h * chunks + c], splat(shrink));
-    for (int64_t t = 0; t < stride; t += kLanes)
-      store(s + t, exp_lanes(add(load_lanes(s + t), splat(-block_max))));
-    state.total[h] = state.total[h] * shrink + std::accumulate(s, s + count, 0.0f);
+    const float block_max = std::max(state.best[h], max_of(s, count));
+    if (block_max > state.best[h]) {
+      const float shrink = std::exp(state.best[h] - block_max);
+      for (int64_t c = 0; c < chunks; ++c)
+        state.acc[h * chunks + c] = mul(state.acc[h * chunks + c], splat(shrink));
+      state.total[h] *= shrink;
+      state.best[h] = block_max;
+    }
+    Lanes total = splat(0.0f);
+    for (int64_t t = 0; t < stride; t += kLanes) {
+      const Lanes weights = exp_lanes(add(load_lanes(s + t), splat(-block_max)));
+      store(s + t, weights);
+      total = add(total, first_lanes(weights, count - t));
+    }
+    state.total[h] += sum(total);
   }
 }
 
