@@ -5,6 +5,7 @@
         --workload mixed --rates 0.5,1,2 --slo-ttft 2 --slo-tpot 0.25 --out runs/cmp/results.json
     python -m bench runner --quick
     python -m bench attention --contexts 256x8,3400 --dtype bfloat16
+    python -m bench prefill-attention --chunks 256@0,256@2816
     python -m bench blocks --rows 1,4,8,16 --dtype bfloat16
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
@@ -33,6 +34,7 @@ from bench import chunked as chunked_prefill
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
 from bench import overload as flood
+from bench import prefill_attention
 from bench import prefix as prefix_cache
 from bench import runner as microbench
 from bench import transfer as kv_transfer
@@ -253,6 +255,33 @@ def prepare_attention(args: argparse.Namespace, argv: Sequence[str]) -> Callable
     return job
 
 
+def prefill_attention_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench prefill-attention`: a prompt chunk's attention, kernel vs gather+SDPA."""
+    parser = commands.add_parser("prefill-attention",
+                                 help="prefill attention: kernel vs gather+SDPA",
+                                 description=prefill_attention.__doc__)
+    parser.add_argument("--chunks", type=lambda text: text.split(","),
+                        default=prefill_attention.DEFAULT_CHUNKS.split(","),
+                        help="chunks, comma-separated, each NEW@CACHED tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.set_defaults(prepare=prepare_prefill_attention)
+
+
+def prepare_prefill_attention(args: argparse.Namespace, argv: Sequence[str]
+                              ) -> Callable[[], int]:
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    for spec in args.chunks:
+        prefill_attention.parse_chunk(spec)
+    set_threads(args.threads)
+
+    def job() -> int:
+        print(prefill_attention.markdown(prefill_attention.measure(args.chunks, args.repeats)))
+        return 0
+    return job
+
+
 def blocks_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench blocks`: weight products over the GGUF's blocks against dense."""
     parser = commands.add_parser("blocks", help="weight products: quantized blocks vs dense",
@@ -396,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser(commands)
     runner_parser(commands)
     attention_parser(commands)
+    prefill_attention_parser(commands)
     blocks_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)

@@ -85,8 +85,8 @@ def _measure_one(spec: str, caches: list[tuple[torch.Tensor, ...]], dtype: torch
                                rtol=tolerance)
     kv_bytes = sum(contexts) * 2 * KV_HEADS * HEAD_DIM * caches[0][0].element_size()
     return AttentionFigure(spec, kv_bytes * len(caches) / 2**20,
-                           _median_step_ms(kernel, caches, repeats),
-                           _median_step_ms(gathered, caches, repeats))
+                           median_step_ms(kernel, caches, repeats),
+                           median_step_ms(gathered, caches, repeats))
 
 
 def _scattered_plan(contexts: list[int], cache_blocks: int, dtype: torch.dtype) -> DecodePlan:
@@ -106,7 +106,7 @@ def _scattered_plan(contexts: list[int], cache_blocks: int, dtype: torch.dtype) 
     return plan
 
 
-def _median_step_ms(attend: Callable[[torch.Tensor, torch.Tensor], object],
+def median_step_ms(attend: Callable[[torch.Tensor, torch.Tensor], object],
                     caches: list[tuple[torch.Tensor, ...]], repeats: int) -> float:
     times = []
     for _ in range(repeats):

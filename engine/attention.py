@@ -214,6 +214,13 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return out[0].transpose(0, 1)
 
 
+def gathered_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: PrefillPlan, block_size: int, workspace: Workspace) -> torch.Tensor:
+    """A prompt chunk's causal attention `[T, H, D]` by gathering its context for SDPA: where
+    the C++ kernel does not apply, and `bench prefill-attention`'s baseline."""
+    return _prefill_attention(q, _Paged(k_cache, v_cache, block_size, workspace), plan)
+
+
 def _prefill_attention(q: torch.Tensor, paged: _Paged, plan: PrefillPlan) -> torch.Tensor:
     context = slice(0, plan.context_len)
     k, v = (t[context].transpose(0, 1)[None] for t in paged.gather(plan.blocks))
