@@ -8,10 +8,12 @@ count the keys each token attends to, engine/chunk_cost.py, so a chunk deep into
 has fewer tokens). A prompt whose rest fits what is left goes whole. One that would fit a step
 of its own waits for the next step; a longer one gets a chunk of what is left, at most
 `chunk_tokens` worth (if it comes first, at least half of `chunk_tokens` in tokens, so that
-steps' fixed costs stay a small share). A short prompt that arrives behind a long one
-therefore waits for the step in progress, not for the long one, and is not cut in pieces that
-each ride with the long one's chunks; the long one's deadline comes in its turn, so it is never
-starved.
+steps' fixed costs stay a small share), unless a prompt due earlier finishes in the step: the
+step's end is that prompt's first token, and a chunk of a prompt due later would only delay
+it. A short prompt that arrives behind a long one therefore waits for the step in progress,
+not for the long one, goes whole in a step no longer than it needs, and is not cut in pieces
+that each ride with the long one's chunks; the long one's deadline comes in its turn, so it is
+never starved.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class PrefillScheduler:
         blocks = 0
         admitting = True
         for prompt in sorted([*self.running, *self.waiting], key=lambda p: p.deadline):
-            if chunks and self._size(prompt, budget, first=False) == 0:
+            finishing = any(chunk.is_last for chunk in chunks)
+            if chunks and self._size(prompt, budget, False, finishing) == 0:
                 continue
             if prompt not in self.running:
                 need = blocks_needed(prompt.prompt_len, self.block_size)
@@ -131,21 +134,22 @@ class PrefillScheduler:
                     continue
                 blocks += need
                 self._admit(prompt, start)
-            size = self._size(prompt, budget, first=not chunks)
+            size = self._size(prompt, budget, not chunks, finishing)
             if size == 0:
                 continue  # admitted, its cached prefix made the rest dearer: next step
             chunks.append(Chunk(prompt, prompt.done, prompt.done + size))
             budget -= self.cost.cost(prompt.done, size)
         return chunks
 
-    def _size(self, prompt: Prefilling, budget: float, first: bool) -> int:
+    def _size(self, prompt: Prefilling, budget: float, first: bool, finishing: bool) -> int:
         """Tokens of `prompt` for this step. The rest, if it fits `budget`; else nothing for a
-        prompt that fits a step of its own (it goes whole later); else a chunk of at most
-        `chunk_tokens` worth, and for a step's first prompt at least `min_first_chunk` tokens."""
+        prompt that fits a step of its own (it goes whole later) or when the step already
+        finishes a prompt due earlier (`finishing`); else a chunk of at most `chunk_tokens`
+        worth, and for a step's first prompt at least `min_first_chunk` tokens."""
         rest = self.cost.cost(prompt.done, prompt.remaining)
         if rest <= budget:
             return prompt.remaining
-        if rest <= self.max_batch_tokens:
+        if rest <= self.max_batch_tokens or finishing:
             return 0
         size = self.cost.tokens_within(min(budget, self.chunk_tokens), prompt.done,
                                        prompt.remaining)
