@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import kernels_for
+from engine.kernels import kernels, kernels_for
+
+
+def prefill_kernel_built() -> bool:
+    """Whether the kernels were built here, for a CPU with AVX512-BF16."""
+    module = kernels()
+    return module is not None and module.paged_prefill_built()
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -22,7 +28,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if q.dtype != torch.bfloat16 or dim % 32 or dim > 128:
         return None
     module = kernels_for(q, k_cache, v_cache)
-    if module is None or not module.paged_prefill_built():
+    if module is None or not prefill_kernel_built():
         return None
     return module.paged_prefill(q.contiguous(), k_cache, v_cache, table.contiguous(), start,
                                 block_size)

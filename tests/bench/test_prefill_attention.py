@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.prefill_attention import markdown, measure, parse_chunk
-from engine.kernels import kernels
+from engine.paged_prefill import prefill_kernel_built
 
 
 def test_chunk_specs_parse() -> None:
@@ -17,8 +17,7 @@ def test_chunk_specs_parse() -> None:
 
 
 def test_both_paths_agree_and_are_timed() -> None:
-    module = kernels()
-    if module is None or not module.paged_prefill_built():
+    if not prefill_kernel_built():
         pytest.skip("no AVX512-BF16 build here: there is no prefill kernel to time")
     figures = measure(["16@0", "5@40"], repeats=2, cache_blocks=64, layers=2)
     assert [f.chunk for f in figures] == ["16@0", "5@40"]

@@ -6,19 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import kernels
-from engine.paged_prefill import paged_prefill
+from engine.paged_prefill import paged_prefill, prefill_kernel_built
 
 BLOCK = 16
 
 
-def built() -> bool:
-    module = kernels()
-    return module is not None and module.paged_prefill_built()
-
-
 needs_kernel = pytest.mark.skipif(
-    not built(), reason="no AVX512-BF16 build here: the gather + SDPA path serves instead")
+    not prefill_kernel_built(),
+    reason="no AVX512-BF16 build here: the gather + SDPA path serves instead")
 
 
 def causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
