@@ -6,7 +6,7 @@
     python -m bench runner --quick
     python -m bench attention --contexts 256x8,3400 --dtype bfloat16
     python -m bench prefill-attention --chunks 256@0,256@2816
-    python -m bench blocks --rows 1,4,8,16 --dtype bfloat16
+    python -m bench quant --rows 1,4,8,16 --dtype bfloat16
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
@@ -29,13 +29,13 @@ import torch
 from tqdm import tqdm
 
 from bench import attention as decode_attention
-from bench import blocks as block_products
 from bench import chunked as chunked_prefill
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
 from bench import overload as flood
 from bench import prefill_attention
 from bench import prefix as prefix_cache
+from bench import quant as quant_products
 from bench import runner as microbench
 from bench import transfer as kv_transfer
 from bench.launcher import ROOT, redact
@@ -48,10 +48,10 @@ from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
 from core.config import KV_BACKENDS, ModelConfig
-from engine.linear import measure_block_rows
-from engine.loading import DTYPES
-from engine.prepare import resolve_model
-from engine.runner import set_threads
+from engine.model.linear import measure_quant_rows
+from engine.runner import set_threads, torch_dtype
+from engine.weights.dtypes import DTYPE_NAMES
+from engine.weights.folder import resolve_model
 
 
 def numbers(kind: Callable[[str], float | int]) -> Callable[[str], tuple]:
@@ -194,11 +194,11 @@ def runner_parser(commands: argparse._SubParsersAction) -> None:
                         metavar="B1,B2,...", help="decode batch sizes timed")
     parser.add_argument("--context", type=int, default=defaults.context,
                         help="tokens cached per sequence before the timed decode steps")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype,
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.dtype,
                         help="weights, activations and KV of both sides (default: %(default)s)")
-    parser.add_argument("--block-rows", type=int, default=defaults.block_rows,
+    parser.add_argument("--quant-rows", type=int, default=defaults.quant_rows,
                         help="ours: products of at most this many rows read the GGUF's "
-                             "quantized blocks (-1: as many as is faster, measured; 0: never)")
+                             "quant blocks (-1: as many as is faster, measured; 0: never)")
     parser.add_argument("--out", type=Path, help="results JSON (default runs/bench-TIME/)")
     parser.set_defaults(prepare=prepare_runner)
 
@@ -209,7 +209,7 @@ def prepare_runner(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[]
     base = microbench.QUICK if args.quick else microbench.RunnerPlan()
     plan = dataclasses.replace(base, prefill_lens=args.prefill_lens,
                                batch_sizes=args.batch_sizes, context=args.context,
-                               dtype=args.dtype, block_rows=args.block_rows)
+                               dtype=args.dtype, quant_rows=args.quant_rows)
     folder = resolve_model(args.model, ModelConfig().cache_dir)
     return lambda: run_runner(folder, plan, args.out or default_out("runner.json"))
 
@@ -249,7 +249,7 @@ def prepare_attention(args: argparse.Namespace, argv: Sequence[str]) -> Callable
     set_threads(args.threads)
 
     def job() -> int:
-        figures = decode_attention.measure(args.contexts, DTYPES[args.dtype], args.repeats)
+        figures = decode_attention.measure(args.contexts, torch_dtype(args.dtype), args.repeats)
         print(decode_attention.markdown(figures))
         return 0
     return job
@@ -282,30 +282,30 @@ def prepare_prefill_attention(args: argparse.Namespace, argv: Sequence[str]
     return job
 
 
-def blocks_parser(commands: argparse._SubParsersAction) -> None:
-    """`python -m bench blocks`: weight products over the GGUF's blocks against dense."""
-    parser = commands.add_parser("blocks", help="weight products: quantized blocks vs dense",
-                                 description=block_products.__doc__)
+def quant_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench quant`: weight products over the GGUF's quant blocks against dense."""
+    parser = commands.add_parser("quant", help="weight products: quant blocks vs dense",
+                                 description=quant_products.__doc__)
     parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
-    parser.add_argument("--rows", type=numbers(int), default=block_products.DEFAULT_ROWS,
+    parser.add_argument("--rows", type=numbers(int), default=quant_products.DEFAULT_ROWS,
                         metavar="R1,R2,...", help="input rows (sequences in a decode step)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.set_defaults(prepare=prepare_blocks)
+    parser.set_defaults(prepare=prepare_quant)
 
 
-def prepare_blocks(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+def prepare_quant(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     if args.repeats < 1 or min(args.rows) < 1:
         raise ValueError("--repeats and every --rows must be >= 1")
     set_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
 
     def job() -> int:
-        matrices = block_products.load_matrices(args.model, ModelConfig().cache_dir, dtype)
-        figures = block_products.measure(matrices, dtype, args.rows, args.repeats)
-        measured = measure_block_rows(matrices, dtype)
-        print(block_products.markdown(figures, args.dtype, args.threads, measured))
+        matrices = quant_products.load_matrices(args.model, ModelConfig().cache_dir, dtype)
+        figures = quant_products.measure(matrices, dtype, args.rows, args.repeats)
+        measured = measure_quant_rows(matrices, dtype)
+        print(quant_products.markdown(figures, args.dtype, args.threads, measured))
         return 0
     return job
 
@@ -426,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_parser(commands)
     attention_parser(commands)
     prefill_attention_parser(commands)
-    blocks_parser(commands)
+    quant_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)
     overload_parser(commands)

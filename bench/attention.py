@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import DecodePlan, gathered_decode, plan_attention
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
-from engine.paged_decode import paged_decode
-from engine.workspace import Workspace
+from engine.kernels.cpu.paged_decode import paged_decode
+from engine.kv.allocator import blocks_needed
+from engine.model.attention import DecodePlan, gathered_decode, plan_attention
+from engine.model.batch import ForwardBatch
+from engine.model.workspace import Workspace
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 DEFAULT_CONTEXTS = "256x8,3400,256x7+3400,600x12"

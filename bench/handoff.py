@@ -28,9 +28,9 @@ from bench.client import served_model, stream_request
 from bench.launcher import ROOT, launched
 from bench.prompts import TokenPrompts
 from bench.workloads import RequestSpec
-from core.config import WorkerConfig, load_config
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
+from core.config import PoolConfig, load_config
+from engine.kv.allocator import blocks_needed
+from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 
 CONFIG = ROOT / "configs/default.yaml"  # what launch.sh runs
@@ -55,7 +55,7 @@ class HandoffFigure:
 class OneProcess:
     """Prefill, sample, one decode step: in this process, pinned to `cpu`, one thread."""
 
-    def __init__(self, folder: Path, config: WorkerConfig, cpu: int) -> None:
+    def __init__(self, folder: Path, config: PoolConfig, cpu: int) -> None:
         self.cpu = cpu  # the KV pool as a prefill worker's, so both touch memory alike
         self.runner = ModelRunner(folder, config.num_kv_blocks, config.block_size)
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from bench.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, median_step_ms
-from engine.attention import PrefillPlan, gathered_prefill, plan_attention
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
-from engine.paged_prefill import paged_prefill
-from engine.workspace import Workspace
+from engine.kernels.cpu.paged_prefill import paged_prefill
+from engine.kv.allocator import blocks_needed
+from engine.model.attention import PrefillPlan, gathered_prefill, plan_attention
+from engine.model.batch import ForwardBatch
+from engine.model.workspace import Workspace
 
 DEFAULT_CHUNKS = "256@0,512@0,256@1024,256@2816,128@2944,32@3000"
 

@@ -67,7 +67,7 @@ def runner_json(results: RunnerResults) -> dict[str, Any]:
     """The runner microbenchmark's figures, with the speedups of ours over transformers."""
     return {"benchmark": "runner", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": results.model, "threads": results.threads, "plan": results.plan,
-            "block_rows": results.block_rows,
+            "quant_rows": results.quant_rows,
             "ours": results.ours, "transformers": results.transformers,
             "same_next_token": results.same_next_token,
             "speedup": {"prefill": results.prefill_speedup(),
@@ -173,7 +173,7 @@ def runner_markdown(results: RunnerResults) -> str:
     same = "yes" if results.same_next_token else "NO"
     return "\n\n".join([
         f"model {results.model}, {results.plan.dtype}, {results.threads} threads, ours over "
-        f"the weights' blocks up to {results.block_rows} rows; same greedy next token: {same}",
+        f"the weights' blocks up to {results.quant_rows} rows; same greedy next token: {same}",
         table(["measure", "ours", "transformers", "speedup (ours/transformers)"], rows)])
 
 

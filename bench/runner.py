@@ -21,10 +21,10 @@ from typing import Protocol
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
-from engine.loading import DTYPES
-from engine.runner import ModelRunner
+from engine.kv.allocator import blocks_needed
+from engine.model.batch import ForwardBatch
+from engine.runner import ModelRunner, torch_dtype
+from engine.weights.dtypes import DTYPE_NAMES
 
 BLOCK_SIZE = 16
 
@@ -38,17 +38,17 @@ class RunnerPlan:
     context: int = 256
     repeats: int = 3
     steps: int = 8
-    dtype: str = "float32"  # both sides run in it (engine.loading.DTYPES)
-    block_rows: int = -1  # ours: products of this many rows over the GGUF blocks (-1: measured)
+    dtype: str = "float32"  # both sides run in it (a DTYPE_NAMES name)
+    quant_rows: int = -1  # ours: products of this many rows over the GGUF blocks (-1: measured)
 
     def __post_init__(self) -> None:
         sizes = (*self.prefill_lens, *self.batch_sizes, self.context, self.repeats, self.steps)
         if not self.prefill_lens or not self.batch_sizes or min(sizes) < 1:
             raise ValueError("every length, batch size, repeat and step count must be >= 1")
-        if self.block_rows < -1:
-            raise ValueError(f"block_rows must be -1 (measured) or more, not {self.block_rows}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, not {self.dtype!r}")
+        if self.quant_rows < -1:
+            raise ValueError(f"quant_rows must be -1 (measured) or more, not {self.quant_rows}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, not {self.dtype!r}")
 
 
 QUICK = RunnerPlan(repeats=1, steps=3)
@@ -72,7 +72,7 @@ class RunnerResults:
     plan: RunnerPlan
     ours: Figures
     transformers: Figures
-    block_rows: int  # ours: the most rows multiplied over the weights' blocks (0: none)
+    quant_rows: int  # ours: the most rows multiplied over the weights' blocks (0: none)
 
     @property
     def same_next_token(self) -> bool:
@@ -116,8 +116,8 @@ class OursBackend:
         per_seq = blocks_needed(plan.context + plan.steps + 1, BLOCK_SIZE)
         num_blocks = max(blocks_needed(max(plan.prefill_lens), BLOCK_SIZE),
                          per_seq * max(plan.batch_sizes))
-        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE, DTYPES[plan.dtype],
-                                  None if plan.block_rows < 0 else plan.block_rows)
+        self.runner = ModelRunner(folder, num_blocks, BLOCK_SIZE, torch_dtype(plan.dtype),
+                                  None if plan.quant_rows < 0 else plan.quant_rows)
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits of the last token of `ids`, prefilled into freshly allocated blocks."""
@@ -204,9 +204,9 @@ def run(folder: Path, plan: RunnerPlan, prompt: Callable[[int], Sequence[int]],
         progress: Callable[[str], None]) -> RunnerResults:
     """Ours, then transformers, on the model in `folder` with torch's current thread count."""
     backend = OursBackend(folder, plan)
-    block_rows = backend.runner.model.block_rows
+    quant_rows = backend.runner.model.quant_rows
     ours = measure(backend, prompt, plan, progress)
     del backend
     gc.collect()
-    theirs = measure(TransformersBackend(folder, DTYPES[plan.dtype]), prompt, plan, progress)
-    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs, block_rows)
+    theirs = measure(TransformersBackend(folder, torch_dtype(plan.dtype)), prompt, plan, progress)
+    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs, quant_rows)

@@ -1,7 +1,9 @@
 """Configuration: frozen dataclasses loaded from `configs/*.yaml`, with dotted overrides.
 
 Every process loads the same file; the CLI turns its flags into overrides such as
-`{"gateway.port": "8080"}` so that no setting is read from the environment deep in the code.
+`{"gateway.port": 8080}` (core/cli.py derives each flag from the field it sets: type, choices,
+help), so that no setting is read from the environment deep in the code. Each section refuses
+keys it does not have, so a prefill-only key in the decode section is an error, not ignored.
 """
 
 from __future__ import annotations
@@ -11,89 +13,120 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import yaml
+
+T = TypeVar("T")
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVBackend = Literal["zmq", "shm", "cuda_ipc"]
+KV_BACKENDS: tuple[KVBackend, ...] = typing.get_args(KVBackend)
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = typing.get_args(Role)
+
+
+def setting(default: T, help: str) -> T:
+    """A config field and what it means (the help of the flag that sets it, where one does)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "SmolLM2-135M-Instruct"
-    cache_dir: str = "~/.cache/raging/models"
-    dtype: str = "auto"  # bfloat16 where the CPU has bf16 instructions, else float32
-    max_model_len: int = 0  # 0: the model's own max_position_embeddings
-    # Products of at most this many rows (decode steps of few sequences) read the 4-/8-bit
-    # blocks the model shipped in, where the weights are exactly those (engine.blocks).
-    # -1: as many rows as that is faster, measured by each worker at load; 0: never.
-    block_rows: int = -1
+    name: str = setting("SmolLM2-135M-Instruct",
+                        "packaged model name or local Hugging Face folder")
+    cache_dir: str = setting("~/.cache/raging/models", "where packaged models are prepared")
+    dtype: ModelDtype = setting("auto", "auto: bfloat16 where the CPU multiplies bf16 in "
+                                        "hardware (AMX, AVX512-BF16), else float32")
+    max_model_len: int = setting(0, "0: the model's own max_position_embeddings")
+    quant_rows: int = setting(-1, "products of at most this many rows (decode steps of few "
+                                  "sequences) read the GGUF's 4-/8-bit quant blocks, where the "
+                                  "weights are exactly those; -1: as many as is faster, "
+                                  "measured once per machine; 0: never")
 
     def __post_init__(self) -> None:
-        if self.block_rows < -1:
-            raise ValueError(f"model.block_rows must be -1 (measured), 0 (never) or more, "
-                             f"not {self.block_rows}")
+        if self.quant_rows < -1:
+            raise ValueError(f"model.quant_rows must be -1 (measured), 0 (never) or more, "
+                             f"not {self.quant_rows}")
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    control_address: str = "tcp://127.0.0.1:8100"
-    expect_prefill: int = 1
-    expect_decode: int = 1
-    max_inflight_requests: int = 512
-    max_queued_tokens: int = 65536  # prompt tokens waiting for prefill; beyond it, 429
-    heartbeat_timeout_s: float = 2.5  # a worker silent this long is dead (heartbeats: 0.5 s)
-    stall_timeout_s: float = 10.0  # a worker with work but no layer computed this long: stalled
-    progress_timeout_s: float = 300.0  # a request with no new token for this long fails
-    keepalive_s: float = 10.0
-    # An idle client connection stays open this long: longer than clients keep theirs (httpx
-    # and the openai client: 5 s), so that no client sends on a connection being closed.
-    http_keep_alive_s: int = 75
-    max_body_bytes: int = 16 * 1024 * 1024
-    # Conditional disaggregation: which prompts a decode worker prefills itself.
-    local_prefill_max_tokens: int = 32  # prompts this short (0: none, unless no prefill pool)
-    prefill_saturated_tokens: int = 1024  # every prefill worker holds this much: decode helps
-    saturated_local_max_tokens: int = 256  # ... with prompts up to this long
+    host: str = setting("127.0.0.1", "HTTP address to bind")
+    port: int = setting(8000, "HTTP port")
+    control_address: str = setting("tcp://127.0.0.1:8100",
+                                   "the gateway's control socket, which workers connect to")
+    expect_prefill: int = setting(1, "prefill workers /health waits for")
+    expect_decode: int = setting(1, "decode workers /health waits for")
+    max_inflight_requests: int = setting(512, "requests admitted at once; beyond it, 429")
+    max_queued_tokens: int = setting(65536, "prompt tokens waiting for prefill; beyond it, 429")
+    heartbeat_timeout_s: float = setting(2.5, "a worker silent this long is dead (heartbeats: "
+                                              "0.5 s): its requests resume elsewhere")
+    stall_timeout_s: float = setting(10.0, "a worker with work but no layer computed this long "
+                                           "is stalled: not routed to")
+    progress_timeout_s: float = setting(300.0, "a request with no new token this long fails")
+    keepalive_s: float = setting(10.0, "an SSE comment this often while a stream waits")
+    # Longer than clients keep theirs (httpx and the openai client: 5 s), so that no client
+    # sends on a connection being closed.
+    http_keep_alive_s: int = setting(75, "an idle client connection stays open this long")
+    max_body_bytes: int = setting(16 * 1024 * 1024, "larger request bodies get 413")
+    local_prefill_max_tokens: int = setting(32, "conditional disaggregation: prompts this short "
+                                                "are prefilled on the decode worker (0: none, "
+                                                "unless no prefill pool)")
+    prefill_saturated_tokens: int = setting(1024, "... and, while every prefill worker holds "
+                                                  "this many tokens (0: never), ...")
+    saturated_local_max_tokens: int = setting(256, "... prompts up to this long")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    num_kv_blocks: int = 4096
-    block_size: int = 16
-    # Step budgets in tokens at an empty context; deeper tokens cost more (engine/chunk_cost.py).
-    max_batch_tokens: int = 2048
-    chunk_tokens: int = 256  # prefill: chunks of prompts over max_batch_tokens; decode: the
-    # step's budget for prompt tokens beside the running sequences' next ones
+class PoolConfig:
+    """What the workers of either pool set: their KV pool, threads, CPUs and heartbeats."""
+
+    num_kv_blocks: int = setting(4096, "KV cache blocks of each worker")
+    block_size: int = setting(16, "tokens per KV block")
     # Prompts are prefilled earliest deadline first: arrival + this much per prompt token.
-    ttft_ms_per_token: float = 5.0
-    max_running: int = 64
-    threads: int = 0  # torch intra-op threads; 0: leave torch's default
-    cpus: str = ""  # pin the worker to these CPUs ("1", "0-1", "0,2"); empty: no pinning
-    heartbeat_interval_s: float = 0.5
-    kv_bind: str = "tcp://127.0.0.1:*"
-    prefix_caching: bool = True  # prefill: keep full KV blocks for later prompts to reuse
+    ttft_ms_per_token: float = setting(5.0, "a prompt's deadline: arrival + this per token")
+    threads: int = setting(0, "torch intra-op threads; 0: torch's default")
+    cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
+    heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
 
     def __post_init__(self) -> None:
         if self.ttft_ms_per_token < 0:
             raise ValueError("ttft_ms_per_token must be >= 0")
 
 
-KV_BACKENDS = ("zmq", "shm", "cuda_ipc")
+@dataclass(frozen=True)
+class PrefillConfig(PoolConfig):
+    """Prefill workers. Step budgets are in tokens at an empty context: deeper tokens cost more
+    (engine/model/chunk_cost.py)."""
+
+    max_batch_tokens: int = setting(2048, "a step's budget: a prompt that arrives waits one "
+                                          "step at most")
+    chunk_tokens: int = setting(256, "a prompt longer than a step is prefilled in chunks of "
+                                     "at most this much, others between")
+    prefix_caching: bool = setting(True, "keep full KV blocks for later prompts to reuse")
+
+
+@dataclass(frozen=True)
+class DecodeConfig(PoolConfig):
+    """Decode workers."""
+
+    max_running: int = setting(64, "sequences in one batch at most")
+    chunk_tokens: int = setting(256, "prompt tokens per step when it prefills itself, beside "
+                                     "the running sequences' next tokens")
+    kv_bind: str = setting("tcp://127.0.0.1:*", "where it receives KV")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """How prefill workers send KV; decode workers accept every backend."""
 
-    backend: str = "shm"  # zmq (tcp/ipc, any host) | shm (same host) | cuda_ipc (same GPU)
-    buffer_mb: int = 64  # the shm / cuda_ipc staging buffer of each prefill worker
-    lease_s: float = 30.0  # a staged chunk not released by then is reclaimed
-    chunk_mb: float = 8.0  # layers of a request are sent together until a chunk holds this
+    backend: KVBackend = setting("shm", "zmq (tcp/ipc, any host), shm (one host), cuda_ipc "
+                                        "(one GPU)")
+    buffer_mb: int = setting(64, "the shm / cuda_ipc staging buffer of each prefill worker")
+    lease_s: float = setting(30.0, "a staged chunk not released by then is reclaimed")
+    chunk_mb: float = setting(8.0, "layers of a request go together until a chunk holds this")
 
     def __post_init__(self) -> None:
-        if self.backend not in KV_BACKENDS:
-            raise ValueError(f"kv_transfer.backend must be one of {KV_BACKENDS}, "
-                             f"not {self.backend!r}")
         if self.buffer_mb <= 0 or self.lease_s <= 0 or self.chunk_mb <= 0:
             raise ValueError("kv_transfer.buffer_mb, lease_s and chunk_mb must be positive")
 
@@ -105,8 +138,10 @@ class AuthConfig:
     Checked by the gateway (gateway/auth.py), which also reads `keys_file`; workers ignore it.
     """
 
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # "KEY" or "KEY:TENANT"
-    keys_file: str = ""  # one "KEY TENANT" per line: kept out of argv (ps) and of the YAML
+    api_keys: tuple[str, ...] = field(default=(), repr=False,
+                                      metadata={"help": "KEY or KEY:TENANT each"})
+    keys_file: str = setting("", "keys file, one 'KEY TENANT' per line (kept out of argv, "
+                                 "which ps shows, and of the YAML)")
 
 
 @dataclass(frozen=True)
@@ -114,8 +149,8 @@ class InternalConfig:
     """Authentication of the internal ZeroMQ channels (control and KV) with CURVE: every
     process of a cluster reads the same keys folder (`python -m core.curve generate DIR`)."""
 
-    curve: bool = False  # off: plain ZeroMQ, anyone who reaches a port may talk to it
-    keys_dir: str = ""  # server.key_secret, client.key_secret, allowed_clients/*.key
+    curve: bool = setting(False, "off: plain ZeroMQ, anyone who reaches a port may talk to it")
+    keys_dir: str = setting("", "server.key_secret, client.key_secret, allowed_clients/*.key")
 
     def __post_init__(self) -> None:
         if self.curve and not self.keys_dir:
@@ -126,15 +161,21 @@ class InternalConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    prefill: WorkerConfig = field(default_factory=WorkerConfig)
-    decode: WorkerConfig = field(default_factory=WorkerConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     internal: InternalConfig = field(default_factory=InternalConfig)
 
+    def pool(self, role: Role) -> PrefillConfig | DecodeConfig:
+        """The section of the workers of `role`."""
+        return self.prefill if role == "prefill" else self.decode
 
-def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None) -> Config:
-    """Read a YAML file (or defaults), apply `section.key` overrides, and validate types."""
+
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, object] | None = None) -> Config:
+    """Read a YAML file (or defaults), apply `section.key` overrides (text is parsed as YAML
+    unless the setting is text; typed values are taken as they are), and validate types."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _parse_yaml(Path(path).read_text(), str(path)) or {}
@@ -145,7 +186,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
         if not key:
             raise ValueError(f"override {dotted!r} must look like section.key")
         # A str setting takes the text as is: "123", "yes" or "~" must not turn into 123/True/None.
-        as_text = _hint_of(section, key) is str or not isinstance(value, str)
+        as_text = _is_text(_hint_of(section, key)) or not isinstance(value, str)
         parsed = value if as_text else _parse_yaml(value, f"override {dotted!r}")
         section_raw = raw.setdefault(section, {})
         if not isinstance(section_raw, dict):
@@ -161,11 +202,32 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ValueError(f"{where}: not valid YAML: {exc}") from None
 
 
-def _hint_of(section: str, key: str) -> Any:
+def config_field(dotted: str) -> tuple[dataclasses.Field[Any], Any]:
+    """The field `section.key` names and its type; ValueError for an unknown key."""
+    section, _, key = dotted.partition(".")
     section_hint = typing.get_type_hints(Config).get(section)
-    if not dataclasses.is_dataclass(section_hint):
+    is_section = dataclasses.is_dataclass(section_hint) and isinstance(section_hint, type)
+    fields = {f.name: f for f in dataclasses.fields(section_hint)} if is_section else {}
+    if key not in fields:
+        raise ValueError(f"no config key {dotted!r}")
+    return fields[key], typing.get_type_hints(section_hint)[key]
+
+
+def literal_values(hint: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal[...]` type allows (None for any other type)."""
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+
+
+def _hint_of(section: str, key: str) -> Any:
+    try:
+        return config_field(f"{section}.{key}")[1]
+    except ValueError:  # an unknown key: _build names it
         return None
-    return typing.get_type_hints(section_hint).get(key)
+
+
+def _is_text(hint: Any) -> bool:
+    values = literal_values(hint)
+    return hint is str or (values is not None and all(isinstance(v, str) for v in values))
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
@@ -187,6 +249,11 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return _convert_tuple(hint, value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    values = literal_values(hint)
+    if values is not None:
+        if value in values:
+            return value
+        raise ValueError(f"{where}: expected one of {list(values)}, got {value!r}")
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if any(_is_instance(value, t) for t in allowed):
         return value

@@ -1,7 +1,14 @@
 """`python -m decode --config configs/default.yaml --worker-id decode-0`"""
 
+from core.config import Config
+from core.process import worker_main
 from decode.worker import DecodeWorker
-from engine.loading import worker_main
+from engine.runner import load_runner
+
+
+def build(worker_id: str, config: Config) -> DecodeWorker:
+    return DecodeWorker(worker_id, config, load_runner(config.model, config.decode))
+
 
 if __name__ == "__main__":
-    worker_main("decode", DecodeWorker)
+    worker_main("decode", build)

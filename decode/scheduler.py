@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.messages import DecodeRequest
-from engine.block_allocator import BlockAllocator, blocks_needed
-from engine.chunk_cost import TOKENS_ONLY, ChunkCost
+from engine.kv.allocator import BlockAllocator, blocks_needed
+from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 
 if TYPE_CHECKING:
     import torch
 
     from decode.incoming import ReceivedKV
-    from engine.grammar import Constraint
+    from engine.sampling.grammar import Constraint
 
 
 @dataclass(eq=False)

@@ -31,12 +31,12 @@ from core.messages import (
 from core.worker import Worker, WorkerIdentity
 from decode.incoming import IncomingKV, IncomingTable, Key
 from decode.scheduler import DecodeScheduler, DecodeSequence
-from engine.batch import ForwardBatch
-from engine.chunk_cost import ChunkCost
-from engine.grammar import Constraint, GrammarError, Grammars
+from engine.model.batch import ForwardBatch
+from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
-from engine.sampler import Draw, History, draw, make_generator
-from engine.stopping import banned_tokens, finish_reason
+from engine.sampling.grammar import Constraint, GrammarError, Grammars
+from engine.sampling.sampler import Draw, History, draw, make_generator
+from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
 from kvtransfer.wire import dtype_name
 
@@ -45,9 +45,9 @@ _TOMBSTONE_TTL_S = 120.0
 
 
 class DecodeWorker(Worker):
-    def __init__(self, worker_id: str, config: Config, runner: ModelRunner, fingerprint: str):
-        identity = WorkerIdentity(worker_id, "decode", fingerprint, runner.block_size,
-                                  runner.allocator.num_total)
+    def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
+        identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
+                                  runner.block_size, runner.allocator.num_total)
         super().__init__(identity, config.gateway.control_address,
                          config.decode.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
@@ -59,7 +59,7 @@ class DecodeWorker(Worker):
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
         spec = runner.spec
         self.incoming = IncomingTable(spec.num_layers, (spec.num_kv_heads, spec.head_dim),
-                                      dtype_name(runner.cache.dtype), fingerprint,
+                                      dtype_name(runner.cache.dtype), identity.fingerprint,
                                       config.kv_transfer.lease_s)
         # Requests ended here (aborted, finished): a late or repeated request for one is dropped
         self.ended: dict[Key, float] = {}

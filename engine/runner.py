@@ -1,19 +1,34 @@
-"""A loaded model with its paged KV cache and block allocator, ready to run batches."""
+"""A loaded model with its paged KV cache and block allocator, ready to run batches; and how a
+worker builds one from config (`load_runner`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.block_allocator import BlockAllocator
-from engine.blocks import load_blocks
-from engine.kv_cache import PagedKVCache
-from engine.model import LlamaModel
-from engine.spec import load_spec
-from engine.weights import load_weights
+from core.config import ModelConfig, PoolConfig
+from engine.kernels.cpu.build import kernels
+from engine.kv.allocator import BlockAllocator
+from engine.kv.cache import PagedKVCache
+from engine.model.batch import ForwardBatch
+from engine.model.llama import LlamaModel
+from engine.weights.dtypes import resolve_dtype
+from engine.weights.folder import resolve_model
+from engine.weights.load import load_weights
+from engine.weights.quant_blocks import load_quant_blocks
+from engine.weights.quant_rows import MeasuredQuantRows
+from engine.weights.spec import kv_fingerprint, load_spec
+
+log = logging.getLogger(__name__)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype `model.dtype` names ("auto" resolved on this CPU)."""
+    dtype: torch.dtype = getattr(torch, resolve_dtype(name))
+    return dtype
 
 
 def set_threads(n: int | None) -> None:
@@ -34,20 +49,45 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.float32,
-        block_rows: int | None = None,
+        quant_rows: int | None = None,
     ) -> None:
-        """`block_rows`: products of at most this many rows read the model's quantized blocks
-        where it has them (engine.blocks); None: measured here at load, 0: never."""
+        """`quant_rows`: products of at most this many rows read the model's quant blocks
+        where it has them (engine.weights.quant_blocks); None: measured here at load, 0:
+        never."""
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
         self.model = LlamaModel(self.spec, load_weights(self.model_dir, dtype),
-                                blocks=load_blocks(self.model_dir), block_rows=block_rows)
+                                quant=load_quant_blocks(self.model_dir), quant_rows=quant_rows)
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype)
         self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def kv_fingerprint(self) -> str:
+        """The KV layout a worker exchanging KV with this one must share."""
+        return kv_fingerprint(self.spec, str(self.cache.dtype).removeprefix("torch."))
 
     def forward(
         self, batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """fp32 logits `[num_seqs, vocab]` of each sequence's last new token (see LlamaModel)."""
         return self.model.forward(batch, self.cache, layer_hook)
+
+
+def load_runner(model: ModelConfig, pool: PoolConfig) -> ModelRunner:
+    """The runner a worker of `pool` serves `model` with: its dtype resolved on this CPU, its
+    threads set, the kernels built, the quant row count as measured on this machine (measured
+    now, and kept, the first time)."""
+    dtype = resolve_dtype(model.dtype)
+    set_threads(pool.threads or None)
+    folder = resolve_model(model.name, model.cache_dir)
+    # Found, or built if stale, before the worker registers: built inside its first decode
+    # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
+    kernels()
+    measured = MeasuredQuantRows(folder)
+    rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
+    runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows)
+    if rows is None:  # measured just now
+        measured.put(dtype, runner.model.quant_rows)
+    log.info("products of up to %d rows read the weights' quant blocks", runner.model.quant_rows)
+    return runner

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.messages import Heartbeat, Register, RegisterReply
-from engine.block_hash import block_hashes
+from engine.kv.block_hash import block_hashes
 from gateway.prefix_index import PrefixIndex
 
 

@@ -1,7 +1,14 @@
 """`python -m prefill --config configs/default.yaml --worker-id prefill-0`"""
 
-from engine.loading import worker_main
+from core.config import Config
+from core.process import worker_main
+from engine.runner import load_runner
 from prefill.worker import PrefillWorker
 
+
+def build(worker_id: str, config: Config) -> PrefillWorker:
+    return PrefillWorker(worker_id, config, load_runner(config.model, config.prefill))
+
+
 if __name__ == "__main__":
-    worker_main("prefill", PrefillWorker)
+    worker_main("prefill", build)

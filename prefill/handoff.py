@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.messages import DecodeRequest, FirstToken, PrefillRequest, encode
-from engine.kv_cache import PagedKVCache
+from engine.kv.cache import PagedKVCache
 from kvtransfer import KVSender, TransferError
 from kvtransfer.sender import layers_per_chunk
 

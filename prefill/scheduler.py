@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.messages import PrefillRequest
-from engine.block_allocator import blocks_needed
-from engine.chunk_cost import TOKENS_ONLY, ChunkCost
+from engine.kv.allocator import blocks_needed
+from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 
 Key = tuple[str, int]  # (request id, epoch)
 

@@ -24,15 +24,15 @@ from core.messages import (
     choice_keys,
 )
 from core.worker import Worker, WorkerIdentity
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
-from engine.block_hash import block_hashes
-from engine.chunk_cost import ChunkCost
-from engine.grammar import GrammarError, Grammars
-from engine.prefix_cache import PrefixCache
+from engine.kv.allocator import blocks_needed
+from engine.kv.block_hash import block_hashes
+from engine.kv.prefix_cache import PrefixCache
+from engine.model.batch import ForwardBatch
+from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
-from engine.sampler import Draw, History, draw, make_generator
-from engine.stopping import banned_tokens, finish_reason
+from engine.sampling.grammar import GrammarError, Grammars
+from engine.sampling.sampler import Draw, History, draw, make_generator
+from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import make_sender
 from prefill.handoff import LayerStream
 from prefill.scheduler import Chunk, Key, PrefillScheduler
@@ -56,9 +56,9 @@ class _StepAborted(Exception):
 
 
 class PrefillWorker(Worker):
-    def __init__(self, worker_id: str, config: Config, runner: ModelRunner, fingerprint: str):
-        identity = WorkerIdentity(worker_id, "prefill", fingerprint, runner.block_size,
-                                  runner.allocator.num_total)
+    def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
+        identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
+                                  runner.block_size, runner.allocator.num_total)
         super().__init__(identity, config.gateway.control_address,
                          config.prefill.heartbeat_interval_s, keys_for(config.internal))
         self.runner = runner
@@ -68,7 +68,7 @@ class PrefillWorker(Worker):
                                           ChunkCost.of(runner.spec))
         self.sender = make_sender(self.context, config.kv_transfer, self.keys)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
-        self.stream = LayerStream(self.sender, runner.cache, fingerprint,
+        self.stream = LayerStream(self.sender, runner.cache, identity.fingerprint,
                                   int(config.kv_transfer.chunk_mb * 2**20))
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching

@@ -58,7 +58,7 @@ COMMON=(--config "$CONFIG" --control-address "$CONTROL" "${SETTINGS[@]}")
 COMMON+=(--set internal.curve=true --set "internal.keys_dir=$RUN_DIR/curve")
 
 # Prepare the model once, with a progress bar, before any worker needs it.
-"$RAGING_PY" -m engine.prepare --config "$CONFIG" ${MODEL:+--model "$MODEL"} >/dev/null
+"$RAGING_PY" -m engine --config "$CONFIG" ${MODEL:+--model "$MODEL"} "${SETTINGS[@]}" >/dev/null
 
 expand_cpus() {  # "0,2-3" -> "0 2 3"
   local part out=()

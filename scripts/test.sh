@@ -5,6 +5,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-"$RAGING_PY" -m engine.prepare >/dev/null
+"$RAGING_PY" -m engine >/dev/null
 "$RAGING_PY" -m ruff check .
 exec "$RAGING_PY" -m pytest -q -p no:cacheprovider "$@"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -13,9 +14,10 @@ import zmq
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.blocks import dequantize, quantize, write_blocks
-from engine.prepare import resolve_model
-from engine.weights import EMBED
+from engine.kernels.cpu.build import build_problem, has_compiler, kernels
+from engine.weights.folder import resolve_model
+from engine.weights.load import EMBED
+from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
 MODEL_CACHE_DIR = "~/.cache/raging/models"
@@ -42,6 +44,29 @@ TINY_CONFIG: dict[str, Any] = {
 
 DEFAULT_FUZZ_EXAMPLES = 1500
 DEFAULT_CLUSTER_FUZZ_EXAMPLES = 150
+
+
+def require_kernels() -> ModuleType:
+    """The C++ kernels; a skip only where no C++ compiler could build them, a failure where one
+    is here and the build failed."""
+    module = kernels()
+    if module is not None:
+        return module
+    if not has_compiler():
+        pytest.skip("no C++ compiler here: torch's ops serve instead")
+    pytest.fail(f"the C++ kernels failed to build with this machine's compiler: {build_problem()}")
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels() -> ModuleType:
+    """The compiled C++ kernels (see `require_kernels`)."""
+    return require_kernels()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `kernels` need the C++ kernels (see `require_kernels`)."""
+    if item.get_closest_marker("kernels") is not None:
+        require_kernels()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -108,9 +133,9 @@ def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def block_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
-    """The tiny Llama as a GGUF would ship it: its layers' matrices rounded to 4-bit blocks,
-    its embedding to 8-bit ones, saved dequantized, with the blocks file written."""
+def quant_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """The tiny Llama as a GGUF would ship it: its layers' matrices rounded to 4-bit quant
+    blocks, its embedding to 8-bit ones, saved dequantized, with the quant file written."""
     folder = make_tiny_model()
     path = folder / "model.safetensors"
     tensors = load_file(path)
@@ -118,5 +143,5 @@ def block_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
         if tensor.dim() == 2:
             tensors[name] = dequantize(quantize(tensor, 8 if name == EMBED else 4))
     save_file(tensors, path, metadata={"format": "pt"})
-    write_blocks(folder)
+    write_quant_blocks(folder)
     return folder

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from bench.attention import markdown, measure, parse_contexts
-from engine.kernels import kernels
 
 
 def test_context_specs_expand_to_lengths() -> None:
@@ -17,10 +16,9 @@ def test_context_specs_expand_to_lengths() -> None:
             parse_contexts(bad)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_both_paths_agree_and_are_timed(dtype: torch.dtype) -> None:
-    if kernels() is None:
-        pytest.skip("no C++ compiler here: there is no kernel to time")
     figures = measure(["16x2+40", "5"], dtype, repeats=2, cache_blocks=64, layers=2)
     assert [f.contexts for f in figures] == ["16x2+40", "5"]
     for figure in figures:

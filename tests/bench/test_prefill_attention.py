@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.prefill_attention import markdown, measure, parse_chunk
-from engine.paged_prefill import prefill_kernel_built
+from engine.kernels.cpu.paged_prefill import prefill_kernel_built
 
 
 def test_chunk_specs_parse() -> None:

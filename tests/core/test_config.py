@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 
 from core.config import (
+    KV_BACKENDS,
     AuthConfig,
     Config,
+    DecodeConfig,
     GatewayConfig,
     ModelConfig,
-    WorkerConfig,
+    PrefillConfig,
+    config_field,
     load_config,
 )
 
@@ -29,7 +32,7 @@ def test_defaults_load_without_a_file() -> None:
     config = load_config()
     assert config == Config()
     assert config.gateway == GatewayConfig() and config.model == ModelConfig()
-    assert config.decode == WorkerConfig() and config.prefill == WorkerConfig()
+    assert config.decode == DecodeConfig() and config.prefill == PrefillConfig()
 
 
 def test_config_is_frozen() -> None:
@@ -43,7 +46,7 @@ def test_default_yaml_loads_with_its_values() -> None:
     assert config.prefill.num_kv_blocks == 640 and config.prefill.threads == 1
     assert config.decode.num_kv_blocks == 1024 and config.decode.max_running == 64
     assert config.gateway.heartbeat_timeout_s == 2.5
-    assert config.prefill.heartbeat_interval_s == WorkerConfig().heartbeat_interval_s
+    assert config.prefill.heartbeat_interval_s == PrefillConfig().heartbeat_interval_s
 
 
 def test_an_empty_file_gives_the_defaults(tmp_path: Path) -> None:
@@ -53,7 +56,7 @@ def test_an_empty_file_gives_the_defaults(tmp_path: Path) -> None:
 def test_partial_file_keeps_other_defaults(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "gateway:\n  port: 9000\n"))
     assert config.gateway.port == 9000
-    assert config.gateway.host == GatewayConfig().host and config.decode == WorkerConfig()
+    assert config.gateway.host == GatewayConfig().host and config.decode == DecodeConfig()
 
 
 def test_int_override() -> None:
@@ -97,11 +100,11 @@ def test_unknown_override_names_it(dotted: str) -> None:
         load_config(overrides={dotted: "1"})
 
 
-def test_block_rows_are_measured_never_or_a_count() -> None:
-    assert load_config().model.block_rows == -1
-    assert load_config(overrides={"model.block_rows": "0"}).model.block_rows == 0
-    with pytest.raises(ValueError, match="block_rows"):
-        load_config(overrides={"model.block_rows": "-2"})
+def test_quant_rows_are_measured_never_or_a_count() -> None:
+    assert load_config().model.quant_rows == -1
+    assert load_config(overrides={"model.quant_rows": "0"}).model.quant_rows == 0
+    with pytest.raises(ValueError, match="quant_rows"):
+        load_config(overrides={"model.quant_rows": "-2"})
 
 
 def test_override_without_a_dot_is_refused() -> None:
@@ -179,3 +182,44 @@ def test_wrong_auth_keys_are_refused_without_quoting_them(tmp_path: Path, text: 
 def test_keys_stay_out_of_the_config_repr() -> None:
     config = load_config(overrides={"auth.api_keys": "[sk-secret:alpha]"})
     assert "sk-secret" not in repr(config) and "sk-secret" not in str(config.auth)
+
+
+@pytest.mark.parametrize(("dotted", "why"), [
+    ("prefill.kv_bind", "decode workers receive KV; prefill workers bind nothing"),
+    ("prefill.max_running", "a decode batch's bound"),
+    ("decode.max_batch_tokens", "a prefill step's budget"),
+    ("decode.prefix_caching", "prefill workers keep the prefix cache"),
+])
+def test_a_key_of_the_other_role_is_refused(dotted: str, why: str) -> None:
+    with pytest.raises(ValueError, match=dotted.split(".")[1]):
+        load_config(overrides={dotted: "1"})
+
+
+def test_the_pool_of_each_role() -> None:
+    config = load_config(overrides={"prefill.threads": "3", "decode.threads": "5"})
+    assert config.pool("prefill").threads == 3 and config.pool("decode").threads == 5
+
+
+@pytest.mark.parametrize("backend", KV_BACKENDS)
+def test_a_named_choice_is_taken(backend: str) -> None:
+    assert load_config(overrides={"kv_transfer.backend": backend}).kv_transfer.backend == backend
+
+
+@pytest.mark.parametrize(("dotted", "value"), [("kv_transfer.backend", "rdma"),
+                                               ("model.dtype", "fp8")])
+def test_a_choice_outside_its_list_is_refused_with_the_list(dotted: str, value: str) -> None:
+    with pytest.raises(ValueError, match=r"expected one of \["):
+        load_config(overrides={dotted: value})
+
+
+def test_a_choice_takes_its_text_as_is() -> None:
+    with pytest.raises(ValueError, match="'1'"):  # not the int 1: choices are text
+        load_config(overrides={"kv_transfer.backend": "1"})
+
+
+def test_every_setting_says_what_it_means() -> None:
+    for section in dataclasses.fields(Config):
+        for setting in dataclasses.fields(section.type if isinstance(section.type, type)
+                                          else getattr(Config(), section.name)):
+            config, _ = config_field(f"{section.name}.{setting.name}")
+            assert config.metadata.get("help"), f"{section.name}.{setting.name} has no help"

@@ -8,8 +8,8 @@ import pytest
 
 from core.messages import DecodeRequest, GenerationTask, Sampling
 from decode.scheduler import DecodeScheduler, DecodeSequence
-from engine.block_allocator import BlockAllocator, blocks_needed
-from engine.chunk_cost import ChunkCost
+from engine.kv.allocator import BlockAllocator, blocks_needed
+from engine.model.chunk_cost import ChunkCost
 
 BLOCK = 4
 

@@ -29,7 +29,7 @@ from core.messages import (
     encode,
 )
 from decode.worker import DecodeWorker
-from engine.chunk_cost import TOKENS_ONLY, ChunkCost
+from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
@@ -50,7 +50,7 @@ def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512) -> Iterator[
     gateway = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
-    decode_worker = DecodeWorker("decode-0", config, runner, "fingerprint")
+    decode_worker = DecodeWorker("decode-0", config, runner)
     assert decode_worker.scheduler.cost == ChunkCost.of(runner.spec)
     decode_worker.scheduler.cost = TOKENS_ONLY  # chunks of chunk_tokens: the tiny keys are dear
     try:
@@ -72,8 +72,10 @@ def task(max_tokens: int = 100) -> GenerationTask:
 
 
 def announce(worker: DecodeWorker, request_id: str, max_tokens: int = 100,
-             fingerprint: str = "fingerprint", job: GenerationTask | None = None) -> None:
-    expect = DecodeRequest(request_id, 0, job or task(max_tokens), fingerprint)
+             fingerprint: str | None = None, job: GenerationTask | None = None) -> None:
+    """The request's notice, computed in `fingerprint`'s KV layout (default: the worker's)."""
+    expect = DecodeRequest(request_id, 0, job or task(max_tokens),
+                           fingerprint or worker.identity.fingerprint)
     worker._on_kv(KVNotice(request_id, 0, encode(expect)))
 
 
@@ -198,7 +200,7 @@ def test_a_fingerprint_mismatch_fails_the_request_and_admits_nothing(worker: Ser
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
     assert (failed.request_id, failed.epoch) == ("r", 0)
     assert "another layout" in failed.reason  # the sender's layout
-    assert "fingerprint" in failed.reason  # and this worker's (the fixture's fingerprint)
+    assert decode_worker.identity.fingerprint in failed.reason  # and this worker's
     assert admitted(decode_worker) == [] and not decode_worker.step()
     assert cache_untouched(decode_worker)
     assert decode_worker.incoming.dropped["unknown request"] == decode_worker.runner.spec.num_layers
@@ -263,7 +265,8 @@ def test_kv_that_stops_arriving_fails_every_choice_for_another_pair(worker: Serv
     """Its lease runs out: the hand-off failed, not the request, so each choice (n > 1) may be
     served again elsewhere."""
     decode_worker, gateway = worker
-    expect = DecodeRequest("r", 0, task(100), "fingerprint", siblings=["r-1", "r-2"])
+    expect = DecodeRequest("r", 0, task(100), decode_worker.identity.fingerprint,
+                           siblings=["r-1", "r-2"])
     decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
     decode_worker.incoming.pending[("r", 0)].deadline = 0.0  # its lease ran out
     decode_worker.heartbeat()
@@ -490,7 +493,8 @@ def test_n_choices_arriving_with_kv_fork_it_once_written(worker: Served) -> None
     """The prompt's KV comes once; the other choices fork it and draw their first token
     from its last prompt token; the request's own first token ended it already."""
     decode_worker, gateway = worker
-    expect = DecodeRequest("r", 0, task(max_tokens=6), "fingerprint", ["r.1", "r.2"])
+    expect = DecodeRequest("r", 0, task(max_tokens=6), decode_worker.identity.fingerprint,
+                           ["r.1", "r.2"])
     decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
     assert {h.request_id for h in decode_worker.holding()} == {"r", "r.1", "r.2"}
     k, v = layer_kv(decode_worker)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
+from engine.kv.allocator import blocks_needed
+from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
-from engine.spec import load_spec
+from engine.weights.spec import load_spec
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
 
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,9 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
+from tests.engine.test_grammar import SCHEMA
 
 from tests.e2e.cluster import Cluster, launch
-from tests.engine.test_grammar import SCHEMA
 
 pytestmark = pytest.mark.e2e
 

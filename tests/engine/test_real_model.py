@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
+from engine.kv.allocator import blocks_needed
+from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 
 pytestmark = pytest.mark.realmodel
@@ -76,10 +76,10 @@ def interleaved_tables(runner: ModelRunner, lengths: list[int]) -> list[list[int
     return tables
 
 
-def our_greedy(folder: Path, prompts: list[list[int]], block_rows: int) -> list[list[int]]:
+def our_greedy(folder: Path, prompts: list[list[int]], quant_rows: int) -> list[list[int]]:
     """Prefill every prompt in one batch, then decode all sequences together."""
     runner = ModelRunner(folder, num_blocks=len(prompts) * 8, block_size=BLOCK_SIZE,
-                         block_rows=block_rows)
+                         quant_rows=quant_rows)
     tables = interleaved_tables(runner, [len(p) + NEW_TOKENS for p in prompts])
     logits = runner.forward(ForwardBatch(prompts, [0] * len(prompts), tables))
     generated = [[token] for token in logits.argmax(dim=-1).tolist()]
@@ -96,11 +96,11 @@ def expected(real_model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return transformers_greedy(real_model_dir, prompts)
 
 
-# Decode steps (20 rows) dense, or over the GGUF's 4-bit blocks (the same fp32 weights).
-@pytest.mark.parametrize("block_rows", [0, len(PROMPTS)], ids=["dense", "blocks"])
+# Decode steps (20 rows) dense, or over the GGUF's 4-bit quant blocks (the same fp32 weights).
+@pytest.mark.parametrize("quant_rows", [0, len(PROMPTS)], ids=["dense", "quant"])
 def test_greedy_tokens_match_transformers(real_model_dir: Path, prompts: list[list[int]],
-                                          expected: list[list[int]], block_rows: int) -> None:
-    ours = our_greedy(real_model_dir, prompts, block_rows)
+                                          expected: list[list[int]], quant_rows: int) -> None:
+    ours = our_greedy(real_model_dir, prompts, quant_rows)
     assert all(len(tokens) == NEW_TOKENS for tokens in expected)
     for prompt_ids, theirs, mine in zip(prompts, expected, ours, strict=True):
         assert mine == theirs, prompt_ids

@@ -1,14 +1,18 @@
-"""ModelRunner wiring and thread settings."""
+"""ModelRunner wiring, thread settings, and a worker's runner built from config."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.batch import ForwardBatch
-from engine.runner import ModelRunner, set_threads
+from core.config import DecodeConfig, ModelConfig
+from engine.model.batch import ForwardBatch
+from engine.runner import ModelRunner, load_runner, set_threads
+from engine.weights.quant_rows import MeasuredQuantRows
+from engine.weights.spec import kv_fingerprint, load_spec
 
 
 def test_runner_holds_a_matching_model_cache_and_allocator(tiny_model_dir: Path) -> None:
@@ -46,3 +50,28 @@ def test_set_threads() -> None:
         torch.set_num_threads(before)
     with pytest.raises(ValueError):
         set_threads(0)
+
+
+def test_the_kv_fingerprint_names_the_cache_dtype(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(tiny_model_dir, num_blocks=4, block_size=8, dtype=torch.bfloat16)
+    assert runner.kv_fingerprint == kv_fingerprint(load_spec(tiny_model_dir), "bfloat16")
+    assert "|bfloat16|" in runner.kv_fingerprint
+
+
+@pytest.mark.kernels
+def test_a_worker_measures_once_and_later_ones_read_it(quant_model_dir: Path,
+                                                       tmp_path: Path) -> None:
+    for path in quant_model_dir.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    model = ModelConfig(name=str(tmp_path), dtype="float32")
+    pool = DecodeConfig(num_kv_blocks=4, threads=1)
+    threads = torch.get_num_threads()
+    try:
+        first = load_runner(model, pool).model.quant_rows
+        assert MeasuredQuantRows(tmp_path).get("float32") == first
+        MeasuredQuantRows(tmp_path).put("float32", 3)
+        assert load_runner(model, pool).model.quant_rows == 3
+        fixed = dataclasses.replace(model, quant_rows=0)
+        assert load_runner(fixed, pool).model.quant_rows == 0
+    finally:
+        torch.set_num_threads(threads)

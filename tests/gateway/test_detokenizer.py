@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.prepare import resolve_model
+from engine.weights.folder import resolve_model
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 CASES = 1000

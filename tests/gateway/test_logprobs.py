@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from core.messages import GenerationTask, Sampling, TopLogprob
-from engine.prepare import resolve_model
+from engine.weights.folder import resolve_model
 from gateway.dispatch import Event, RequestHandle
 from gateway.generation import Delta, Generation
 from gateway.logprobs import (

@@ -9,7 +9,7 @@ import pytest
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.prepare import resolve_model
+from engine.weights.folder import resolve_model
 from gateway.errors import (
     APIError,
     bad_request,

@@ -24,8 +24,8 @@ from core.messages import (
     Sampling,
     decode,
 )
-from engine.batch import ForwardBatch
-from engine.block_allocator import blocks_needed
+from engine.kv.allocator import blocks_needed
+from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from kvtransfer import (
     KVItem,

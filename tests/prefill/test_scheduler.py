@@ -6,7 +6,7 @@ come, first served; the last ones test deadlines."""
 from __future__ import annotations
 
 from core.messages import GenerationTask, PrefillRequest, Sampling
-from engine.chunk_cost import ChunkCost
+from engine.model.chunk_cost import ChunkCost
 from prefill.scheduler import Chunk, Prefilling, PrefillScheduler
 
 BLOCK = 4

@@ -29,7 +29,7 @@ from core.messages import (
     decode,
     encode,
 )
-from engine.chunk_cost import TOKENS_ONLY, ChunkCost
+from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
 from prefill.worker import PrefillWorker
@@ -47,7 +47,7 @@ def setup(make_tiny_model: Callable[..., Path], tmp_path: Path,
     gateway = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(make_tiny_model(num_hidden_layers=LAYERS), num_blocks=64, block_size=16)
-    worker = PrefillWorker("prefill-0", config, runner, "fingerprint")
+    worker = PrefillWorker("prefill-0", config, runner)
     worker.control.send(Abort("hello", 0))  # so the gateway's ROUTER knows the worker
     gateway.recv_multipart()
     receiver = make_receiver(worker.context, "tcp://127.0.0.1:*")

@@ -1,0 +1,36 @@
+"""A worker process from its command line to its last heartbeat: flags, logging, CPU pinning,
+then the worker each role builds (`python -m prefill`, `python -m decode`) and its loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from core.cli import ConfigParser, setup_logging
+from core.config import Config, Role
+from core.cpus import pin_to
+from core.worker import RegistrationRefused, Worker
+
+log = logging.getLogger(__name__)
+
+Build = Callable[[str, Config], Worker]  # (worker id, config) -> the worker, model loaded
+
+
+def worker_main(role: Role, build: Build) -> None:
+    """Parse the command line, pin this process to its CPUs, build the worker (loading its
+    model there, pinned) and serve until SIGTERM or SIGINT."""
+    parser = ConfigParser(f"raging {role} worker")
+    parser.add_argument("--worker-id", default=f"{role}-0")
+    parser.config_flag(f"{role}.threads")
+    parser.config_flag(f"{role}.cpus")
+    args = parser.parse_args()
+    config = parser.config(args)
+    setup_logging(args.worker_id)
+    pin_to(config.pool(role).cpus)
+    worker = build(args.worker_id, config)
+    try:
+        worker.run()
+    except RegistrationRefused as exc:
+        raise SystemExit(f"{args.worker_id}: the gateway refused this worker: {exc}") from None
+    except TimeoutError as exc:
+        raise SystemExit(f"{args.worker_id}: {exc} ({config.gateway.control_address})") from None

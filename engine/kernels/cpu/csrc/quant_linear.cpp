@@ -1,0 +1,319 @@
+// Products with weight matrices kept as the quantized blocks a GGUF file ships: each row of a
+// weight is cut into blocks of 32 values, each block stored as a few bits per value plus fp16
+// constants. A block is widened to fp32 in registers and multiplied there, so a matrix-vector
+// product reads a quarter (4-bit) or half (8-bit) of the bf16 bytes, and the values multiplied
+// are exactly those of the dequantized weight (d * q + m is exact in fp32 for fp16 d, m).
+#include <torch/extension.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "lanes.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per block
+constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
+constexpr int kRows = 4;        // input rows multiplied together: each block widened once
+constexpr int kWideRows = 8;    // ... up to this many, against half as many weight rows
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// llama.cpp's Q4_1: fp16 d, fp16 m, 16 bytes whose low nibbles are values 0-15 of the block
+// and high nibbles values 16-31; value = d * q + m.
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
+    const float d = half_to_float(block), m = half_to_float(block + 2);
+    const uint8_t* q = block + 4;
+#if defined(__AVX512F__)
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i nibble = _mm512_set1_epi32(0xF);
+    low = fma(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), splat(d), splat(m));
+    high = fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), splat(d), splat(m));
+#else
+    for (int64_t i = 0; i < kLanes; ++i) {
+      low.v[i] = d * static_cast<float>(q[i] & 0xF) + m;
+      high.v[i] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+#endif
+  }
+};
+
+// llama.cpp's Q8_0: fp16 d, 32 signed bytes; value = d * q.
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
+    const float d = half_to_float(block);
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+#if defined(__AVX512F__)
+    const auto load = [](const int8_t* p) {
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    low = mul(load(q), splat(d));
+    high = mul(load(q + kLanes), splat(d));
+#else
+    for (int64_t i = 0; i < kLanes; ++i) {
+      low.v[i] = d * static_cast<float>(q[i]);
+      high.v[i] = d * static_cast<float>(q[i + kLanes]);
+    }
+#endif
+  }
+};
+
+// How a tile multiplies a widened block by rows of x. Fp32: the block's two halves against x
+// in fp32, two fused multiply-adds per row (the exact weights).
+struct Fp32Math {
+  using X = float;
+  struct Weights {
+    Lanes low, high;
+  };
+  static Weights weights(Lanes low, Lanes high) { return {low, high}; }
+  static Lanes multiply_add(Lanes acc, const Weights& w, const float* x) {
+    return fma(w.high, load_lanes(x + kLanes), fma(w.low, load_lanes(x), acc));
+  }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16 x on a CPU with AVX512-BF16: the block rounded to bf16 once (as the dense bf16 weights
+// are), then one instruction per row for all 32 products.
+struct Bf16DotMath {
+  using X = at::BFloat16;
+  using Weights = __m512bh;
+  static Weights weights(Lanes low, Lanes high) { return _mm512_cvtne2ps_pbh(high, low); }
+  static Lanes multiply_add(Lanes acc, Weights w, const at::BFloat16* x) {
+    return _mm512_dpbf16_ps(acc, w, reinterpret_cast<__m512bh>(_mm512_loadu_si512(x)));
+  }
+};
+#endif
+
+// out[r, n + o] = x[r] . weight[n + o] for O weight rows and R input rows, over every block.
+template <typename Format, typename Math, int O, int R, typename T>
+void tile(const typename Math::X* x, int64_t width, const uint8_t* weight, int64_t row_bytes,
+          int64_t n, T* out, int64_t out_stride) {
+  Lanes acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = splat(0.0f);
+  for (int64_t b = 0; b < width / kBlock; ++b) {
+    for (int o = 0; o < O; ++o) {
+      const uint8_t* block = weight + (n + o) * row_bytes + b * Format::kBytes;
+      __builtin_prefetch(block + kPrefetchBytes);
+      Lanes low, high;
+      Format::widen(block, low, high);
+      const auto w = Math::weights(low, high);
+      for (int r = 0; r < R; ++r)
+        acc[o][r] = Math::multiply_add(acc[o][r], w, x + r * width + b * kBlock);
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) out[r * out_stride + n + o] = static_cast<T>(sum(acc[o][r]));
+}
+
+// One tile of R rows against weight rows n..n+3, split so that every sum stays in a register.
+template <typename Format, typename Math, int R, typename T>
+void tile_of_four(const typename Math::X* x, int64_t width, const uint8_t* weight,
+                  int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
+  constexpr int O = R > kRows ? kOutputs / 2 : kOutputs;
+  for (int64_t first = n; first < n + kOutputs; first += O)
+    tile<Format, Math, O, R>(x, width, weight, row_bytes, first, out, out_stride);
+}
+
+// The last `rows` (< R) rows as one tile.
+template <typename Format, typename Math, int R, typename T>
+void last_tile(int64_t rows, const typename Math::X* x, int64_t width, const uint8_t* weight,
+               int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
+  if constexpr (R > 1) {
+    if (rows == R - 1)
+      tile_of_four<Format, Math, R - 1>(x, width, weight, row_bytes, n, out, out_stride);
+    else
+      last_tile<Format, Math, R - 1>(rows, x, width, weight, row_bytes, n, out, out_stride);
+  }
+}
+
+template <typename Format, typename Math, typename T>
+void product(const typename Math::X* x, int64_t rows, int64_t width, const uint8_t* weight,
+             int64_t outputs, T* out) {
+  const int64_t row_bytes = width / kBlock * Format::kBytes;
+  const int64_t groups = outputs / kOutputs;
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin * kOutputs; n < end * kOutputs; n += kOutputs) {
+      int64_t r = 0;
+      for (; r + kWideRows <= rows; r += kWideRows)
+        tile_of_four<Format, Math, kWideRows>(x + r * width, width, weight, row_bytes, n,
+                                              out + r * outputs, outputs);
+      last_tile<Format, Math, kWideRows>(rows - r, x + r * width, width, weight, row_bytes, n,
+                                         out + r * outputs, outputs);
+    }
+  });
+  for (int64_t n = groups * kOutputs; n < outputs; ++n)  // a last, partial group
+    for (int64_t r = 0; r < rows; ++r)
+      tile<Format, Math, 1, 1>(x + r * width, width, weight, row_bytes, n, out + r * outputs,
+                               outputs);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// bf16 x on a CPU with AMX: the matrix unit multiplies a 16 x 32 tile of weights (sixteen weight
+// rows' blocks, each widened and rounded to bf16 as the dense bf16 weights are) by 32 values of
+// up to 16 rows of x in one instruction, so the cost is widening the blocks, whatever the rows.
+namespace amx {
+
+constexpr int64_t kTile = 16;  // weight rows, and rows of x, per tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The kernel lets a process use the tile registers only once it asks (Linux 5.16+).
+bool enabled() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Tile 0: weights (16 rows x 32 bf16). Tiles 1 and 3: x, pairs of values by row (16 x `cols`
+// pairs), two sets of up to 16 rows; tiles 2 and 4: their sums (16 weight rows x `cols`, fp32).
+void configure(const int64_t (&cols)[2]) {
+  TileConfig config;
+  config.rows[0] = kTile, config.bytes_per_row[0] = 64;
+  for (int half = 0; half < 2 && cols[half] > 0; ++half)
+    for (int t : {1 + 2 * half, 2 + 2 * half})
+      config.rows[t] = kTile, config.bytes_per_row[t] = static_cast<uint16_t>(cols[half] * 4);
+  _tile_loadconfig(&config);
+}
+
+// x rows [0, cols) as the matrix unit's right operand, one tile per block: pairs[b][k][c]
+// holds values 2k and 2k + 1 of block b of row c.
+std::vector<uint32_t> pair_rows(const at::BFloat16* x, int64_t width, int64_t cols) {
+  const int64_t blocks = width / kBlock;
+  std::vector<uint32_t> pairs(blocks * kTile * cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    const auto* row = reinterpret_cast<const uint32_t*>(x + c * width);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t k = 0; k < kTile; ++k) pairs[(b * kTile + k) * cols + c] = row[b * kTile + k];
+  }
+  return pairs;
+}
+
+// Sixteen weight rows' block b, widened and rounded to bf16 into `tile`, then into tile 0.
+template <typename Format>
+void load_weights(const uint8_t* weight, int64_t row_bytes, int64_t n, int64_t b,
+                  at::BFloat16* tile) {
+  for (int64_t o = 0; o < kTile; ++o) {
+    const uint8_t* block = weight + (n + o) * row_bytes + b * Format::kBytes;
+    __builtin_prefetch(block + kPrefetchBytes);
+    Lanes low, high;
+    Format::widen(block, low, high);
+    _mm512_store_si512(tile + o * kBlock,
+                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+  _tile_loadd(0, tile, 64);
+}
+
+template <typename T>
+void store_sums(const float* sums, int64_t cols, int64_t n, int64_t outputs, T* out) {
+  for (int64_t o = 0; o < kTile; ++o)
+    for (int64_t c = 0; c < cols; ++c)
+      out[c * outputs + n + o] = static_cast<T>(sums[o * cols + c]);
+}
+
+// Up to 32 rows of x per pass, so each block is widened once for all of them.
+template <typename Format>
+void product(const at::BFloat16* x, int64_t rows, int64_t width, const uint8_t* weight,
+             int64_t outputs, at::BFloat16* out) {
+  const int64_t row_bytes = width / kBlock * Format::kBytes, blocks = width / kBlock;
+  for (int64_t first = 0; first < rows; first += 2 * kTile) {
+    const int64_t cols[2] = {std::min(kTile, rows - first),
+                             std::clamp<int64_t>(rows - first - kTile, 0, kTile)};
+    const auto low = pair_rows(x + first * width, width, cols[0]);
+    const auto high = pair_rows(x + (first + kTile) * width, width, cols[1]);
+    at::parallel_for(0, outputs / kTile, 1, [&](int64_t begin, int64_t end) {
+      configure(cols);
+      alignas(64) at::BFloat16 tile[kTile * kBlock];
+      alignas(64) float sums[kTile * kTile];
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t n = group * kTile;
+        _tile_zero(2);
+        if (cols[1] > 0) _tile_zero(4);
+        for (int64_t b = 0; b < blocks; ++b) {
+          load_weights<Format>(weight, row_bytes, n, b, tile);
+          _tile_loadd(1, low.data() + b * kTile * cols[0], cols[0] * 4);
+          _tile_dpbf16ps(2, 0, 1);
+          if (cols[1] == 0) continue;
+          _tile_loadd(3, high.data() + b * kTile * cols[1], cols[1] * 4);
+          _tile_dpbf16ps(4, 0, 3);
+        }
+        _tile_stored(2, sums, cols[0] * 4);
+        store_sums(sums, cols[0], n, outputs, out + first * outputs);
+        if (cols[1] == 0) continue;
+        _tile_stored(4, sums, cols[1] * 4);
+        store_sums(sums, cols[1], n, outputs, out + (first + kTile) * outputs);
+      }
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace amx
+#endif
+
+}  // namespace
+
+// x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
+// 4-bit (Q4_1) or 8-bit (Q8_0) blocks. Returns x @ weight.T as [rows, N] in x's dtype.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear takes 4-bit or 8-bit blocks");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "quant_linear takes fp32 or bf16 inputs");
+  const int64_t block_bytes = bits == 4 ? Q4_1::kBytes : Q8_0::kBytes;
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
+              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes,
+              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes, "]");
+  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  // Up to kRows rows the fp32 path is faster: widening is the cost, and it widens less.
+  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows) {
+    const auto rows = x.contiguous();
+    const auto args = std::make_tuple(rows.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                                      weight.data_ptr<uint8_t>(), weight.size(0),
+                                      out.data_ptr<at::BFloat16>());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (weight.size(0) % amx::kTile == 0 && amx::enabled()) {
+      std::apply(bits == 4 ? amx::product<Q4_1> : amx::product<Q8_0>, args);
+      return out;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    std::apply(bits == 4 ? product<Q4_1, Bf16DotMath, at::BFloat16>
+                         : product<Q8_0, Bf16DotMath, at::BFloat16>, args);
+    return out;
+#endif
+  }
+  const auto wide = x.to(torch::kFloat32).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
+    const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
+                                      weight.data_ptr<uint8_t>(), weight.size(0),
+                                      out.data_ptr<scalar_t>());
+    if (bits == 4)
+      std::apply(product<Q4_1, Fp32Math, scalar_t>, args);
+    else
+      std::apply(product<Q8_0, Fp32Math, scalar_t>, args);
+  });
+  return out;
+}

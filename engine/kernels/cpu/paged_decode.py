@@ -1,0 +1,25 @@
+"""Decode attention read straight from the paged KV cache (engine/csrc/paged_decode.cpp).
+
+Gathering every sequence's context into a dense tensor before attending costs three passes over
+the KV per layer (read, write, read again); the kernel makes one, in 16-float vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.cpu.build import kernels_for
+
+LANES = 16  # the kernel's vector width in floats: head dimensions must be a multiple
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, contexts: torch.Tensor, block_size: int
+                 ) -> torch.Tensor | None:
+    """Attention of one query token per sequence `[B, H, D]` over its cached context, in q's
+    dtype, or None when the kernel does not apply (q and cache not both fp32 or both bf16, a
+    head dimension not a multiple of 16, or no kernel built)."""
+    module = kernels_for(q, k_cache, v_cache) if q.shape[-1] % LANES == 0 else None
+    if module is None:
+        return None
+    return module.paged_decode(q.contiguous(), k_cache, v_cache, tables, contexts, block_size)

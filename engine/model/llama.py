@@ -1,0 +1,185 @@
+"""Our own Llama forward pass over a paged KV cache (no transformers modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu.build import kernels_for
+from engine.kv.cache import PagedKVCache
+from engine.model.attention import AttentionPlan, attend, plan_attention
+from engine.model.batch import ForwardBatch
+from engine.model.linear import (
+    Linear,
+    Matrices,
+    Projection,
+    WeightLayout,
+    layout_for,
+    measure_quant_rows,
+)
+from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.workspace import Workspace
+from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.quant_blocks import QuantMatrix
+from engine.weights.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer ready to run: its norms, and its matrices as `layout` multiplies them
+    (q/k/v and gate/up are each one projection of the same input). Plain matrices are views of
+    the mapped file, never copied, so every worker on a host shares one copy in the page cache
+    (fusing q/k/v would make a private copy); packed ones (engine.linear) are private."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: Linear
+    post_attention_norm: torch.Tensor
+    gate_up: Projection
+    down: Linear
+
+    def matrices(self) -> tuple[Matrices, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def with_quant_rows(self, rows: int) -> Layer:
+        """The same layer, multiplying over its quant blocks for inputs of at most `rows`
+        rows."""
+        return replace(self, qkv=replace(self.qkv, quant_rows=rows),
+                       o=replace(self.o, quant_rows=rows),
+                       gate_up=replace(self.gate_up, quant_rows=rows),
+                       down=replace(self.down, quant_rows=rows))
+
+
+def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], index: int,
+               layout: WeightLayout) -> Layer:
+    """Layer `index` from Hugging Face-named `weights` (and the `quant` blocks of those that
+    have them), its matrices prepared by `layout`."""
+    prefix = f"model.layers.{index}."
+
+    def get(name: str) -> torch.Tensor:
+        if prefix + name not in weights:
+            raise ValueError(f"missing weight {prefix + name}")
+        return weights[prefix + name]
+
+    def project(*names: str) -> Projection:
+        return layout.project([get(name) for name in names],
+                              [quant.get(prefix + name) for name in names])
+
+    def linear(name: str) -> Linear:
+        return layout.linear(get(name), quant.get(prefix + name))
+
+    return Layer(
+        input_norm=get("input_layernorm.weight"),
+        qkv=project("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight"),
+        o=linear("self_attn.o_proj.weight"),
+        post_attention_norm=get("post_attention_layernorm.weight"),
+        gate_up=project("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down=linear("mlp.down_proj.weight"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm of `[N, hidden]` rows, computed in fp32 and rounded once to x's dtype
+    (transformers rounds the normalized x before scaling it: at most one bf16 step apart)."""
+    module = kernels_for(x, weight)
+    if module is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return module.rms_norm(x, weight, eps)  # one pass; torch's takes ~10 small kernels
+
+
+class LlamaModel:
+    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
+                 layout: WeightLayout | None = None, quant: dict[str, QuantMatrix] | None = None,
+                 quant_rows: int | None = None) -> None:
+        """`layout`: how weight matrices are stored; by default the fastest for their dtype.
+        `quant`: the quant blocks of the weights that have them (engine.weights.quant_blocks),
+        used for products of at most `quant_rows` rows (None: as many as are faster here,
+        measured)."""
+        self.spec = spec
+        self.embed = weights[EMBED]
+        if self.embed.shape != (spec.vocab_size, spec.hidden_size):
+            raise ValueError(f"{EMBED} has shape {tuple(self.embed.shape)}, spec disagrees")
+        self.dtype = self.embed.dtype
+        self.layout = layout or layout_for(self.dtype, self.embed.device)
+        quant = quant if quant and kernels_for(self.embed) is not None else {}
+        tied = weights[LM_HEAD] is weights[EMBED]
+        self.lm_head = self.layout.linear(weights[LM_HEAD],
+                                          quant.get(LM_HEAD, quant.get(EMBED) if tied else None))
+        self.norm = weights["model.norm.weight"]
+        self.layers = [load_layer(weights, quant, i, self.layout)
+                       for i in range(spec.num_layers)]
+        if quant_rows is None:
+            quant_rows = measure_quant_rows(self.matrices(), self.dtype) if quant else 0
+        self.quant_rows = quant_rows
+        self.lm_head = replace(self.lm_head, quant_rows=quant_rows)
+        self.layers = [layer.with_quant_rows(quant_rows) for layer in self.layers]
+        self.rope = RotaryEmbedding(spec, self.dtype)
+        self.workspace = Workspace()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token.
+
+        Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
+        K/V are written.
+        """
+        assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
+        plan = plan_attention(batch, cache.block_size, cache.dtype)
+        self._check_inputs(plan)
+        step = _Step(plan, *self.rope.lookup(plan.positions), cache, layer_hook)
+        x = F.embedding(plan.token_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            x = self._layer(index, layer, x, step)
+        last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
+        return self.lm_head(last).float()
+
+    def matrices(self) -> list[Matrices]:
+        """Every weight matrix (timing a few layers, warm in cache, favours the dense ones)."""
+        return [self.lm_head, *(matrices for layer in self.layers for matrices in layer.matrices())]
+
+    def _check_inputs(self, plan: AttentionPlan) -> None:
+        if int(plan.positions.max()) >= self.spec.max_position_embeddings:
+            raise ValueError(f"positions exceed {self.spec.max_position_embeddings}")
+        if not 0 <= int(plan.token_ids.min()) <= int(plan.token_ids.max()) < self.spec.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+
+    def _layer(self, index: int, layer: Layer, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        spec = self.spec
+        num_tokens = x.shape[0]
+        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        q_size = spec.num_heads * spec.head_dim
+        q, k, v = layer.qkv(h)
+        q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
+        k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
+        v = v.view_as(k)
+        step.cache.store(index, step.plan.slots, k, v)
+        if step.layer_hook is not None:
+            step.layer_hook(index)
+        cache = step.cache
+        attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
+        x = x + layer.o(attn.reshape(num_tokens, q_size))
+        h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
+        gate, up = layer.gate_up(h)
+        return x + layer.down(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of one forward pass shares."""
+
+    plan: AttentionPlan
+    cos: torch.Tensor  # [N, 1, head_dim]
+    sin: torch.Tensor
+    cache: PagedKVCache
+    layer_hook: Callable[[int], None] | None

@@ -1,0 +1,70 @@
+"""Rotary position embeddings with the config's scaling, as transformers computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.kernels.cpu.build import kernels_for
+from engine.weights.spec import ModelSpec
+
+
+def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
+    """`[head_dim // 2]` rotation frequencies, scaled per `spec.rope_scaling`."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = spec.rope_scaling or {"rope_type": "default"}
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    assert rope_type == "default", rope_type
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: slow down low frequencies by `factor`, blend the middle band smoothly."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for every position up to max_position_embeddings."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        positions = torch.arange(spec.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inverse_frequencies(spec)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[N, 1, head_dim]` of token `positions` `[N]`, broadcastable over heads."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[N, heads, head_dim]` by the angles whose cos/sin `lookup` returned."""
+    module = kernels_for(x, cos, sin)
+    if module is not None and x.stride(-1) == 1:
+        return module.rope(x, cos, sin)  # one pass, in fp32; torch's takes six kernels
+    return rotate(x, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope in torch ops, as transformers writes it."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin

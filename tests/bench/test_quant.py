@@ -1,0 +1,26 @@
+"""`bench quant`: both ways timed on a model that has quant blocks; none without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.quant import load_matrices, markdown, measure
+
+
+@pytest.mark.kernels
+def test_every_matrix_is_timed_both_ways(quant_model_dir: Path) -> None:
+    matrices = load_matrices(str(quant_model_dir), "unused", torch.float32)
+    assert len(matrices) == 1 + 2 * 4  # the LM head, then q/k/v, o, gate/up, down per layer
+    figures = measure(matrices, torch.float32, (1, 3), repeats=2)
+    assert [f.rows for f in figures] == [1, 3]
+    assert all(f.dense_ms > 0 and f.quant_ms > 0 for f in figures)
+    text = markdown(figures, "float32", 1, measured=3)
+    assert "| 3 |" in text and text.endswith("(model.quant_rows: -1): 3")
+
+
+def test_a_model_without_quant_blocks_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="no quant blocks"):
+        load_matrices(str(tiny_model_dir), "unused", torch.float32)

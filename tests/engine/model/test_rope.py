@@ -1,0 +1,57 @@
+"""RoPE frequencies and rotation against transformers' implementation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from engine.model.rope import RotaryEmbedding, apply_rope, inverse_frequencies
+from engine.weights.spec import load_spec
+
+SCALINGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "linear": {"factor": 3.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+}
+
+
+def config_for(rope_type: str) -> LlamaConfig:
+    parameters = {"rope_type": rope_type, "rope_theta": 5e5, **SCALINGS[rope_type]}
+    return LlamaConfig(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=4096, rope_parameters=parameters)
+
+
+@pytest.fixture(params=sorted(SCALINGS))
+def rope_type(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_inverse_frequencies_match(rope_type: str, tmp_path: Path) -> None:
+    config = config_for(rope_type)
+    config.save_pretrained(tmp_path)
+    unscaled = LlamaRotaryEmbedding.compute_default_rope_parameters(config)[0]
+    expected = ROPE_INIT_FUNCTIONS[rope_type](config)[0] if rope_type != "default" else unscaled
+    ours = inverse_frequencies(load_spec(tmp_path))
+    assert torch.allclose(ours, expected, rtol=1e-6, atol=0)
+    assert torch.equal(ours, unscaled) == (rope_type == "default")
+
+
+def test_rotation_matches(rope_type: str, tmp_path: Path) -> None:
+    config = config_for(rope_type)
+    config.save_pretrained(tmp_path)
+    positions = torch.tensor([0, 1, 5, 300, 4095])
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 2, 128, generator=g), torch.randn(5, 1, 128, generator=g)
+    cos, sin = RotaryEmbedding(load_spec(tmp_path), torch.float32).lookup(positions)
+    ours = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    theirs = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert torch.allclose(mine, reference[0].transpose(0, 1), atol=1e-5)

@@ -1,0 +1,203 @@
+"""Structured output in the engine: a grammar's mask keeps only the tokens it allows, lets the
+sequence end only where the JSON value is complete, and alone makes a random model's output
+valid JSON matching the schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from core.messages import JSON_OBJECT, GenerationTask, Sampling
+from engine.sampling.grammar import Constraint, GrammarError, Grammars, unpack_bitmask
+from engine.sampling.sampler import History, draw, make_generator
+
+EOS = 2  # the tiny model's (and the real tokenizer's) EOS
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "owner": {
+            "type": "object",
+            "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                           "vip": {"type": "boolean"}},
+            "required": ["age", "vip"],
+        },
+    },
+    "required": ["name", "kind", "tags", "owner"],
+}
+ONLY = {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"]}
+ONLY_TEXT = '{"k": "v"}'
+PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_model_dir: Path) -> Grammars:
+    return Grammars(tiny_model_dir, vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def task(grammar: str, prompt: list[int] | None = None, output: list[int] = (),
+         **fields: Any) -> GenerationTask:
+    """A task with `output` already streamed (a resumed request) when given."""
+    prompt = prompt or [1, 5, 6]
+    fields = {"stop_token_ids": [], "ignore_eos": False, **fields}
+    return GenerationTask(prompt_ids=[*prompt, *output], sampling=Sampling(), max_tokens=64,
+                          output_start=len(prompt), grammar=grammar, **fields)
+
+
+def constraint(grammars: Grammars, grammar: str, output: list[int] = (),
+               **fields: Any) -> Constraint:
+    made = grammars.constraint(task(grammar, output=output, **fields), (EOS,))
+    assert made is not None
+    return made
+
+
+def allowed_ids(c: Constraint) -> set[int]:
+    return set(c.allowed().nonzero().flatten().tolist())
+
+
+def test_no_grammar_no_constraint(grammars: Grammars) -> None:
+    assert grammars.constraint(task(""), (EOS,)) is None
+
+
+def test_unpack_bitmask_reads_bits_in_token_order() -> None:
+    bitmask = torch.tensor([1 - 2**31, 0b110], dtype=torch.int32)  # bits 0 and 31; 1 and 2
+    assert unpack_bitmask(bitmask, 40).nonzero().flatten().tolist() == [0, 31, 33, 34]
+
+
+def test_mask_keeps_only_tokens_that_start_an_object(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    allowed = allowed_ids(constraint(grammars, JSON_OBJECT))
+    assert allowed and EOS not in allowed
+    assert all(tokenizer.decode([t]).startswith("{") for t in allowed)
+    # The draw picks an allowed token even where every allowed one is the least likely.
+    logits = torch.zeros(3, 49152)
+    logits[:, sorted(allowed)] = -50.0
+    mask = constraint(grammars, JSON_OBJECT).allowed()
+    params = [Sampling(temperature=0.0), Sampling(temperature=1.0), Sampling(top_k=5, top_p=0.5)]
+    draws = draw(logits, params, [make_generator(s) for s in range(3)],
+                 [History(allowed=mask)] * 3)
+    assert all(d.token_id in allowed for d in draws)
+
+
+def test_eos_only_once_the_value_is_complete(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer.encode(ONLY_TEXT)
+    c = constraint(grammars, json.dumps(ONLY))
+    for token in ids:
+        assert EOS not in allowed_ids(c) and token in allowed_ids(c)
+        c.advance(token)
+    assert allowed_ids(c) == {EOS}
+
+
+def test_a_resumed_request_starts_after_its_output(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    c = constraint(grammars, json.dumps(ONLY), output=tokenizer.encode(ONLY_TEXT))
+    assert allowed_ids(c) == {EOS}
+
+
+def test_stop_tokens_end_the_grammar_and_stay_after_it(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    """With ignore_eos, the grammar ends on the request's stop tokens, and only they follow."""
+    c = constraint(grammars, json.dumps(ONLY), stop_token_ids=[7], ignore_eos=True)
+    for token in tokenizer.encode(ONLY_TEXT):
+        c.advance(token)
+    assert allowed_ids(c) == {7}
+    c.advance(7)
+    assert allowed_ids(c) == {7}
+
+
+def test_the_min_tokens_ban_yields_to_a_finished_grammar() -> None:
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[EOS] = True
+    logits = torch.zeros(1, 10)
+    hist = History(banned=(EOS,), allowed=mask)
+    assert draw(logits, [Sampling(temperature=0.0)], [make_generator(0)], [hist])[0].token_id == EOS
+    mask[4] = True
+    assert draw(logits, [Sampling(temperature=0.0)], [make_generator(0)], [hist])[0].token_id == 4
+
+
+@pytest.mark.parametrize("schema", [{"type": "bogus"}, {"type": "string", "pattern": "[a"}])
+def test_a_bad_schema_is_a_grammar_error(grammars: Grammars, schema: dict[str, object]) -> None:
+    with pytest.raises(GrammarError):
+        grammars.constraint(task(json.dumps(schema)), (EOS,))
+
+
+def test_compiled_grammars_are_cached(grammars: Grammars) -> None:
+    text = json.dumps(SCHEMA)
+    assert grammars.compiled(text) is grammars.compiled(text)
+
+
+@pytest.fixture(scope="module")
+def generate(tiny_model_dir: Path, grammars: Grammars, tokenizer: PreTrainedTokenizerBase
+             ) -> Callable[[str, str, Sampling], tuple[str, bool]]:
+    """The tiny random model's constrained output text for a prompt, and whether EOS ended it
+    within MAX_TOKENS."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+    @torch.inference_mode()
+    def run(prompt: str, grammar: str, params: Sampling) -> tuple[str, bool]:
+        c = constraint(grammars, grammar)
+        generator, output = make_generator(params.seed), []
+        out = model(torch.tensor([tokenizer.encode(prompt)]), use_cache=True)
+        for _ in range(MAX_TOKENS):
+            token = draw(out.logits[:, -1], [params], [generator],
+                         [History(allowed=c.allowed())])[0].token_id
+            if token == EOS:
+                return tokenizer.decode(output), True
+            c.advance(token)
+            output.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+        return tokenizer.decode(output), False
+
+    return run
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("params", [Sampling(temperature=0.0), Sampling(seed=1),
+                                    Sampling(temperature=0.7, top_p=0.9, seed=2)])
+def test_a_random_model_writes_valid_json_under_the_schema(
+        generate: Callable[[str, str, Sampling], tuple[str, bool]], prompt: str,
+        params: Sampling) -> None:
+    """Bounded strings, enums and arrays: the grammar alone must make it end, and valid."""
+    text, ended = generate(prompt, json.dumps(SCHEMA), params)
+    assert ended, text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_random_model_writes_json_objects(
+        generate: Callable[[str, str, Sampling], tuple[str, bool]]) -> None:
+    """Any object: nothing bounds a random model's strings, but what ends is an object."""
+    settings = [(prompt, Sampling(temperature=0.0)) for prompt in PROMPTS]
+    runs = [generate(prompt, JSON_OBJECT, params)
+            for prompt, params in [*settings, (PROMPTS[1], Sampling(seed=3))]]
+    assert any(ended for _, ended in runs)
+    assert all(isinstance(json.loads(text), dict) for text, ended in runs if ended)
+
+
+def test_no_raw_control_character_inside_a_string(
+        grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
+    """JSON allows none unescaped, though xgrammar's string rule lets them in (a random model
+    once wrote a \\x01 into a name)."""
+    c = constraint(grammars, json.dumps(SCHEMA))
+    for token in tokenizer.encode('{"name": "ab'):
+        c.advance(token)
+    allowed = allowed_ids(c)
+    control = {t for t in allowed if any(ch < " " for ch in tokenizer.decode([t]))}
+    assert allowed and control == set()
+    assert grammars.control_tokens[tokenizer.convert_tokens_to_ids("ā")]  # byte 0x01
