@@ -4,16 +4,13 @@ CDFs per mode."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
-from bench.results import ServeResults, TargetResults
+from bench.goodput_results import GoodputResults
+from bench.results import Measured, ServeResults, TargetResults
 from bench.stats import GOODPUT_TARGET
-
-if TYPE_CHECKING:  # bench.goodput imports this module
-    from bench.goodput import GoodputResults
 
 
 def cdf(axes: Axes, values: list[float], label: str) -> None:
@@ -48,10 +45,15 @@ def _latency_cdfs(results: ServeResults, ttft: Axes, tpot: Axes, itl: Axes) -> N
         _legend(axes)
 
 
+def _rate(measured: Measured) -> float:
+    assert measured.load.rate is not None, "every run of a sweep has its rate"
+    return measured.load.rate
+
+
 def _against_rate(targets: tuple[TargetResults, ...], throughput: Axes, latency: Axes,
                   slo: Axes) -> None:
     for target in targets:
-        rates = [m.load.rate for m in target.runs]
+        rates = [_rate(m) for m in target.runs]
         summaries = [m.summary for m in target.runs]
         throughput.plot(rates, [s.output_tokens_per_s for s in summaries], "o-",
                         label=target.label)

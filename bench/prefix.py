@@ -69,13 +69,18 @@ async def _pairs(url: str, pairs: Sequence[tuple[RequestSpec, RequestSpec]]) -> 
     return measured[1:]
 
 
+def _ttft(result: RequestResult) -> float:
+    assert result.ttft_s is not None, "a request that succeeded had a first token"
+    return result.ttft_s
+
+
 def markdown(plan: PrefixPlan, pairs: Sequence[Pair]) -> str:
     """Median TTFT cold and warm, the median of per-pair ratios, and cached tokens reported."""
     failed = [r.error for p in pairs for r in (p.cold, p.warm) if not r.ok]
     if failed:
         return f"failed requests: {failed}"
-    cold = [p.cold.ttft_s for p in pairs]
-    warm = [p.warm.ttft_s for p in pairs]
+    cold = [_ttft(p.cold) for p in pairs]
+    warm = [_ttft(p.warm) for p in pairs]
     ratios = [c / w for c, w in zip(cold, warm, strict=True)]
     return "\n".join([
         f"| prompt | TTFT ms (median of {len(pairs)}) | cached_tokens reported |",

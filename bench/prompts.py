@@ -66,6 +66,6 @@ class TextPrompts:
         words = max(1, round(length / TOKENS_PER_WORD) - 2)
         return " ".join([f"Request {index}.", *islice(cycle(FILLER.split()), words)])
 
-    def count(self, text: str) -> None:
+    def count(self, text: str) -> int | None:
         """Unknown without a tokenizer."""
         return None

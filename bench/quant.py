@@ -15,11 +15,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from bench.report import table
-from engine.model.linear import Matrices
+from engine.model.linear import Matrices, dense_products, quant_products
 from engine.model.llama import LlamaModel
 from engine.weights.folder import resolve_model
 from engine.weights.load import load_weights
@@ -65,8 +66,8 @@ def measure(matrices: list[Matrices], dtype: torch.dtype, rows: tuple[int, ...],
                 error = (over_quant.float() - dense.float()).abs().max()
                 assert error <= 0.02 * dense.float().abs().max(), f"{count} rows: off by {error}"
         pairs = list(zip(matrices, inputs, strict=True))
-        dense_ms = _median_ms(lambda pairs=pairs: [m.dense_outputs(x) for m, x in pairs], repeats)
-        quant_ms = _median_ms(lambda pairs=pairs: [m.quant_outputs(x) for m, x in pairs], repeats)
+        dense_ms = _median_ms(partial(dense_products, pairs), repeats)
+        quant_ms = _median_ms(partial(quant_products, pairs), repeats)
         figures.append(ProductFigure(count, dense_ms, quant_ms))
     return figures
 

@@ -8,15 +8,13 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.client import RequestResult
+from bench.goodput_results import GoodputResults, ModeRun, Point
 from bench.results import Measured, ServeResults, TargetResults
 from bench.runner import RunnerResults
 from bench.stats import GOODPUT_TARGET, Distribution
-
-if TYPE_CHECKING:  # bench.goodput imports this module
-    from bench.goodput import GoodputResults, ModeRun, Point
 
 
 def jsonable(value: Any) -> Any:

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -188,7 +189,7 @@ def measure(backend: Backend, prompt: Callable[[int], Sequence[int]], plan: Runn
     prefill = {}
     for n in plan.prefill_lens:
         ids = prompt(n)
-        seconds = statistics.median(timed(lambda ids=ids: backend.prefill(ids))
+        seconds = statistics.median(timed(partial(backend.prefill, ids))
                                     for _ in range(plan.repeats))
         prefill[n] = n / seconds
         progress(f"prefill {n}")

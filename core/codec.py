@@ -11,7 +11,7 @@ import types
 import typing
 from collections.abc import Callable
 from functools import cache
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, Union
 
 import msgpack
 
@@ -45,8 +45,9 @@ class Codec(Generic[T]):
         return _build(self.types[raw[0]], raw[1:])
 
 
-def _fields_of(obj: Any) -> list[Any]:
-    return [plain(getattr(obj, name)) for name, plain in _encoders(type(obj))]
+def _fields_of(obj: object) -> list[Any]:
+    cls: type = type(obj)
+    return [plain(getattr(obj, name)) for name, plain in _encoders(cls)]
 
 
 @cache
@@ -91,7 +92,7 @@ def _decoders(cls: type) -> tuple[Callable[[Any, str], Any], ...]:
 
 @cache
 def _decoder(hint: Any) -> Callable[[Any, str], Any]:
-    optional = isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+    optional = _is_union(hint) and type(None) in typing.get_args(hint)
     convert = _required(_without_none(hint))
     if not optional:
         return convert
@@ -99,7 +100,14 @@ def _decoder(hint: Any) -> Callable[[Any, str], Any]:
 
 
 def _required(hint: Any) -> Callable[[Any, str], Any]:
-    if dataclasses.is_dataclass(hint):
+    allowed = _literal_values(hint)
+    if allowed is not None:
+        def choice(value: Any, where: str) -> Any:
+            if any(type(value) is type(a) and value == a for a in allowed):
+                return value
+            raise MalformedMessage(f"{where}: expected one of {list(allowed)}")
+        return choice
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return lambda value, where: _build(hint, value)
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
@@ -118,10 +126,27 @@ def _required(hint: Any) -> Callable[[Any, str], Any]:
     return scalar
 
 
+def _is_union(hint: Any) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union
+
+
 def _without_none(hint: Any) -> Any:
-    if isinstance(hint, types.UnionType):
-        return next(o for o in typing.get_args(hint) if o is not type(None))
-    return hint
+    """`hint` without its `None` option (`X | None` is X; a union of several others stays one)."""
+    if not _is_union(hint):
+        return hint
+    rest = tuple(o for o in typing.get_args(hint) if o is not type(None))
+    return rest[0] if len(rest) == 1 else Union[rest]  # noqa: UP007 (a union built at run time)
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal[...]` (or a union of them) allows; None for any other type."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if _is_union(hint):
+        parts = [_literal_values(o) for o in typing.get_args(hint)]
+        if all(part is not None for part in parts):
+            return tuple(value for part in parts for value in part or ())
+    return None
 
 
 def _matches(hint: Any, value: Any) -> bool:

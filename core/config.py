@@ -186,8 +186,9 @@ def load_config(path: str | Path | None = None,
         if not key:
             raise ValueError(f"override {dotted!r} must look like section.key")
         # A str setting takes the text as is: "123", "yes" or "~" must not turn into 123/True/None.
-        as_text = _is_text(_hint_of(section, key)) or not isinstance(value, str)
-        parsed = value if as_text else _parse_yaml(value, f"override {dotted!r}")
+        parsed = value
+        if isinstance(value, str) and not _is_text(_hint_of(section, key)):
+            parsed = _parse_yaml(value, f"override {dotted!r}")
         section_raw = raw.setdefault(section, {})
         if not isinstance(section_raw, dict):
             raise ValueError(f"config.{section}: expected a mapping")
@@ -206,8 +207,9 @@ def config_field(dotted: str) -> tuple[dataclasses.Field[Any], Any]:
     """The field `section.key` names and its type; ValueError for an unknown key."""
     section, _, key = dotted.partition(".")
     section_hint = typing.get_type_hints(Config).get(section)
-    is_section = dataclasses.is_dataclass(section_hint) and isinstance(section_hint, type)
-    fields = {f.name: f for f in dataclasses.fields(section_hint)} if is_section else {}
+    if not (isinstance(section_hint, type) and dataclasses.is_dataclass(section_hint)):
+        raise ValueError(f"no config key {dotted!r}")
+    fields = {f.name: f for f in dataclasses.fields(section_hint)}
     if key not in fields:
         raise ValueError(f"no config key {dotted!r}")
     return fields[key], typing.get_type_hints(section_hint)[key]
@@ -243,7 +245,7 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, {} if value is None else value, where)
     if typing.get_origin(hint) is tuple:
         return _convert_tuple(hint, value, where)

@@ -9,12 +9,34 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, field, replace
+from typing import Literal, NamedTuple
 
 from core.codec import Codec, MalformedMessage  # noqa: F401  (re-exported)
+from core.config import KVBackend, Role
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
 JSON_OBJECT = "json_object"  # GenerationTask.grammar for any JSON object (else a schema's text)
+FinishReason = Literal["stop", "length"]  # a stop or EOS token; max_tokens
+
+
+class RequestKey(NamedTuple):
+    """One epoch of one request: what every process keys a request's state by. A resumed
+    request runs under a new epoch, and nothing of an older one may touch it."""
+
+    request_id: str
+    epoch: int
+
+
+class Keyed:
+    """A message about one epoch of one request."""
+
+    request_id: str
+    epoch: int
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.request_id, self.epoch)
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,7 @@ class GenerationTask:
 class Register:
     worker_id: str
     instance_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     kv_address: str  # where a decode worker receives KV; "" for prefill
     fingerprint: str
     block_size: int
@@ -132,8 +154,8 @@ class Leave:
 class TransferTotals:
     """A worker's KV transfer totals since it started, on one side of one backend."""
 
-    backend: str
-    direction: str  # "send" | "receive"
+    backend: KVBackend | Literal["any"]  # "any": a decode worker receives from every backend
+    direction: Literal["send", "receive"]
     chunks: int
     bytes: int
     seconds: float
@@ -149,7 +171,7 @@ class DropCount:
 
 
 @dataclass(frozen=True)
-class Held:
+class Held(Keyed):
     """A request (in one epoch) a worker holds: queued, in its forward pass, or receiving KV."""
 
     request_id: str
@@ -175,7 +197,7 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class PrefillRequest:
+class PrefillRequest(Keyed):
     request_id: str
     epoch: int
     task: GenerationTask
@@ -187,7 +209,7 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
-class DecodeRequest:
+class DecodeRequest(Keyed):
     """Prefill to decode, ahead of the request's KV: what to generate, and the KV layout the
     sender computed it in. The request's `FirstToken` follows its last layer."""
 
@@ -198,9 +220,9 @@ class DecodeRequest:
     siblings: list[str] = field(default_factory=list)  # as in PrefillRequest
 
 
-def choice_keys(request_id: str, epoch: int, siblings: list[str]) -> list[tuple[str, int]]:
-    """The (request id, epoch) of each choice of a request: itself, then its siblings."""
-    return [(request_id, epoch), *((sibling, epoch) for sibling in siblings)]
+def choice_keys(request: PrefillRequest | DecodeRequest) -> list[RequestKey]:
+    """The key of each choice of a request: itself, then its siblings (n > 1)."""
+    return [request.key, *(RequestKey(sibling, request.epoch) for sibling in request.siblings)]
 
 
 @dataclass(frozen=True)
@@ -212,23 +234,23 @@ class TopLogprob:
 
 
 @dataclass(frozen=True)
-class FirstToken:
+class FirstToken(Keyed):
     request_id: str
     epoch: int
     token_id: int
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     cached_tokens: int = 0  # prompt tokens whose KV the prefill worker had cached already
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
 
 
 @dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(Keyed):
     request_id: str
     epoch: int
     index: int  # position in the output: 0 is the first token (sent by prefill)
     token_id: int
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
 
@@ -241,13 +263,13 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(Keyed):
     request_id: str
     epoch: int
 
 
 @dataclass(frozen=True)
-class RequestFailed:
+class RequestFailed(Keyed):
     request_id: str
     epoch: int
     reason: str

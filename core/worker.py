@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import zmq
 
 from core.channels import ControlClient
-from core.curve import CurveKeys
+from core.config import Config, Role
+from core.curve import keys_for
 from core.messages import Heartbeat, Held, Leave, Message, Register, RegisterAgain, RegisterReply
 
 log = logging.getLogger(__name__)
@@ -34,26 +35,27 @@ class WorkerIdentity:
     """What a worker tells the gateway about itself when it registers."""
 
     worker_id: str
-    role: str
+    role: Role
     fingerprint: str  # KV layout: workers exchanging KV must agree on it
     block_size: int
     num_blocks: int
 
 
 class Worker(ABC):
-    def __init__(self, identity: WorkerIdentity, gateway_address: str,
-                 heartbeat_interval_s: float, keys: CurveKeys | None = None) -> None:
-        """`keys`: the cluster's CURVE keys, for this worker's sockets (None: plain ZeroMQ)."""
+    def __init__(self, identity: WorkerIdentity, config: Config) -> None:
+        """Connects to the gateway at `gateway.control_address`, with the cluster's CURVE keys
+        when `internal.curve` is on (they secure every socket of the worker)."""
         self.identity = identity
         self.worker_id = identity.worker_id
         self.instance_id = uuid.uuid4().hex
         self.kv_address = ""  # where this worker receives KV, if it does
-        self.keys = keys
+        self.keys = keys_for(config.internal)
         self.context = zmq.Context()
-        self.control = ControlClient(self.context, gateway_address, self.worker_id, keys)
+        self.control = ControlClient(self.context, config.gateway.control_address,
+                                     self.worker_id, self.keys)
         self.poller = zmq.Poller()
         self.poller.register(self.control.socket, zmq.POLLIN)
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s = config.pool(identity.role).heartbeat_interval_s
         self.next_heartbeat = 0.0
         self.stopping = False
         self.progress = 0  # model layers computed since start, reported in heartbeats

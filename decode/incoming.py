@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.messages import DecodeRequest
+from core.messages import DecodeRequest, RequestKey
 from kvtransfer import KVHeader, KVPayload
-
-Key = tuple[str, int]  # (request id, epoch)
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class IncomingTable:
         self.dtype = dtype
         self.fingerprint = fingerprint
         self.lease_s = lease_s
-        self.pending: dict[Key, IncomingKV] = {}
+        self.pending: dict[RequestKey, IncomingKV] = {}
         self.dropped: Counter[str] = Counter()  # chunks, by reason
         self.expired = 0  # entries dropped because their lease ran out
 
@@ -59,23 +57,24 @@ class IncomingTable:
         if request.fingerprint != self.fingerprint:
             return (f"KV layout mismatch: the prefill worker computed {request.fingerprint}, "
                     f"this decode worker holds {self.fingerprint}")
-        epochs = [k[1] for k in self.pending if k[0] == request.request_id]
-        if any(epoch > request.epoch for epoch in epochs):
+        older = [k for k in self.pending if k.request_id == request.request_id]
+        if any(k.epoch > request.epoch for k in older):
             self.dropped["stale epoch"] += 1  # the request has moved on to a newer epoch
             return None
-        for epoch in epochs:
-            del self.pending[(request.request_id, epoch)]
-        self.pending[(request.request_id, request.epoch)] = IncomingKV(request, now + self.lease_s)
+        for key in older:
+            del self.pending[key]
+        self.pending[request.key] = IncomingKV(request, now + self.lease_s)
         return None
 
     def add(self, payload: KVPayload, now: float) -> str | None:
         """File a verified chunk, renewing its request's lease; why the request must fail,
         or None."""
         header = payload.header
-        key = (header.request_id, header.epoch)
+        key = header.key
         entry = self.pending.get(key)
         if entry is None:
-            stale = any(k[0] == header.request_id and k[1] > header.epoch for k in self.pending)
+            stale = any(k.request_id == key.request_id and k.epoch > key.epoch
+                        for k in self.pending)
             self.dropped["stale epoch" if stale else "unknown request"] += 1
             return None
         layers = header.layer_end - header.layer_start
@@ -106,7 +105,7 @@ class IncomingTable:
                 and header.token_start == entry.token_start
                 and header.token_start + header.num_tokens == entry.token_end)
 
-    def take(self, key: Key) -> IncomingKV | None:
+    def take(self, key: RequestKey) -> IncomingKV | None:
         """Stop collecting the request's KV and return what arrived (None if not expected)."""
         return self.pending.pop(key, None)
 
@@ -119,6 +118,6 @@ class IncomingTable:
         """Drop and return the entries whose lease ran out."""
         expired = [entry for entry in self.pending.values() if entry.deadline <= now]
         for entry in expired:
-            del self.pending[(entry.request.request_id, entry.request.epoch)]
+            del self.pending[entry.request.key]
         self.expired += len(expired)
         return expired

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.messages import DecodeRequest
+from core.messages import DecodeRequest, RequestKey
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 
@@ -40,8 +40,8 @@ class DecodeSequence:
     deadline: float = 0.0  # when its prompt should be prefilled by, if prefilled here
 
     @property
-    def key(self) -> tuple[str, int]:
-        return self.request.request_id, self.request.epoch
+    def key(self) -> RequestKey:
+        return self.request.key
 
 
 class DecodeScheduler:
@@ -66,7 +66,7 @@ class DecodeScheduler:
         longest = len(task.prompt_ids) + task.max_tokens
         return blocks_needed(longest, self.block_size) <= self.allocator.num_total
 
-    def find(self, key: tuple[str, int]) -> DecodeSequence | None:
+    def find(self, key: RequestKey) -> DecodeSequence | None:
         return next((s for s in [*self.running, *self.waiting] if s.key == key), None)
 
     def schedule(self) -> tuple[list[DecodeSequence], list[DecodeSequence]]:

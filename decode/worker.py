@@ -11,7 +11,6 @@ import zmq
 
 from core.codec import MalformedMessage
 from core.config import Config
-from core.curve import keys_for
 from core.messages import (
     Abort,
     DecodeRequest,
@@ -22,6 +21,7 @@ from core.messages import (
     Message,
     PrefillRequest,
     RequestFailed,
+    RequestKey,
     TokenBatch,
     TokenEvent,
     TransferTotals,
@@ -29,7 +29,8 @@ from core.messages import (
     decode,
 )
 from core.worker import Worker, WorkerIdentity
-from decode.incoming import IncomingKV, IncomingTable, Key
+from decode.incoming import IncomingKV, IncomingTable
+from decode.phases import Phase, Phases
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
@@ -41,15 +42,13 @@ from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
 from kvtransfer.wire import dtype_name
 
 log = logging.getLogger(__name__)
-_TOMBSTONE_TTL_S = 120.0
 
 
 class DecodeWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total)
-        super().__init__(identity, config.gateway.control_address,
-                         config.decode.heartbeat_interval_s, keys_for(config.internal))
+        super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running, config.decode.chunk_tokens,
@@ -61,16 +60,14 @@ class DecodeWorker(Worker):
         self.incoming = IncomingTable(spec.num_layers, (spec.num_kv_heads, spec.head_dim),
                                       dtype_name(runner.cache.dtype), identity.fingerprint,
                                       config.kv_transfer.lease_s)
-        # Requests ended here (aborted, finished): a late or repeated request for one is dropped
-        self.ended: dict[Key, float] = {}
-        self.forks: dict[Key, list[DecodeSequence]] = {}  # n > 1: choices waiting on a prompt
+        self.phases = Phases(self.incoming, self.scheduler)
         self.rejected_requests = 0
         self.ttft_s_per_token = config.decode.ttft_ms_per_token / 1000
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Abort):
-            self._abort((message.request_id, message.epoch))
+            self._abort(message.key)
         elif isinstance(message, PrefillRequest):
             self._prefill_here(message)
         else:
@@ -114,7 +111,7 @@ class DecodeWorker(Worker):
         if not drawing:
             return  # only prompt chunks this step
         draws = draw(logits[rows], [s.request.task.sampling for s in drawing],
-                     [s.generator for s in drawing], [self._history(s) for s in drawing])
+                     [_generator(s) for s in drawing], [self._history(s) for s in drawing])
         self.control.send(TokenBatch([self._advance(s, d) for s, d in zip(drawing, draws,
                                                                           strict=True)]))
 
@@ -123,8 +120,8 @@ class DecodeWorker(Worker):
         of it. `drawing`: they draw their first token from the parent's logits of this step;
         else they feed their last token next step. Returns the forks now running."""
         running = []
-        for child in self.forks.pop(parent.key, []):
-            if child.key in self.ended:
+        for child in self.phases.forks.pop(parent.key, []):
+            if self.phases.of(child.key) is Phase.ENDED:
                 continue  # aborted meanwhile
             child.num_cached = len(child.tokens) - (0 if drawing else 1)
             copy = self.scheduler.fork(parent, child)
@@ -155,7 +152,7 @@ class DecodeWorker(Worker):
         reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
         if reason is not None:
             self.scheduler.remove(sequence)
-            self.ended[sequence.key] = time.monotonic() + _TOMBSTONE_TTL_S
+            self.phases.end(sequence.key, time.monotonic())
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
                           token.logprob, token.top)
 
@@ -174,19 +171,19 @@ class DecodeWorker(Worker):
                 assert entry is not None, "only a request expected can fail"
                 self._fail_handoff(entry.request, failure)
 
-    def _on_notice(self, key: Key, meta: bytes) -> None:
+    def _on_notice(self, key: RequestKey, meta: bytes) -> None:
         try:
             message = decode(meta)
         except MalformedMessage:
             message = None
-        if not isinstance(message, DecodeRequest | FirstToken) or (
-                (message.request_id, message.epoch) != key):
+        if not isinstance(message, DecodeRequest | FirstToken) or message.key != key:
             self.incoming.dropped["malformed notice"] += 1
             return
         if isinstance(message, DecodeRequest):
-            if self.scheduler.find(key) is not None:
+            phase = self.phases.of(key)
+            if phase in (Phase.WAITING, Phase.RUNNING):
                 self.incoming.dropped["duplicate request"] += 1  # a repeated hand-off
-            elif key not in self.ended:
+            elif phase is not Phase.ENDED:
                 problem = self.incoming.expect(message, time.monotonic())
                 if problem is not None:
                     self._fail(key, problem)
@@ -205,7 +202,7 @@ class DecodeWorker(Worker):
             return
         choices = self._choices(request, [first_token])
         if first_finished:  # as prefill found: the request's own choice ends there
-            choices = [c for c in choices if c.key != (request.request_id, request.epoch)]
+            choices = [c for c in choices if c.key != request.key]
         if choices:
             choices[0].received_kv = entry.layers
             self._queue(choices[0], choices[1:])
@@ -214,11 +211,10 @@ class DecodeWorker(Worker):
         """A sequence per choice of the request not ended yet: with its first token when
         drawn already (`first_tokens[i]`), else to draw it."""
         choices = []
-        for i, key in enumerate(choice_keys(request.request_id, request.epoch,
-                                            request.siblings)):
+        for i, key in enumerate(choice_keys(request)):
             task = replace(request.task, sampling=request.task.sampling.for_choice(i))
             first = first_tokens[i] if i < len(first_tokens) else None
-            if key in self.ended:
+            if self.phases.of(key) is Phase.ENDED:
                 continue
             choices.append(DecodeSequence(
                 request=DecodeRequest(*key, task, request.fingerprint),
@@ -233,10 +229,10 @@ class DecodeWorker(Worker):
         """Conditional disaggregation: the gateway sent the prompt to this worker, which
         prefills it in chunks inside its decode batches and draws its first token itself
         (and with n > 1, each choice's, from the same logits)."""
-        key = (message.request_id, message.epoch)
-        if self.scheduler.find(key) is not None or key in self.ended:
+        if self.phases.of(message.key) is not None:
             return  # a repeat, or already aborted
-        request = DecodeRequest(*key, message.task, self.identity.fingerprint, message.siblings)
+        request = DecodeRequest(*message.key, message.task, self.identity.fingerprint,
+                                message.siblings)
         choices = self._choices(request, [])
         self._queue(choices[0], choices[1:])
 
@@ -256,7 +252,7 @@ class DecodeWorker(Worker):
             return
         self.scheduler.add(sequence)
         if servable:
-            self.forks[sequence.key] = servable
+            self.phases.forks[sequence.key] = servable
 
     def _prepare(self, sequence: DecodeSequence) -> str:
         """Compile its grammar; why it cannot be served ("" when it can)."""
@@ -277,14 +273,14 @@ class DecodeWorker(Worker):
                 constraint.advance(token)
         return constraint
 
-    def _fail(self, key: Key, reason: str) -> None:
+    def _fail(self, key: RequestKey, reason: str) -> None:
         self.rejected_requests += 1
         self.control.send(RequestFailed(*key, reason))
 
     def _fail_handoff(self, request: DecodeRequest, reason: str) -> None:
         """Its KV did not arrive whole: not the request's fault, so the gateway may serve
         each of its choices again."""
-        for key in choice_keys(request.request_id, request.epoch, request.siblings):
+        for key in choice_keys(request):
             self.rejected_requests += 1
             self.control.send(RequestFailed(*key, reason, retry=True))
 
@@ -297,20 +293,20 @@ class DecodeWorker(Worker):
         sequence.num_cached = len(sequence.request.task.prompt_ids)
         sequence.received_kv = None
 
-    def _abort(self, key: Key) -> None:
+    def _abort(self, key: RequestKey) -> None:
         sequence = self.scheduler.find(key)
         if sequence is not None:
             self.scheduler.remove(sequence)
         else:
             self.incoming.take(key)
-        for fork in self.forks.pop(key, []):  # the other choices go on, computing the prompt
+        for fork in self.phases.forks.pop(key, []):  # the others go on, computing the prompt
             fork.num_cached = 0
             self.scheduler.add(fork)
-        self.ended[key] = time.monotonic() + _TOMBSTONE_TTL_S
+        self.phases.end(key, time.monotonic())
 
     def heartbeat(self) -> Heartbeat:
         now = time.monotonic()
-        self.ended = {k: t for k, t in self.ended.items() if t > now}
+        self.phases.forget_ended(now)
         for entry in self.incoming.expire(now):
             self._fail_handoff(entry.request, "the KV did not arrive in time")
         dropped = self.receiver.dropped + self.incoming.dropped
@@ -327,16 +323,16 @@ class DecodeWorker(Worker):
         )
 
     def holding(self) -> list[Held]:
-        sequences = [*self.scheduler.running, *self.scheduler.waiting,
-                     *(fork for forks in self.forks.values() for fork in forks)]
-        arriving = [key for entry in self.incoming.pending.values()
-                    for key in choice_keys(entry.request.request_id, entry.request.epoch,
-                                           entry.request.siblings)]
-        return [Held(*key) for key in [*arriving, *(s.key for s in sequences)]]
+        return [Held(*key) for key in self.phases.held()]
 
     def close(self) -> None:
         self.receiver.close()
         super().close()
+
+
+def _generator(sequence: DecodeSequence) -> torch.Generator:
+    assert sequence.generator is not None, "every sequence this worker made has its generator"
+    return sequence.generator
 
 
 def _decode_seed(seed: int | None) -> int | None:

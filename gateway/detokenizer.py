@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.weights.tokenizer import decode_text
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -69,9 +71,7 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self._tokenizer.decode(
-            self._ids[start:end], skip_special_tokens=self._skip_special_tokens
-        )
+        return decode_text(self._tokenizer, self._ids[start:end], self._skip_special_tokens)
 
 
 class StopStringMatcher:

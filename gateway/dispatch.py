@@ -1,8 +1,8 @@
 """Requests in flight: dispatch to a prefill/decode pair, route worker events back, abort.
 
-Each request gets a `RequestHandle` whose queue receives `Event`s: tokens from the prefill worker
-(the first) and the decode worker (the rest), or a failure. The handle reaches exactly one
-terminal state; aborts go to every worker that may hold the request.
+Each request gets a `RequestHandle` (gateway.handle) whose queue receives `Event`s: tokens from
+the prefill worker (the first) and the decode worker (the rest), or a failure. The handle
+reaches exactly one terminal state; aborts go to every worker that may hold the request.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from core.channels import ControlServer
 from core.messages import (
@@ -27,46 +27,15 @@ from core.messages import (
     Register,
     RegisterAgain,
     RequestFailed,
+    RequestKey,
     TokenBatch,
     TokenEvent,
-    TopLogprob,
 )
 from gateway.errors import service_unavailable
+from gateway.handle import Assignment, Event, RequestHandle
 from gateway.registry import Registry, Route, WorkerInfo
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Event:
-    token_id: int | None  # None for a failure
-    finish_reason: str | None  # "stop", "length", or "error"
-    error: str = ""
-    logprob: float | None = None  # when the request asked for logprobs
-    top: list[TopLogprob] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class RequestHandle:
-    request_id: str
-    epoch: int
-    task: GenerationTask
-    prefill_worker: str
-    decode_worker: str
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    done: bool = False
-    next_index: int = 0  # the output position the client gets next
-    early: dict[int, Event] = field(default_factory=dict)  # arrived before their turn
-    retries: int = 0  # times it was resumed after losing a worker
-    recoveries: int = 0  # times it was resumed after losing a message
-    delivered: list[int] = field(default_factory=list)  # token ids the client has got
-    offset: int = 0  # output index of this epoch's first token (tokens before it: delivered)
-    gap_since: float | None = None  # since when later tokens wait for a missing one
-    cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
-    held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
-    forked: bool = False  # another choice of an n > 1 request: decode draws its first token
-    unreached: dict[str, float] = field(default_factory=dict)  # decode worker its KV could
-    # not reach -> when; one that heartbeats after that was alive, not killed by this request
 
 
 _REABORT_MEMORY = 4096
@@ -101,7 +70,8 @@ class Dispatcher:
             raise service_unavailable("no decode worker is available", retry_after=1.0)
         handles = [RequestHandle(uuid.uuid4().hex, 0,
                                  replace(task, sampling=task.sampling.for_choice(i)),
-                                 route.prefill.worker_id, route.decode.worker_id, forked=i > 0)
+                                 Assignment(route.prefill.worker_id, route.decode.worker_id,
+                                            forked=i > 0))
                    for i in range(n)]
         self._send(handles[0], route, task, [h.request_id for h in handles[1:]])
         for handle in handles:
@@ -112,8 +82,8 @@ class Dispatcher:
               siblings: list[str] | None = None) -> None:
         """The PrefillRequest of the handle's epoch (with its `siblings`' choices), to
         whichever worker prefills it. The prompt's tokens count once on each worker."""
-        handle.prefill_worker = route.prefill.worker_id
-        handle.decode_worker = route.decode.worker_id
+        handle.assignment.prefill_worker = route.prefill.worker_id
+        handle.assignment.decode_worker = route.decode.worker_id
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
             route.decode.kv_address, siblings or []))
@@ -126,8 +96,8 @@ class Dispatcher:
         if handle.done:
             return
         self._finish(handle)
-        for worker_id in _workers_of(handle):
-            self._send_abort(worker_id, handle.request_id, handle.epoch)
+        for worker_id in handle.assignment.workers:
+            self._send_abort(worker_id, handle.key)
             self._remember_abort(worker_id, handle.request_id)
 
     async def serve(self) -> None:
@@ -155,9 +125,10 @@ class Dispatcher:
         """A token that never came (its message lost) stalls its stream: start over from it."""
         lost_before = time.monotonic() - _LOST_AFTER_S
         for handle in list(self.requests.values()):
-            if handle.gap_since is not None and handle.gap_since < lost_before:
+            gap_since = handle.output.gap_since
+            if gap_since is not None and gap_since < lost_before:
                 log.warning("request %s lost token %d: resuming", handle.request_id,
-                            handle.next_index)
+                            handle.output.next_index)
                 self._recover_or_fail(handle, _LOST)
 
     def _resume_unheld(self) -> None:
@@ -171,11 +142,11 @@ class Dispatcher:
 
     def _note_held(self, worker_id: str, held: list[Held]) -> None:
         worker = self.registry.workers[worker_id]
-        keys = {(h.request_id, h.epoch) for h in held}
+        keys = {h.key for h in held}
         now = time.monotonic()
         for request_id in worker.active:
             handle = self.requests.get(request_id)
-            if handle is not None and (request_id, handle.epoch) in keys:
+            if handle is not None and handle.key in keys:
                 handle.held_at = now
 
     def on_message(self, worker_id: str, message: Message) -> None:
@@ -205,7 +176,7 @@ class Dispatcher:
         """The prompt tokens the prefill worker found cached, as the client's usage reports
         them: from the first epoch that reaches the client (a resumed one's prompt is longer)."""
         handle = self.requests.get(first.request_id)
-        if handle is not None and handle.epoch == first.epoch and not handle.delivered:
+        if handle is not None and handle.epoch == first.epoch and not handle.output.delivered:
             handle.cached_tokens = min(first.cached_tokens, len(handle.task.prompt_ids))
 
     def _on_register(self, worker_id: str, message: Register) -> None:
@@ -235,9 +206,9 @@ class Dispatcher:
         if not message.retry:
             self._fail(handle, _UNSERVED)
             return
-        handed_off_by_prefill = handle.prefill_worker != handle.decode_worker
-        if handed_off_by_prefill and worker_id == handle.prefill_worker:
-            self._unreachable(handle, handle.decode_worker)
+        assignment = handle.assignment
+        if assignment.handed_off and worker_id == assignment.prefill_worker:
+            self._unreachable(handle, assignment.decode_worker)
         self._recover_or_fail(handle, _UNSERVED)
 
     def _unreachable(self, handle: RequestHandle, decode_id: str) -> None:
@@ -246,42 +217,36 @@ class Dispatcher:
         decode = self.registry.workers.get(decode_id)
         if decode is not None:
             decode.unreachable = True
-        handle.unreached[decode_id] = time.monotonic()
+        handle.retries.unreached[decode_id] = time.monotonic()
 
     def _on_token(self, worker_id: str, token: TokenEvent) -> None:
         handle = self.requests.get(token.request_id)
         if handle is None or handle.epoch != token.epoch:
             self._reabort(worker_id, token)  # it ended here; the worker may not know yet
             return
-        first_from = handle.decode_worker if handle.forked else handle.prefill_worker
-        expected = first_from if token.index == 0 else handle.decode_worker
-        if worker_id != expected:
+        if worker_id != handle.assignment.sender_of(token.index):
             log.warning("token for %s from %s, not its worker: dropped", handle.request_id,
                         worker_id)
             return
-        index = handle.offset + token.index  # in the client's output
-        if index < handle.next_index or index in handle.early:
+        event = Event(token.token_id, token.finish_reason, logprob=token.logprob, top=token.top)
+        if not handle.output.accept(token.index, event):
             return  # a duplicate
-        handle.early[index] = Event(token.token_id, token.finish_reason,
-                                    logprob=token.logprob, top=token.top)
         handle.held_at = time.monotonic()
         if token.index > 0:
             self._decode_progress(handle)
-        while not handle.done and handle.next_index in handle.early:
-            event = handle.early.pop(handle.next_index)
-            handle.next_index += 1
-            assert event.token_id is not None
-            handle.delivered.append(event.token_id)
-            handle.events.put_nowait(event)
-            if event.finish_reason is not None:
+        for ready in handle.output.in_order():
+            handle.events.put_nowait(ready)
+            if ready.finish_reason is not None:
                 self._finish(handle)
-        handle.gap_since = (handle.gap_since or time.monotonic()) if handle.early else None
+                break
+        handle.output.note_gap(time.monotonic())
 
     def _decode_progress(self, handle: RequestHandle) -> None:
         """The decode worker holds the request now: prefill is done with it."""
-        if handle.prefill_worker != handle.decode_worker:
-            self._release(handle.request_id, handle.prefill_worker)
-        decode = self.registry.workers.get(handle.decode_worker)
+        assignment = handle.assignment
+        if assignment.handed_off:
+            self._release(handle.request_id, assignment.prefill_worker)
+        decode = self.registry.workers.get(assignment.decode_worker)
         if decode is not None and handle.request_id in decode.active:
             decode.active[handle.request_id] += 1
 
@@ -289,21 +254,21 @@ class Dispatcher:
         if token.finish_reason is not None or (worker_id, token.request_id) in self.reaborted:
             return
         self._remember_abort(worker_id, token.request_id)
-        self._send_abort(worker_id, token.request_id, token.epoch)
+        self._send_abort(worker_id, token.key)
 
     def _remember_abort(self, worker_id: str, request_id: str) -> None:
         self.reaborted[(worker_id, request_id)] = None
         if len(self.reaborted) > _REABORT_MEMORY:
             self.reaborted.popitem(last=False)
 
-    def _send_abort(self, worker_id: str, request_id: str, epoch: int) -> None:
-        self.control.send(worker_id, Abort(request_id, epoch))
+    def _send_abort(self, worker_id: str, key: RequestKey) -> None:
+        self.control.send(worker_id, Abort(*key))
         self.aborts_sent += 1
 
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True
         self.requests.pop(handle.request_id, None)
-        for worker_id in _workers_of(handle):
+        for worker_id in handle.assignment.workers:
             self._release(handle.request_id, worker_id)
 
     def _release(self, request_id: str, worker_id: str) -> None:
@@ -319,33 +284,34 @@ class Dispatcher:
         for request_id in list(worker.active):
             handle = self.requests.get(request_id)
             if handle is not None:
-                handle.unreached.pop(worker.worker_id, None)
+                handle.retries.unreached.pop(worker.worker_id, None)
                 self._resume_or_fail(handle)
         # Requests moved off it when their KV could not reach it, and it never heartbeat again:
         # it may be one of them that killed it, so each counts it against its lost workers.
-        for handle in [h for h in self.requests.values() if worker.worker_id in h.unreached]:
-            marked = handle.unreached.pop(worker.worker_id)
+        for handle in [h for h in self.requests.values()
+                       if worker.worker_id in h.retries.unreached]:
+            marked = handle.retries.unreached.pop(worker.worker_id)
             if worker.last_seen > marked:
                 continue
-            if handle.retries < _MAX_RESUMES:
-                handle.retries += 1
+            if handle.retries.worker_losses < _MAX_RESUMES:
+                handle.retries.worker_losses += 1
             else:
                 self._fail(handle, _STOPPED)
 
     def _resume_or_fail(self, handle: RequestHandle) -> None:
         """One of the handle's workers is gone."""
-        if handle.retries < _MAX_RESUMES and self._resume(handle):
-            handle.retries += 1
+        if handle.retries.worker_losses < _MAX_RESUMES and self._resume(handle):
+            handle.retries.worker_losses += 1
             return
         self._fail(handle, _STOPPED)
 
     def _recover_or_fail(self, handle: RequestHandle, reason: str) -> None:
         """The handle's epoch was lost in passing (a lost message, a failed KV hand-off),
         through no fault of its own: start it again, up to a limit."""
-        if handle.recoveries >= _MAX_RECOVERIES:
+        if handle.retries.message_losses >= _MAX_RECOVERIES:
             self._fail(handle, reason)
         elif self._resume(handle):
-            handle.recoveries += 1
+            handle.retries.message_losses += 1
         else:
             self._fail(handle, _NO_WORKER)
 
@@ -357,24 +323,19 @@ class Dispatcher:
         """Start the request again under a new epoch on a live pair of workers, from its prompt
         plus the tokens the client already has, so the stream goes on with no gap and no
         repeat (anything of the old epoch is dropped everywhere). False with a pool empty."""
-        task = handle.task
-        prompt = [*task.prompt_ids, *handle.delivered]
+        task, delivered = handle.task, handle.output.delivered
+        prompt = [*task.prompt_ids, *delivered]
         route = self.registry.route(prompt, task.cache_salt)
         if route is None:
             return False
-        for worker_id in _workers_of(handle):
-            self._send_abort(worker_id, handle.request_id, handle.epoch)
+        for worker_id in handle.assignment.workers:
+            self._send_abort(worker_id, handle.key)
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
-        handle.forked = False
-        handle.offset, handle.early, handle.gap_since = handle.next_index, {}, None
+        handle.assignment.forked = False
+        handle.output.new_epoch()
         handle.held_at = time.monotonic()
-        task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(handle.delivered))
+        task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(delivered))
         self._send(handle, route, task)
         self.resumed += 1
         return True
-
-
-def _workers_of(handle: RequestHandle) -> list[str]:
-    """The workers serving the handle's epoch (one, when its decode worker prefills it)."""
-    return list(dict.fromkeys((handle.prefill_worker, handle.decode_worker)))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from gateway.dispatch import Dispatcher, Event, RequestHandle
+from gateway.handle import Ending, Event, RequestHandle
 from gateway.logprobs import TokenLogprob, TokenPieces, finite_logprob
 from gateway.metrics import Metrics
 
@@ -18,7 +18,7 @@ from gateway.metrics import Metrics
 @dataclass(frozen=True)
 class Delta:
     text: str
-    finish_reason: str | None = None  # "stop", "length", or "error" (then `error` says why)
+    finish_reason: Ending | None = None  # "error": then `error` says why
     error: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last delta, when asked
 
@@ -27,14 +27,15 @@ KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
 
 
 class Generation:
-    """One request's text deltas; `pieces` (given when the request asked for logprobs) turns
-    the tokens' logprobs into `TokenLogprob`s that ride on the deltas."""
+    """One request's text deltas; `abort` stops the request on its workers (the dispatcher's);
+    `pieces` (given when the request asked for logprobs) turns the tokens' logprobs into
+    `TokenLogprob`s that ride on the deltas."""
 
-    def __init__(self, handle: RequestHandle, dispatcher: Dispatcher, metrics: Metrics,
-                 tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
+    def __init__(self, handle: RequestHandle, abort: Callable[[RequestHandle], None],
+                 metrics: Metrics, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
                  pieces: TokenPieces | None = None) -> None:
         self.handle = handle
-        self.dispatcher = dispatcher
+        self._abort = abort
         self.metrics = metrics
         self.detokenizer = IncrementalDetokenizer(tokenizer, handle.task.prompt_ids)
         self.stops = StopStringMatcher(stops)
@@ -88,7 +89,7 @@ class Generation:
                 return
 
     def abort(self) -> None:
-        self.dispatcher.abort(self.handle)
+        self._abort(self.handle)
 
     def _apply(self, event: Event) -> Delta:
         if event.token_id is None:
@@ -105,7 +106,7 @@ class Generation:
             return self._finished(emit + self.stops.flush(), event.finish_reason)
         return Delta(emit)
 
-    def _token_text(self, token_id: int, finish_reason: str | None) -> str:
+    def _token_text(self, token_id: int, finish_reason: Ending | None) -> str:
         # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the text.
         text = "" if finish_reason == "stop" else self.detokenizer.add(token_id)
         if finish_reason is not None:
@@ -134,7 +135,7 @@ class Generation:
         delta, self.pending = replace(delta, logprobs=tuple(self.pending)), []
         return delta
 
-    def _finished(self, text: str, reason: str) -> Delta:
+    def _finished(self, text: str, reason: Ending) -> Delta:
         self.metrics.e2e.observe(time.monotonic() - self.started)
         return Delta(text, reason)
 

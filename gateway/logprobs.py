@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import decoders
 
+from engine.weights.tokenizer import decode_text
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -87,7 +89,7 @@ class TokenPieces:
             return bytes([int(byte.group(1), 16)])
         if _SPACE_MARK in symbol:
             return symbol.replace(_SPACE_MARK, " ").encode()
-        return self._tokenizer.decode([token_id]).encode()
+        return decode_text(self._tokenizer, [token_id]).encode()
 
 
 def _is_byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:

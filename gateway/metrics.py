@@ -15,7 +15,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.registry import Registry
+from core.config import ROLES
+from gateway.registry import ROUTE_PATHS, Registry
 
 disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -73,7 +74,7 @@ class Metrics:
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions,
                       self.in_transfer, self.leases_expired, self.progress, self.stalled):
             gauge.clear()
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             self.workers.labels(role).set(len(membership.alive(role)))
         for worker in membership.workers.values():
             name = worker.worker_id
@@ -161,6 +162,6 @@ class DecisionCollector(Collector):
                                      "Requests routed, by path: disaggregated (a prefill worker) "
                                      "or prefilled on the decode worker (local_*)",
                                      labels=["path"])
-        for path in ("disaggregated", "local_short", "local_saturated", "local_no_prefill"):
+        for path in ROUTE_PATHS:
             family.add_metric([path], self.membership.decisions[path])
         yield family

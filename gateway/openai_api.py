@@ -12,7 +12,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Sampling
 from gateway.auth import cache_salt
-from gateway.dispatch import RequestHandle
 from gateway.errors import (
     APIError,
     bad_request,
@@ -22,6 +21,7 @@ from gateway.errors import (
     service_unavailable,
 )
 from gateway.generation import Generation
+from gateway.handle import RequestHandle
 from gateway.logprobs import TokenPieces
 from gateway.protocol import (
     GenerationParams,
@@ -121,7 +121,7 @@ class OpenAIRoutes:
         handles = self._submit(tasks, params.n)
         self.state.metrics.prompt_tokens.inc(prompt_tokens)
         logprobs = params.logprobs is not None
-        generations = [Generation(handle, self.state.dispatcher, self.state.metrics,
+        generations = [Generation(handle, self.state.dispatcher.abort, self.state.metrics,
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None) for handle in handles]
         reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n)

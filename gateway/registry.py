@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import time
+import typing
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
+from core.config import ROLES, Role
 from core.messages import Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.prefix_index import PrefixIndex
+
+# Who prefills a request: a prefill worker, or its decode worker itself (and why).
+RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
+ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
 
 
 @dataclass
 class WorkerInfo:
     worker_id: str
     instance_id: str
-    role: str
+    role: Role
     kv_address: str
     block_size: int
     num_blocks: int
@@ -50,7 +57,7 @@ class Route:
 
     prefill: WorkerInfo
     decode: WorkerInfo
-    path: str  # disaggregated | local_short | local_saturated | local_no_prefill
+    path: RoutePath
 
 
 @dataclass(frozen=True)
@@ -73,16 +80,16 @@ class Registry:
         self.fingerprint = fingerprint
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
-        self.expected = {"prefill": expect_prefill, "decode": expect_decode}
+        self.expected: dict[Role, int] = {"prefill": expect_prefill, "decode": expect_decode}
         self.workers: dict[str, WorkerInfo] = {}
         self.refused = 0
         self.local = local
-        self.decisions: Counter[str] = Counter()  # routes taken, by path
+        self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
 
     def register(self, message: Register) -> tuple[RegisterReply, WorkerInfo | None]:
         """Admit a worker whose KV layout matches; a re-registering id replaces the old one."""
-        if message.role not in self.expected:
+        if message.role not in ROLES:
             return RegisterReply(False, f"unknown role {message.role!r}"), None
         if message.fingerprint != self.fingerprint:
             self.refused += 1
@@ -139,10 +146,10 @@ class Registry:
     def remove(self, worker_id: str) -> WorkerInfo | None:
         return self.workers.pop(worker_id, None)
 
-    def alive(self, role: str) -> list[WorkerInfo]:
+    def alive(self, role: Role) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def serving(self, role: str) -> list[WorkerInfo]:
+    def serving(self, role: Role) -> list[WorkerInfo]:
         """The live workers of `role` that are making progress: the ones routed to."""
         return [w for w in self.alive(role) if not w.stalled]
 
@@ -208,8 +215,8 @@ class Registry:
         self.decisions[route.path] += 1
         return route
 
-    def _local_path(self, prompt_len: int, decode: WorkerInfo) -> str:
-        """Why the decode worker should prefill the prompt itself; "" when it should not."""
+    def _local_path(self, prompt_len: int, decode: WorkerInfo) -> RoutePath | None:
+        """Why the decode worker should prefill the prompt itself; None when it should not."""
         pool = self.serving("prefill")
         if not pool:
             return "local_no_prefill"
@@ -218,7 +225,7 @@ class Registry:
         saturated = (self.local.saturated_tokens > 0 and
                      prompt_len <= self.local.saturated_max_tokens and
                      all(w.held_tokens >= self.local.saturated_tokens for w in pool))
-        return "local_saturated" if saturated and _has_headroom(decode) else ""
+        return "local_saturated" if saturated and _has_headroom(decode) else None
 
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences (one

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Delta, Generation
+from gateway.handle import Ending
 from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from gateway.state import GatewayState
 
@@ -30,7 +31,7 @@ class ChatFormat:
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def choice_delta(self, index: int, text: str, reason: str | None, first: bool,
+    def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
                      logprobs: Logprobs = None) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
@@ -38,7 +39,7 @@ class ChatFormat:
         shown = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, index: int, text: str, reason: str | None,
+    def choice_full(self, index: int, text: str, reason: Ending | None,
                     logprobs: Logprobs = None) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
         shown = None if logprobs is None else chat_logprobs(logprobs)
@@ -51,12 +52,12 @@ class CompletionFormat:
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def choice_delta(self, index: int, text: str, reason: str | None, first: bool,
+    def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
                      logprobs: Logprobs = None) -> dict[str, Any]:
         shown = None if logprobs is None else completion_logprobs(logprobs)
         return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, index: int, text: str, reason: str | None,
+    def choice_full(self, index: int, text: str, reason: Ending | None,
                     logprobs: Logprobs = None) -> dict[str, Any]:
         return self.choice_delta(index, text, reason, first=False, logprobs=logprobs)
 
@@ -69,7 +70,7 @@ class _Whole:
     """A choice collected to its end."""
 
     parts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: Ending | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 

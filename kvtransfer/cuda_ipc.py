@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import zmq
 
+from core.config import KVBackend
 from core.curve import CurveKeys
 from kvtransfer.base import BadChunk
 from kvtransfer.segments import OpenSegments
@@ -151,7 +152,7 @@ class CudaIpcKVSender(StagedKVSender):
     """Stages CUDA chunks in its device buffer. CPU tensors go inline; so do CUDA tensors that
     find no room in the buffer, through a host copy."""
 
-    backend = "cuda_ipc"
+    backend: KVBackend = "cuda_ipc"
 
     def __init__(self, context: zmq.Context, buffer_bytes: int, lease_s: float,
                  device: int = 0, keys: CurveKeys | None = None) -> None:

@@ -102,7 +102,8 @@ class KVReceiver:
             return None
         if isinstance(message, KVNotice):
             if data:
-                return self._drop_unnamed("frames", "a notice with data frames")
+                self._drop_unnamed("frames", "a notice with data frames")
+                return None
             return message
         started = time.perf_counter()
         try:

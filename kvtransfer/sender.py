@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from core.codec import MalformedMessage
+from core.config import KVBackend
 from core.curve import CurveKeys, make_client
 from kvtransfer.base import TransferCounters, TransferError
 from kvtransfer.ring import RingAllocator
@@ -48,7 +49,7 @@ class KVSender:
     holding the cluster's server key, as an authenticated client (see core/curve.py).
     """
 
-    backend = "zmq"
+    backend: KVBackend = "zmq"
 
     def __init__(self, context: zmq.Context, keys: CurveKeys | None = None) -> None:
         self.context = context

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import zmq
 
+from core.config import KVBackend
 from core.curve import CurveKeys
 from kvtransfer.base import BadChunk
 from kvtransfer.segments import OpenSegments, alive, segment_owner
@@ -70,7 +71,7 @@ def sweep_dead_segments() -> int:
 class ShmKVSender(StagedKVSender):
     """Stages chunks in its shared-memory segment."""
 
-    backend = "shm"
+    backend: KVBackend = "shm"
 
     def __init__(self, context: zmq.Context, buffer_bytes: int, lease_s: float,
                  keys: CurveKeys | None = None) -> None:

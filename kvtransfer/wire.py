@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from core.codec import Codec
+from core.messages import Keyed, RequestKey
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,7 +40,7 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class KVHeader:
+class KVHeader(Keyed):
     request_id: str
     epoch: int
     layer_start: int
@@ -53,16 +54,12 @@ class KVHeader:
 
 
 @dataclass(frozen=True)
-class KVNotice:
+class KVNotice(Keyed):
     """A control message for the receiving worker, delivered in order with the chunks."""
 
     request_id: str
     epoch: int
     meta: bytes
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.request_id, self.epoch
 
 
 @dataclass(frozen=True)
@@ -84,21 +81,17 @@ class KVPayload:
     borrowed: bool = False
 
     @property
-    def key(self) -> tuple[str, int]:
-        return self.header.request_id, self.header.epoch
+    def key(self) -> RequestKey:
+        return self.header.key
 
 
 @dataclass(frozen=True)
-class KVRejected:
+class KVRejected(Keyed):
     """A chunk whose header named a request but whose data failed verification."""
 
     request_id: str
     epoch: int
     reason: str
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.request_id, self.epoch
 
 
 KVItem = KVPayload | KVNotice | KVRejected  # what a receiver hands its worker, in arrival order
@@ -110,7 +103,7 @@ RELEASE_CODEC: Codec[KVRelease] = Codec((KVRelease,))
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def checksum(*buffers: memoryview) -> int:
@@ -135,7 +128,7 @@ def copy_and_hash(pairs: list[tuple[np.ndarray, np.ndarray]]) -> int:
         for start in range(0, source.nbytes, _FUSED_CHUNK):
             piece = destination[start:start + _FUSED_CHUNK]
             np.copyto(piece, source[start:start + _FUSED_CHUNK])
-            digest.update(piece)
+            digest.update(piece.data)
     return digest.intdigest()
 
 

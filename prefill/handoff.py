@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.messages import DecodeRequest, FirstToken, PrefillRequest, encode
+from core.messages import DecodeRequest, FirstToken, PrefillRequest, RequestKey, encode
 from engine.kv.cache import PagedKVCache
 from kvtransfer import KVSender, TransferError
 from kvtransfer.sender import layers_per_chunk
-
-Key = tuple[str, int]  # (request id, epoch)
 
 
 @dataclass
@@ -39,17 +37,17 @@ class LayerStream:
         self.cache = cache
         self.fingerprint = fingerprint
         self.chunk_bytes = chunk_bytes
-        self.outgoing: dict[Key, _Outgoing] = {}
+        self.outgoing: dict[RequestKey, _Outgoing] = {}
 
     def start(self, request: PrefillRequest, table: list[int]) -> None:
         """Announce the request to its decode worker, before any of its KV is computed."""
         out = _Outgoing(request, table)
-        self.outgoing[(request.request_id, request.epoch)] = out
+        self.outgoing[request.key] = out
         notice = DecodeRequest(request.request_id, request.epoch, request.task, self.fingerprint,
                                request.siblings)
         self._notify(out, encode(notice))
 
-    def begin_step(self, ends: dict[Key, int]) -> None:
+    def begin_step(self, ends: dict[RequestKey, int]) -> None:
         """This step computes the given requests' tokens up to `ends[key]`: their tokens not
         sent yet (a cached prefix included) go out with the step's layers."""
         for key, out in self.outgoing.items():
@@ -84,26 +82,26 @@ class LayerStream:
             out.failure = str(exc)
         out.next_layer = layer_end
 
-    def abort(self, key: Key) -> None:
+    def abort(self, key: RequestKey) -> None:
         """Send nothing more for the request `key` (its decode worker hears of it from the
         gateway and drops what already arrived)."""
         out = self.outgoing.get(key)
         if out is not None:
             out.aborted = True
 
-    def broken(self) -> dict[Key, str]:
+    def broken(self) -> dict[RequestKey, str]:
         """The requests whose KV could not be sent, and why (the aborted ones aside)."""
         return {key: out.failure for key, out in self.outgoing.items()
                 if out.failure is not None and not out.aborted}
 
-    def forget(self, key: Key) -> None:
+    def forget(self, key: RequestKey) -> None:
         """Drop the request (aborted, or failed before its first token)."""
         self.outgoing.pop(key, None)
 
     def finish(self, first: FirstToken) -> str | None:
         """Send the first token after the last layer and forget the request; why its hand-off
         failed, if it did."""
-        out = self.outgoing.pop((first.request_id, first.epoch), None)
+        out = self.outgoing.pop(first.key, None)
         if out is None:
             return None
         assert out.failure is not None or out.sent == len(out.request.task.prompt_ids)

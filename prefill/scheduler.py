@@ -21,11 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.messages import PrefillRequest
+from core.messages import PrefillRequest, RequestKey
 from engine.kv.allocator import blocks_needed
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
-
-Key = tuple[str, int]  # (request id, epoch)
 
 
 @dataclass(eq=False)
@@ -38,8 +36,8 @@ class Prefilling:
     done: int = 0
 
     @property
-    def key(self) -> Key:
-        return self.request.request_id, self.request.epoch
+    def key(self) -> RequestKey:
+        return self.request.key
 
     @property
     def prompt_len(self) -> int:
@@ -87,21 +85,20 @@ class PrefillScheduler:
     def add(self, request: PrefillRequest, now: float = 0.0) -> bool:
         """Queue a request that arrived at `now` (seconds); False (and nothing queued) when
         the same one is here already."""
-        key = (request.request_id, request.epoch)
-        if key in self.held():
+        if request.key in self.held():
             return False
         deadline = now + self.ttft_s_per_token * len(request.task.prompt_ids)
         self.waiting.append(Prefilling(request, deadline))
         return True
 
-    def abort(self, request_id: str, epoch: int) -> bool:
+    def abort(self, key: RequestKey) -> bool:
         """Drop a queued or in-progress request; False when it is not here."""
-        found = [p for p in [*self.waiting, *self.running] if p.key == (request_id, epoch)]
+        found = [p for p in [*self.waiting, *self.running] if p.key == key]
         for prompt in found:
             (self.waiting if prompt in self.waiting else self.running).remove(prompt)
         return bool(found)
 
-    def held(self) -> list[Key]:
+    def held(self) -> list[RequestKey]:
         """Every request here, waiting or in progress."""
         return [p.key for p in [*self.waiting, *self.running]]
 

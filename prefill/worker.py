@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from core.config import Config
-from core.curve import keys_for
 from core.messages import (
     Abort,
+    FinishReason,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -20,6 +20,7 @@ from core.messages import (
     Message,
     PrefillRequest,
     RequestFailed,
+    RequestKey,
     TransferTotals,
     choice_keys,
 )
@@ -35,7 +36,7 @@ from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import make_sender
 from prefill.handoff import LayerStream
-from prefill.scheduler import Chunk, Key, PrefillScheduler
+from prefill.scheduler import Chunk, PrefillScheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,7 @@ class PrefillWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total)
-        super().__init__(identity, config.gateway.control_address,
-                         config.prefill.heartbeat_interval_s, keys_for(config.internal))
+        super().__init__(identity, config)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
                                           config.prefill.chunk_tokens,
@@ -72,27 +72,26 @@ class PrefillWorker(Worker):
                                   int(config.kv_transfer.chunk_mb * 2**20))
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching
-        self.jobs: dict[Key, _Job] = {}  # the prompts in progress
-        self.in_step: set[Key] = set()  # the prompts in the forward pass now
-        self.aborted_in_step: set[Key] = set()
+        self.jobs: dict[RequestKey, _Job] = {}  # the prompts in progress
+        self.in_step: set[RequestKey] = set()  # the prompts in the forward pass now
+        self.aborted_in_step: set[RequestKey] = set()
         self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
             self._add(message)
         elif isinstance(message, Abort):
-            key = (message.request_id, message.epoch)
-            if key in self.in_step:
-                self.aborted_in_step.add(key)  # it stops streaming at the next layer
-            elif self.scheduler.abort(*key):
-                self._drop(key)
+            if message.key in self.in_step:
+                self.aborted_in_step.add(message.key)  # it stops streaming at the next layer
+            elif self.scheduler.abort(message.key):
+                self._drop(message.key)
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
 
     def _add(self, request: PrefillRequest) -> None:
         """Queue the request (unless it is here already), once its grammar (if any) compiles;
         compiled now, it is cached for the draw and for later requests."""
-        if (request.request_id, request.epoch) in self.scheduler.held():
+        if request.key in self.scheduler.held():
             return  # a repeat
         if request.task.grammar:
             try:
@@ -116,19 +115,19 @@ class PrefillWorker(Worker):
             log.info("every request of a step was aborted mid-prefill")
         finally:
             for key in self.aborted_in_step:
-                self.scheduler.abort(*key)
+                self.scheduler.abort(key)
                 self._drop(key)
             self.in_step, self.aborted_in_step = set(), set()
         self._stop_broken_handoffs()
         return True
 
-    def _stop_broken_handoffs(self) -> set[Key]:
+    def _stop_broken_handoffs(self) -> set[RequestKey]:
         """A prompt whose KV could not reach its decode worker computes no more chunks here:
         the gateway serves it again on another pair. The prompts stopped."""
         broken = self.stream.broken()
         for key, failure in broken.items():
             request = self.jobs[key].request
-            queued = self.scheduler.abort(*key)
+            queued = self.scheduler.abort(key)
             assert queued, "a prompt still streaming is still scheduled"
             self._drop(key)
             self._report_failure(request, failure)
@@ -138,7 +137,7 @@ class PrefillWorker(Worker):
         """Admit a prompt: reserve its blocks, announce it to its decode worker; how many of
         its tokens are cached."""
         job = self._plan(request)
-        self.jobs[(request.request_id, request.epoch)] = job
+        self.jobs[request.key] = job
         # With one token to make and no other choice (n > 1) to fork, decode never sees it.
         if request.task.max_tokens > 1 or request.siblings:
             self.stream.start(request, job.table)
@@ -153,7 +152,7 @@ class PrefillWorker(Worker):
         table = reused + self.cache.allocate(blocks_needed(len(prompt), size) - len(reused))
         return _Job(request, chain, table, len(reused) * size)
 
-    def _drop(self, key: Key) -> None:
+    def _drop(self, key: RequestKey) -> None:
         """Forget a prompt in progress (aborted): free its blocks, stop its stream."""
         job = self.jobs.pop(key, None)
         if job is not None:
@@ -194,7 +193,7 @@ class PrefillWorker(Worker):
         tokens = self._first_tokens([j.request for j in jobs], logits)
         for job, token in zip(jobs, tokens, strict=True):
             request = job.request
-            del self.jobs[(request.request_id, request.epoch)]
+            del self.jobs[request.key]
             self.cache.insert(job.chain, job.table)
             self.cache.release(job.table)
             self._hand_off(request, token, job.cached)
@@ -224,11 +223,11 @@ class PrefillWorker(Worker):
             self._report_failure(request, failure, reason)
 
     def _report_failure(self, request: PrefillRequest, failure: str,
-                        first_finish: str | None = None) -> None:
+                        first_finish: FinishReason | None = None) -> None:
         """The request's KV could not be handed off: each of its choices may be served again,
         but its own when its first token finished it (`first_finish`)."""
-        for key in choice_keys(request.request_id, request.epoch, request.siblings):
-            if key[0] != request.request_id or first_finish is None:
+        for key in choice_keys(request):
+            if key != request.key or first_finish is None:
                 self.control.send(RequestFailed(*key, failure, retry=True))
 
     def heartbeat(self) -> Heartbeat:
@@ -246,8 +245,8 @@ class PrefillWorker(Worker):
         """Queued and in-progress prompts, with their other choices (n > 1), but not those
         aborted mid-step."""
         requests = [p.request for p in [*self.scheduler.waiting, *self.scheduler.running]]
-        return [Held(*key) for r in requests if (r.request_id, r.epoch) not in self.aborted_in_step
-                for key in choice_keys(r.request_id, r.epoch, r.siblings)]
+        return [Held(*key) for r in requests if r.key not in self.aborted_in_step
+                for key in choice_keys(r)]
 
     def close(self) -> None:
         self.sender.close()

@@ -35,7 +35,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype)
         self.bytes_per_token = spec.kv_bytes_per_token(dtype)
 
-    def slots(self, block_table: list[int], start: int, end: int) -> torch.LongTensor:
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of token positions start..end-1."""
         if not 0 <= start <= end <= len(block_table) * self.block_size:
             capacity = len(block_table) * self.block_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ QUANT_ROW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PACK_BATCH = 16  # the row count oneDNN tunes the packed layout for; larger batches still gain
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Outputs = tuple[torch.Tensor, ...]  # one per matrix of a `Matrices`
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,22 @@ def measure_quant_rows(weights: Sequence[Matrices], dtype: torch.dtype,
     for rows in candidates:
         inputs = [torch.randn(rows, matrices.quant[0].shape[1]).to(dtype) for matrices in timed]
         pairs = list(zip(timed, inputs, strict=True))
-        dense = _best_seconds(lambda pairs=pairs: [m.dense_outputs(x) for m, x in pairs])
-        quant = _best_seconds(lambda pairs=pairs: [m.quant_outputs(x) for m, x in pairs])
+        dense = _best_seconds(partial(dense_products, pairs))
+        quant = _best_seconds(partial(quant_products, pairs))
         if quant >= dense:
             break
         best = rows
     return best
+
+
+def dense_products(pairs: Sequence[tuple[Matrices, torch.Tensor]]) -> list[Outputs]:
+    """Each (matrices, input) pair's dense outputs."""
+    return [matrices.dense_outputs(x) for matrices, x in pairs]
+
+
+def quant_products(pairs: Sequence[tuple[Matrices, torch.Tensor]]) -> list[Outputs]:
+    """Each (matrices, input) pair's outputs over the quant blocks."""
+    return [matrices.quant_outputs(x) for matrices, x in pairs]
 
 
 def _best_seconds(function: Callable[[], object], runs: int = 2) -> float:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from core.messages import GenerationTask
+from core.messages import FinishReason, GenerationTask
 
 
 def finish_reason(
     task: GenerationTask, token_id: int, num_generated: int, eos_token_ids: tuple[int, ...]
-) -> str | None:
+) -> FinishReason | None:
     """'stop' on a stop or EOS token past min_tokens, 'length' at max_tokens, else None.
 
     `num_generated` counts this epoch's tokens, `token_id` included."""

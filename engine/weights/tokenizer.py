@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,3 +37,11 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     log.info("%s: tokenizer class %r has no fast tokenizer here: AutoTokenizer loads it", folder,
              name)
     return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int],
+                skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of token ids (transformers' `decode` is typed for batches too)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str), "one sequence of ids decodes to one string"
+    return text

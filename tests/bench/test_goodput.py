@@ -15,23 +15,24 @@ from bench.client import RequestResult
 from bench.goodput import (
     DEFAULT_RATES,
     MODES,
+    Session,
+    add_parser,
+    make_plan,
+    probe_specs,
+    rate_specs,
+    request_timeout,
+    run_modes,
+    saturated,
+)
+from bench.goodput_results import (
     GoodputPlan,
     GoodputResults,
     ModeRun,
     RateRun,
-    Session,
     Unloaded,
-    add_parser,
-    colocated,
     fit_unloaded,
-    make_plan,
-    probe_specs,
-    rate_specs,
     reference_slo,
-    request_timeout,
-    run_modes,
     samples,
-    saturated,
     verdicts,
 )
 from bench.load import Load, LoadRun
@@ -65,7 +66,8 @@ def test_slo_is_the_factors_times_the_median_of_the_modes_length_by_length() -> 
              Unloaded(((16, 0.02), (512, 0.4)), 0.05, ())]
     assert modes[0].slo(5, 2) == Slo(0.25, 0.16, ((16, 0.25), (512, 1.5)))
     slo = reference_slo(modes, ttft_factor=5, tpot_factor=2)
-    assert slo.ttft_curve == ((16, pytest.approx(0.25)), (512, pytest.approx(1.5)))
+    assert [n for n, _ in slo.ttft_curve] == [16, 512]
+    assert [ttft for _, ttft in slo.ttft_curve] == pytest.approx([0.25, 1.5])
     assert slo.tpot_s == pytest.approx(0.14)
     # A short prompt is held to 5x its own unloaded TTFT, not to a line fitted to long ones.
     assert slo.ttft_budget(10) == pytest.approx(0.25)
@@ -86,7 +88,7 @@ def _result(index: int, ttft: float | None, tpot: float, prompt: int = 100,
 def test_samples_judge_ttft_by_prompt_length_and_count_failures() -> None:
     run = LoadRun((_result(0, 3.0, 0.05, prompt=3000), _result(1, 3.0, 0.05),
                    _result(2, None, 0.0)), 10.0, 0)
-    assert samples(run)[0] == (3.0, pytest.approx(0.05), 3000)
+    assert samples(run)[0] == pytest.approx((3.0, 0.05, 3000))
     slo = Slo(0.6, 0.1, ((100, 0.6), (3000, 3.5)))  # 3.5 s for 3,000 tokens, 0.6 s for 100
     assert [slo.met(*s) for s in samples(run)] == [True, False, False]
     assert saturated(Slo(0.1, 0.1), run)  # under half within 2x: stop the sweep
@@ -142,7 +144,10 @@ def test_plans_from_flags() -> None:
     assert given.rates == {"chat": (1.0, 1.5, 2.0)} and given.compare_rates == {"chat": 1.5}
     with pytest.raises(SystemExit):
         _flags("--modes", "disagg,nope")
-    assert colocated("coloc-2x1") and colocated("coloc-1x2") and not colocated("conditional")
+    runs = {name: ModeRun(name, MODES[name], "", Unloaded(((16, 0.1),), 0.05, ()), ())
+            for name in ("coloc-2x1", "coloc-1x2", "conditional")}
+    assert runs["coloc-2x1"].colocated and runs["coloc-1x2"].colocated
+    assert not runs["conditional"].colocated
 
 
 def _mode(name: str, tpot: float, shares: dict[float, float]) -> ModeRun:

@@ -43,7 +43,8 @@ def test_fixed(token_prompts: TokenPrompts) -> None:
 
 def test_chat_lengths_follow_the_documented_lognormals() -> None:
     specs = build(Workload("chat", seed=3), TextPrompts(), 2000)
-    inputs = [s.input_len for s in specs]
+    inputs = [s.input_len for s in specs if s.input_len is not None]
+    assert len(inputs) == len(specs)
     outputs = [s.output_len for s in specs]
     assert CHAT_INPUT.low <= min(inputs) and max(inputs) <= CHAT_INPUT.high
     assert CHAT_OUTPUT.low <= min(outputs) and max(outputs) <= CHAT_OUTPUT.high

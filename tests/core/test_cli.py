@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from core.cli import ConfigParser
 from core.config import KV_BACKENDS
 
 
-def parsed(argv: list[str], *keys: str) -> tuple[ConfigParser, object]:
+def parsed(argv: list[str], *keys: str) -> tuple[ConfigParser, argparse.Namespace]:
     parser = ConfigParser("test")
     for key in keys:
         parser.config_flag(key)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from core.messages import DecodeRequest, GenerationTask, Sampling
+from core.messages import DecodeRequest, GenerationTask, RequestKey, Sampling
 from decode.incoming import IncomingTable
 from kvtransfer import KVHeader, KVPayload
 
@@ -45,23 +45,23 @@ def chunk(request_id: str, layer_start: int, layer_end: int | None = None, epoch
 def test_a_complete_arrival_in_layer_order(table: IncomingTable) -> None:
     assert table.expect(announce("r"), now=0.0) is None
     sent = [chunk("r", 0, seed=0), chunk("r", 1, 3, seed=1)]  # a single layer, then two at once
-    entry = table.pending[("r", 0)]
+    entry = table.pending[RequestKey("r", 0)]
     assert not table.is_complete(entry)
     for payload in sent:
         assert table.add(payload, now=0.0) is None
     assert table.is_complete(entry)
-    taken = table.take(("r", 0))
+    taken = table.take(RequestKey("r", 0))
     assert taken is entry and table.pending == {}
     assert [(part.token_start, part.layer_start) for part in taken.layers] == [(0, 0), (0, 1)]
     for part, payload in zip(taken.layers, sent, strict=True):
         assert torch.equal(part.k, payload.k) and torch.equal(part.v, payload.v)
-    assert table.take(("r", 0)) is None
+    assert table.take(RequestKey("r", 0)) is None
     assert sum(table.dropped.values()) == 0
 
 
 def test_a_prompt_prefilled_in_chunks_arrives_range_by_range(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
-    entry = table.pending[("r", 0)]
+    entry = table.pending[RequestKey("r", 0)]
     for layer in range(NUM_LAYERS):  # tokens 0..1, every layer
         assert table.add(chunk("r", layer, tokens=2), now=0.0) is None
     assert not table.is_complete(entry)  # tokens 2..4 are still to come
@@ -99,7 +99,7 @@ def test_a_chunk_of_an_older_epoch_is_dropped_as_stale(table: IncomingTable) -> 
     table.expect(announce("r", epoch=2), now=0.0)
     assert table.add(chunk("r", 0, epoch=1), now=0.0) is None
     assert table.dropped == {"stale epoch": 1}
-    entry = table.pending[("r", 2)]
+    entry = table.pending[RequestKey("r", 2)]
     assert entry.layers == [] and entry.next_layer == 0  # the newer epoch is untouched
     assert table.add(chunk("r", 0, epoch=2), now=0.0) is None
     assert entry.next_layer == 1
@@ -111,7 +111,7 @@ def test_expecting_a_newer_epoch_drops_the_older_one(table: IncomingTable) -> No
     table.add(chunk("r", 0, epoch=0), now=0.0)
     assert table.expect(announce("r", epoch=1), now=0.0) is None
     assert set(table.pending) == {("r", 1), ("other", 0)}
-    assert table.pending[("r", 1)].next_layer == 0  # starts afresh
+    assert table.pending[RequestKey("r", 1)].next_layer == 0  # starts afresh
     assert table.add(chunk("r", 1, epoch=0), now=0.0) is None  # the rest of the old epoch: dropped
     assert table.dropped == {"stale epoch": 1}
 
@@ -155,7 +155,7 @@ def test_a_borrowed_chunk_is_copied(table: IncomingTable) -> None:
     table.add(payload, now=0.0)
     payload.k.fill_(7.0)  # the sender's buffer is reused after the drain
     payload.v.fill_(7.0)
-    (part,) = table.pending[("r", 0)].layers
+    (part,) = table.pending[RequestKey("r", 0)].layers
     k, v = part.k, part.v
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
 
@@ -164,7 +164,7 @@ def test_an_owned_chunk_is_kept_as_is(table: IncomingTable) -> None:
     table.expect(announce("r"), now=0.0)
     payload = chunk("r", 0, borrowed=False)
     table.add(payload, now=0.0)
-    (part,) = table.pending[("r", 0)].layers
+    (part,) = table.pending[RequestKey("r", 0)].layers
     assert part.k is payload.k and part.v is payload.v  # no copy: the receiver gave it away
 
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from core.messages import DecodeRequest, GenerationTask, Sampling
+from core.messages import DecodeRequest, GenerationTask, RequestKey, Sampling
+from decode.incoming import ReceivedKV
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.model.chunk_cost import ChunkCost
 
 BLOCK = 4
+
+
+RECEIVED = [ReceivedKV(0, 0, torch.empty(0), torch.empty(0))]  # stands for KV that arrived
 
 
 def sequence(request_id: str, num_tokens: int, epoch: int = 0,
@@ -20,7 +25,7 @@ def sequence(request_id: str, num_tokens: int, epoch: int = 0,
     task = GenerationTask(list(range(num_tokens - 1)), Sampling(), max_tokens, [], False)
     request = DecodeRequest(request_id, epoch, task, "fp")
     return DecodeSequence(request, tokens=[*task.prompt_ids, 7], num_generated=1,
-                          received_kv=("k", "v"),  # type: ignore[arg-type]  # stand-ins
+                          received_kv=RECEIVED,
                           num_cached=num_tokens - 1)
 
 
@@ -55,7 +60,7 @@ def test_admission_allocates_blocks_for_all_tokens() -> None:
     admitted, batch = scheduler.schedule()
     assert admitted == [seq] and batch == [seq]
     assert len(seq.blocks) == 2 and allocator.num_free == 8
-    assert seq.received_kv == ("k", "v")  # kept for the loop to write at admission
+    assert seq.received_kv is RECEIVED  # kept for the loop to write at admission
     assert_accounted(scheduler, allocator)
 
 
@@ -219,8 +224,8 @@ def test_find_by_request_id_and_epoch() -> None:
     for seq in (a, b, a1):
         scheduler.add(seq)
     scheduler.schedule()
-    assert scheduler.find(("a", 0)) is a and scheduler.find(("b", 0)) is b
-    assert scheduler.find(("a", 1)) is a1 and scheduler.find(("a", 2)) is None
+    assert scheduler.find(RequestKey("a", 0)) is a and scheduler.find(RequestKey("b", 0)) is b
+    assert scheduler.find(RequestKey("a", 1)) is a1 and scheduler.find(RequestKey("a", 2)) is None
 
 
 @pytest.mark.parametrize(("prompt", "max_tokens", "fits"), [

@@ -18,11 +18,13 @@ from core.messages import (
     Abort,
     DecodeRequest,
     DropCount,
+    FinishReason,
     FirstToken,
     GenerationTask,
     Message,
     PrefillRequest,
     RequestFailed,
+    RequestKey,
     Sampling,
     TokenBatch,
     decode,
@@ -31,6 +33,7 @@ from core.messages import (
 from decode.worker import DecodeWorker
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
+from engine.weights.tokenizer import decode_text
 from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
 
@@ -47,7 +50,7 @@ def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512) -> Iterator[
     config: Config = load_config(None, {"gateway.control_address": control,
                                         "decode.kv_bind": f"ipc://{folder}/kv.sock",
                                         "decode.chunk_tokens": str(chunk_tokens)})
-    gateway = zmq.Context.instance().socket(zmq.ROUTER)
+    gateway: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
     decode_worker = DecodeWorker("decode-0", config, runner)
@@ -94,7 +97,7 @@ def send_layer(worker: DecodeWorker, request_id: str, layer: int, k: torch.Tenso
     worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1], borrowed))
 
 
-def first_token(worker: DecodeWorker, request_id: str, finish_reason: str | None = None,
+def first_token(worker: DecodeWorker, request_id: str, finish_reason: FinishReason | None = None,
                 token_id: int = 5) -> None:
     first = FirstToken(request_id, 0, token_id, finish_reason)
     worker._on_kv(KVNotice(request_id, 0, encode(first)))
@@ -268,7 +271,7 @@ def test_kv_that_stops_arriving_fails_every_choice_for_another_pair(worker: Serv
     expect = DecodeRequest("r", 0, task(100), decode_worker.identity.fingerprint,
                            siblings=["r-1", "r-2"])
     decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
-    decode_worker.incoming.pending[("r", 0)].deadline = 0.0  # its lease ran out
+    decode_worker.incoming.pending[RequestKey("r", 0)].deadline = 0.0  # its lease ran out
     decode_worker.heartbeat()
     failed = failures(sent_to_gateway(decode_worker, gateway))
     assert [(f.request_id, f.retry) for f in failed] == [("r", True), ("r-1", True), ("r-2", True)]
@@ -309,7 +312,7 @@ def test_kv_that_outlives_its_lease_fails_at_the_heartbeat(worker: Served) -> No
     decode_worker, gateway = worker
     announce(decode_worker, "late")
     announce(decode_worker, "on time")
-    decode_worker.incoming.pending[("late", 0)].deadline = time.monotonic() - 1.0
+    decode_worker.incoming.pending[RequestKey("late", 0)].deadline = time.monotonic() - 1.0
     decode_worker.heartbeat()
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
     assert failed.request_id == "late" and "in time" in failed.reason
@@ -391,7 +394,7 @@ def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) 
         output.append(event.token_id)
         finish = event.finish_reason
     assert (finish, output[-1]) == ("stop", 2)
-    assert json.loads(tokenizer.decode(output[:-1]))["k"] in ("v", "w")
+    assert json.loads(decode_text(tokenizer, output[:-1]))["k"] in ("v", "w")
 
 
 def test_a_grammar_that_does_not_compile_fails_at_admission(worker: Served) -> None:
@@ -481,7 +484,7 @@ def test_n_choices_prefilled_here_fork_the_prompt_and_sample_apart(tiny_model_di
         assert len({b[2] for b in blocks}) == 3  # the partial block: copied
         assert [w.runner.allocator.ref_count(b) for b in blocks[0][:3]] == [3, 3, 1]
         choices = outputs_of(w, gateway, ["r", "r.1", "r.2"])
-        assert w.runner.allocator.num_free == 256 and not w.forks
+        assert w.runner.allocator.num_free == 256 and not w.phases.forks
         alone = []
         for i in range(3):
             prefill_here(w, f"alone{i}", prompt, 10, seeded.for_choice(i))

@@ -93,8 +93,8 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
         log.close()
 
 
-def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:
-    """Parsed `data:` payloads of an SSE response ("[DONE]" stays a string)."""
+def sse_events(response: httpx.Response) -> Iterator[Any]:
+    """Parsed `data:` payloads of an SSE response: JSON chunks, and "[DONE]" as a string."""
     for line in response.iter_lines():
         if line.startswith("data: "):
             payload = line[len("data: "):]

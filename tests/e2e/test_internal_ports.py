@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from core.curve import CurveKeys, load
 from core.messages import Register, encode
+from engine.weights.tokenizer import decode_text
 from kvtransfer.wire import FORWARD_CODEC, KVNotice, as_bytes, checksum
 from tests.e2e.cluster import Cluster, greedy_reference, launch
 from tests.kvtransfer.conftest import header_for, kv
@@ -162,8 +163,8 @@ def test_strangers_on_internal_ports_are_dropped_counted_and_harmless(
 def assert_serves_correctly(cluster: Cluster, model_dir: Path) -> None:
     prompt, max_tokens = "The quick brown fox", 12
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    expected = tokenizer.decode(greedy_reference(model_dir)(tokenizer.encode(prompt), max_tokens),
-                                skip_special_tokens=True)
+    reference = greedy_reference(model_dir)(tokenizer.encode(prompt), max_tokens)
+    expected = decode_text(tokenizer, reference, skip_special_tokens=True)
     for _ in range(DECODE):  # the decode workers take turns: reach each one
         response = cluster.client.post("/v1/completions", json={
             "model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,

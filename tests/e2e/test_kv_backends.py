@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.kv.allocator import blocks_needed
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.weights.spec import load_spec
+from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +31,8 @@ def config_for(backend: str) -> dict:
     return config
 
 
-def completion_ids(cluster: Cluster, tokenizer: AutoTokenizer, prompt: str) -> list[int]:
+def completion_ids(cluster: Cluster, tokenizer: PreTrainedTokenizerBase, prompt: str
+                   ) -> list[int]:
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
     response = cluster.client.post("/v1/completions", json=body)
@@ -68,9 +70,9 @@ def test_greedy_output_matches_transformers_over_each_backend(
     with launch(tmp_path, tiny_model_dir, prefill=1, decode=1,
                 config=config_for(backend)) as cluster:
         for prompt in PROMPTS:
-            expected = tokenizer.decode(reference(tokenizer.encode(prompt), MAX_TOKENS))
+            expected = decode_text(tokenizer, reference(tokenizer.encode(prompt), MAX_TOKENS))
             got = completion_ids(cluster, tokenizer, prompt)
-            assert tokenizer.decode(got) == expected, prompt
+            assert decode_text(tokenizer, got) == expected, prompt
         segments = list(Path("/dev/shm").glob(f"raging-kv-{cluster.pids()['prefill-0']}-*"))
         assert len(segments) == (1 if backend == "shm" else 0)
         chunks = len(PROMPTS)  # a tiny model's KV: both layers fit one chunk
@@ -106,7 +108,7 @@ def test_bf16_kv_crosses_intact(tiny_model_dir: Path, tmp_path: Path) -> None:
             expected = greedy_in_process(tiny_model_dir, torch.bfloat16,
                                          tokenizer.encode(prompt), MAX_TOKENS)
             got = completion_ids(cluster, tokenizer, prompt)
-            assert tokenizer.decode(got) == tokenizer.decode(expected), prompt
+            assert decode_text(tokenizer, got) == decode_text(tokenizer, expected), prompt
         settled(lambda: transfer_metric(cluster, "chunks", "zmq", "send", "prefill-0")
                 == len(PROMPTS))
         sent = transfer_metric(cluster, "bytes", "zmq", "send", "prefill-0")

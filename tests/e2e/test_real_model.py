@@ -8,8 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
+from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import Cluster, launch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
@@ -39,12 +40,15 @@ def reference_answers(model_dir: Path, max_tokens: int) -> list[str]:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     answers = []
     for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                            add_generation_prompt=True, return_tensors="pt")
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)
+        assert isinstance(encoded, BatchEncoding)
+        ids = encoded["input_ids"]
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        answers.append(decode_text(tokenizer, out[0, ids.shape[1]:].tolist(),
+                                   skip_special_tokens=True))
     return answers
 
 
@@ -80,7 +84,8 @@ def test_completions_and_errors_through_the_client(
 ) -> None:
     reply = client.completions.create(model=cluster.model, prompt="The capital of France is",
                                       max_tokens=8, temperature=0)
-    assert reply.choices[0].text and reply.usage.completion_tokens <= 8
+    assert reply.choices[0].text and reply.usage is not None
+    assert reply.usage.completion_tokens <= 8
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=cluster.model, prompt="x", max_tokens=100_000)
     assert "maximum context length" in caught.value.message

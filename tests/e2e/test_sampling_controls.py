@@ -22,6 +22,7 @@ from transformers import (
     RepetitionPenaltyLogitsProcessor,
 )
 
+from engine.weights.tokenizer import decode_text
 from gateway.logprobs import TokenPieces
 from gateway.protocol import ChatMessage, render_chat_prompt
 from tests.e2e.cluster import Cluster, greedy_reference, launch, sse_events
@@ -163,7 +164,7 @@ def chat(cluster: Cluster, max_tokens: int, stream: bool, **fields: Any) -> dict
 
 
 def text_of(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode_text(tokenizer, ids, skip_special_tokens=True)
 
 
 # --- min_tokens, EOS and stop_token_ids ---------------------------------------------------------
@@ -237,8 +238,8 @@ def test_greedy_penalized_output_matches_transformers(
 def test_seeded_sampling_with_penalties_repeats_and_stop_strings_cut(
     cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference: Reference,
 ) -> None:
-    fields = {"temperature": 1.0, "top_p": 0.9, "presence_penalty": 1.0,
-              "repetition_penalty": 1.2, "ignore_eos": True}
+    fields: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "presence_penalty": 1.0,
+                              "repetition_penalty": 1.2, "ignore_eos": True}
     first, again = (complete(cluster, PROMPT, 24, stream, seed=7, **fields)["text"]
                     for stream in (False, True))
     other = complete(cluster, PROMPT, 24, seed=8, **fields)["text"]
@@ -285,7 +286,7 @@ def test_chat_logprobs_match_transformers(
     cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference: Reference,
     pieces: TokenPieces, stream: bool,
 ) -> None:
-    prompt_ids = render_chat_prompt(tokenizer, [ChatMessage(**m) for m in CHAT])
+    prompt_ids = render_chat_prompt(tokenizer, [ChatMessage.model_validate(m) for m in CHAT])
     ids, steps = reference.run(prompt_ids, 10)
     got = chat(cluster, 10, stream, logprobs=True, top_logprobs=3)
     assert got["content"] == text_of(tokenizer, ids)

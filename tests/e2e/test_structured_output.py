@@ -14,9 +14,10 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from tests.engine.test_grammar import SCHEMA
+from openai.types.chat.completion_create_params import ResponseFormat
 
 from tests.e2e.cluster import Cluster, launch
+from tests.engine.sampling.test_grammar import SCHEMA
 
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +25,8 @@ PROMPTS = ["Describe a pet", "Once upon a time", "def fibonacci(n):", "日本の
 SAMPLING: list[dict[str, Any]] = [{"temperature": 0}, {"temperature": 1.0, "seed": 7},
                                   {"temperature": 0.8, "top_p": 0.9, "seed": 11}]
 MAX_TOKENS = 300  # room for the longest value SCHEMA allows (a pet: bounded strings, enums)
-JSON_SCHEMA_FORMAT = {"type": "json_schema",
-                      "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+JSON_SCHEMA_FORMAT: ResponseFormat = {
+    "type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +41,17 @@ def client(cluster: Cluster) -> Iterator[OpenAI]:
         yield made
 
 
-def chat(client: OpenAI, model: str, prompt: str, response_format: dict[str, Any],
+def chat(client: OpenAI, model: str, prompt: str, response_format: ResponseFormat,
          **sampling: Any) -> tuple[str, str]:
     """The reply's text and finish reason."""
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
-        response_format=response_format, **sampling)  # type: ignore[arg-type]
+        response_format=response_format, **sampling)
     choice = reply.choices[0]
     return choice.message.content or "", choice.finish_reason
 
 
-def all_chats(client: OpenAI, model: str, response_format: dict[str, Any]
+def all_chats(client: OpenAI, model: str, response_format: ResponseFormat
               ) -> list[tuple[str, str]]:
     """Every prompt under every sampling setting, concurrently (decode batches them)."""
     runs = [(p, s) for p in PROMPTS for s in SAMPLING]
@@ -79,7 +80,7 @@ def test_json_object_output_is_an_object(client: OpenAI, cluster: Cluster) -> No
 def test_streamed_json_schema_output_validates(client: OpenAI, cluster: Cluster) -> None:
     stream = client.chat.completions.create(
         model=cluster.model, messages=[{"role": "user", "content": "A pet, please"}],
-        max_tokens=MAX_TOKENS, response_format=JSON_SCHEMA_FORMAT,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS, response_format=JSON_SCHEMA_FORMAT,
         stream=True, temperature=1.0, seed=3)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
@@ -93,8 +94,9 @@ def test_completions_take_response_format_too(client: OpenAI, cluster: Cluster) 
 
 
 def test_a_bad_schema_is_a_400_before_any_worker(client: OpenAI, cluster: Cluster) -> None:
-    bad = {"type": "json_schema",
-           "json_schema": {"name": "bad", "schema": {"type": "string", "pattern": "[a"}}}
+    bad: ResponseFormat = {
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "string", "pattern": "[a"}}}
     with pytest.raises(openai.BadRequestError) as caught:
         chat(client, cluster.model, "hi", bad)
     error = caught.value.body

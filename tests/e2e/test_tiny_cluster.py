@@ -19,6 +19,7 @@ import psutil
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import (
     ROOT,
     TEST_CONFIG,
@@ -67,7 +68,8 @@ def test_sixteen_concurrent_streams_match_the_greedy_reference(
         results = list(pool.map(lambda p: stream_completion(cluster, p, max_tokens), PROMPTS))
     for prompt, result in zip(PROMPTS, results, strict=True):
         prompt_ids = tokenizer.encode(prompt)
-        expected = tokenizer.decode(reference(prompt_ids, max_tokens), skip_special_tokens=True)
+        expected = decode_text(tokenizer, reference(prompt_ids, max_tokens),
+                               skip_special_tokens=True)
         assert result["text"] == expected, prompt
         assert result["finish"] == ["length"]
         assert result["events"][-1] == "[DONE]"
@@ -86,7 +88,7 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_order(
     """A list of prompts, as vLLM and OpenAI take it: choice p * n + i is prompt p's i-th."""
     prompts = ["A batch of prompts begins", "and goes on with a second", "then ends"]
     prompt_ids = [tokenizer.encode(p) for p in prompts]
-    expected = [tokenizer.decode(reference(ids, 8), skip_special_tokens=True)
+    expected = [decode_text(tokenizer, reference(ids, 8), skip_special_tokens=True)
                 for ids in prompt_ids]
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
     fields: dict[str, Any] = {"model": cluster.model, "max_tokens": 8, "temperature": 0,
@@ -127,7 +129,7 @@ def test_requests_sharing_a_client_request_id_are_served_apart(
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: complete(*job), jobs))
     for (prompt, _), (text, _, echoed) in zip(jobs, results, strict=True):
-        expected = tokenizer.decode(reference(tokenizer.encode(prompt), 12),
+        expected = decode_text(tokenizer, reference(tokenizer.encode(prompt), 12),
                                     skip_special_tokens=True)
         assert text == expected and echoed == "same-id-for-all", prompt
     assert len({reply_id for _, reply_id, _ in results}) == len(jobs)
@@ -160,7 +162,7 @@ def test_stop_string_across_tokens_is_never_streamed(
     cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference
 ) -> None:
     prompt = "Once upon a time"
-    full = tokenizer.decode(reference(tokenizer.encode(prompt), 32), skip_special_tokens=True)
+    full = decode_text(tokenizer, reference(tokenizer.encode(prompt), 32), skip_special_tokens=True)
     stop = full[len(full) // 2: len(full) // 2 + 4]  # likely spans a token boundary
     result = stream_completion(cluster, prompt, 32, stop=[stop])
     assert result["text"] == full[: full.index(stop)]
@@ -231,6 +233,18 @@ def test_health_and_models(cluster: Cluster) -> None:
                                                     "stalled": []}
     models = cluster.client.get("/v1/models").json()
     assert models["data"][0]["id"] == cluster.model
+
+
+def test_the_gateway_serves_without_torch(cluster: Cluster) -> None:
+    """Workers load torch; the gateway, after serving chats and completions, has not (a
+    structured-output request may bring it in, through xgrammar: none is sent here)."""
+    stream_completion(cluster, "Once upon a time", 4)
+    body = {"model": cluster.model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    assert cluster.client.post("/v1/chat/completions", json=body).status_code == 200
+    maps = {name: Path(f"/proc/{pid}/maps").read_text() for name, pid in cluster.pids().items()}
+    assert "libtorch" not in maps["gateway"]
+    assert all("libtorch" in text for name, text in maps.items() if name != "gateway")
 
 
 def test_a_worker_with_another_kv_layout_is_refused(
@@ -313,7 +327,7 @@ def test_a_tiny_decode_pool_preempts_and_resumes_without_dropping(
         assert running.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
     for prompt, result in zip(prompts, results, strict=True):
         expected = reference(tokenizer.encode(prompt), max_tokens)
-        assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert result["text"] == decode_text(tokenizer, expected, skip_special_tokens=True)
         assert result["usage"]["completion_tokens"] == max_tokens
 
 
@@ -377,7 +391,7 @@ def test_cached_tokens_are_reported_truthfully(cluster: Cluster, tokenizer, refe
         assert warm_text == cold_text
     short = [*prefix[:16]]  # one exact block: its last token is computed, so nothing cached
     assert usage_and_text(short)[0]["prompt_tokens_details"] == {"cached_tokens": 0}
-    expected = tokenizer.decode(reference([*prefix, 1, 2], 6), skip_special_tokens=True)
+    expected = decode_text(tokenizer, reference([*prefix, 1, 2], 6), skip_special_tokens=True)
     assert cold_text == expected
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
 
 pytestmark = pytest.mark.e2e
@@ -79,7 +80,7 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
         texts = [f.result(timeout=60) for f in futures]
     recovered_s = time.monotonic() - started
     for prompt, text in zip(prompts, texts, strict=True):
-        assert text == tokenizer.decode(reference(tokenizer.encode(prompt), 8)), prompt
+        assert text == decode_text(tokenizer, reference(tokenizer.encode(prompt), 8)), prompt
     retried = cluster.metric("raging_requests_resumed")
     assert retried >= 1
     print(f"{len(prompts)} requests, 1 prefill worker killed, {retried:.0f} retried, "
@@ -154,7 +155,7 @@ def assert_uninterrupted(model_dir: Path, prompts: list[str], max_tokens: int,
     reference = greedy_reference(model_dir)
     for prompt, (text, finish, errors) in zip(prompts, results, strict=True):
         assert errors == [] and finish == "length", prompt
-        expected = tokenizer.decode(reference(tokenizer.encode(prompt), max_tokens),
+        expected = decode_text(tokenizer, reference(tokenizer.encode(prompt), max_tokens),
                                     skip_special_tokens=True)
         assert text == expected, prompt
 

@@ -11,9 +11,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import httpx
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
@@ -52,7 +51,16 @@ def valid_body(route: str, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Once upon a time", **fields}
 
 
-def error_of(response: httpx.Response) -> dict[str, Any]:
+class Reply(Protocol):
+    """An HTTP response as httpx (or the test client's httpx2) gives it."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    def json(self) -> Any: ...
+
+
+def error_of(response: Reply) -> dict[str, Any]:
     """The OpenAI error object of a non-2xx reply, checked for shape; fails on anything else."""
     body = response.json()
     assert isinstance(body, dict), body
@@ -67,7 +75,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     return error
 
 
-def is_no_worker(response: httpx.Response) -> bool:
+def is_no_worker(response: Reply) -> bool:
     """Whether this is the documented 503 for a request that passed every check."""
     return response.status_code == 503 and error_of(response)["message"] == NO_WORKER
 

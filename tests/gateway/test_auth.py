@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
+from starlette.types import Message
 
 from core.config import AuthConfig, Config, load_config
 from core.messages import GenerationTask
@@ -54,8 +55,8 @@ def make_state(keys: tuple[str, ...] = KEYS, host: str = "127.0.0.1") -> Gateway
     config = load_config(overrides={"gateway.host": host})
     config = dataclasses.replace(config, auth=AuthConfig(api_keys=keys))
     state = GatewayState(config=config, model_name=MODEL, max_model_len=64,
-                         tokenizer=FakeTokenizer(), registry=Registry("fp", 2.5, 1, 1),
-                         metrics=Metrics())  # type: ignore[arg-type]
+                         tokenizer=FakeTokenizer(),  # type: ignore[arg-type]  # len() only
+                         registry=Registry("fp", 2.5, 1, 1), metrics=Metrics())
     state.dispatcher = RecordingDispatcher()  # type: ignore[assignment]
     return state
 
@@ -179,13 +180,13 @@ def test_the_body_is_not_read_without_a_key(state: GatewayState) -> None:
 
 def assert_no_body_read(app: Starlette, headers: list[tuple[bytes, bytes]]) -> None:
     received: list[str] = []
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         received.append("called")
         return {"type": "http.request", "body": b"{}", "more_body": True}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.weights.folder import resolve_model
+from engine.weights.tokenizer import decode_text
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 CASES = 1000
@@ -67,7 +68,7 @@ def test_random_sequences_match_full_decode(tokenizer: PreTrainedTokenizerBase) 
     for _ in range(CASES):
         prompt, ids = random_prompt(rng, tokenizer), random_ids(rng, tokenizer)
         deltas = stream(tokenizer, prompt, ids)
-        full = tokenizer.decode(ids, skip_special_tokens=True)
+        full = decode_text(tokenizer, ids, skip_special_tokens=True)
         assert "".join(deltas) == full, (prompt, ids)
         if FFFD not in full:
             assert not any(FFFD in delta for delta in deltas), (prompt, ids)
@@ -80,7 +81,7 @@ def test_special_tokens_kept_when_not_skipped(tokenizer: PreTrainedTokenizerBase
     for _ in range(200):
         prompt, ids = random_prompt(rng, tokenizer), random_ids(rng, tokenizer)
         deltas = stream(tokenizer, prompt, ids, skip=False)
-        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=False)
+        assert "".join(deltas) == decode_text(tokenizer, ids, skip_special_tokens=False)
     deltas = stream(tokenizer, [], tokenizer.encode("Hi<|im_end|>"), skip=False)
     assert "".join(deltas) == "Hi<|im_end|>"
     assert stream(tokenizer, [], tokenizer.encode("Hi<|im_end|>"))[-2:] == ["", ""]
@@ -102,17 +103,17 @@ def test_flush_turns_unfinished_character_into_replacement(
     ids = tokenizer.encode(" 😀")[:-1]
     detok = IncrementalDetokenizer(tokenizer, [])
     assert [detok.add(token) for token in ids] == [""] * len(ids)
-    assert detok.flush() == tokenizer.decode(ids)
-    assert FFFD in tokenizer.decode(ids)
+    assert detok.flush() == decode_text(tokenizer, ids)
+    assert FFFD in decode_text(tokenizer, ids)
 
 
 def test_prompt_cut_mid_character_does_not_swallow_output(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     ids = tokenizer.encode("ab 😀 cd")
-    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith(FFFD))
+    cut = next(i for i in range(1, len(ids)) if decode_text(tokenizer, ids[:i]).endswith(FFFD))
     deltas = stream(tokenizer, ids[:cut], ids[cut:])
-    assert "".join(deltas) == tokenizer.decode(ids[cut:])
+    assert "".join(deltas) == decode_text(tokenizer, ids[cut:])
 
 
 def test_prompt_context_keeps_leading_space(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -130,14 +131,14 @@ class _CountingTokenizer:
 
     def decode(self, ids: list[int], **kwargs: Any) -> str:
         self.widths.append(len(ids))
-        return self.inner.decode(ids, **kwargs)
+        return decode_text(self.inner, ids, **kwargs)
 
 
 def test_decode_window_does_not_grow_with_output(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = tokenizer.encode("Some text with 日本語 and 😀 emoji. " * 60)
     counting = _CountingTokenizer(tokenizer)
     deltas = stream(counting, tokenizer.encode("prompt " * 50), ids)  # type: ignore[arg-type]
-    assert "".join(deltas) == tokenizer.decode(ids)
+    assert "".join(deltas) == decode_text(tokenizer, ids)
     assert len(ids) > 500
     assert max(counting.widths) <= 12
 
@@ -184,7 +185,7 @@ def test_random_stop_strings_cut_the_stream(tokenizer: PreTrainedTokenizerBase) 
     hits = 0
     for _ in range(CASES):
         ids = random_ids(rng, tokenizer)
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode_text(tokenizer, ids, skip_special_tokens=True)
         stops = random_stops(rng, text)
         expected, should_hit = reference_cut(text, stops)
         assert stream_with_stops(tokenizer, ids, stops, expected) == (expected, should_hit), (

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ import zmq
 import zmq.asyncio
 
 from core.channels import ControlClient, ControlServer
+from core.config import Role
 from core.messages import (
     Abort,
+    FinishReason,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -38,10 +41,9 @@ from gateway.dispatch import (
     _MAX_RESUMES,
     _REABORT_MEMORY,
     Dispatcher,
-    Event,
-    RequestHandle,
 )
 from gateway.errors import APIError
+from gateway.handle import Assignment, Event, RequestHandle
 from gateway.registry import Registry, WorkerInfo
 
 FP = "tiny|float32|2|2|16|16"
@@ -61,10 +63,14 @@ async def until(condition: Callable[[], bool], what: str = "condition") -> None:
         await asyncio.sleep(0.005)
 
 
+def resumed_past(handle: RequestHandle, resumes: int) -> bool:
+    return handle.retries.worker_losses > resumes or handle.done
+
+
 class FakeWorker:
     """A worker's control side only: a real ControlClient driven from the test."""
 
-    def __init__(self, context: zmq.Context, address: str, worker_id: str, role: str,
+    def __init__(self, context: zmq.Context, address: str, worker_id: str, role: Role,
                  kv_address: str, instance_id: str = "i0", num_blocks: int = 100) -> None:
         self.worker_id, self.role, self.instance_id = worker_id, role, instance_id
         self.kv_address, self.num_blocks = kv_address, num_blocks
@@ -82,7 +88,7 @@ class FakeWorker:
     def send(self, message: Message) -> None:
         self.client.send(message)
 
-    def tokens(self, request_id: str, *events: tuple[int, int, str | None],
+    def tokens(self, request_id: str, *events: tuple[int, int, FinishReason | None],
                epoch: int = 0) -> None:
         """One TokenBatch of (index, token, finish_reason) events, as a decode step sends."""
         self.send(TokenBatch([TokenEvent(request_id, epoch, *e) for e in events]))
@@ -137,7 +143,7 @@ class Gateway:
         self.tasks = [asyncio.create_task(self.dispatcher.serve()),
                       asyncio.create_task(self._beat())]
 
-    async def worker(self, worker_id: str, role: str, kv_address: str = "",
+    async def worker(self, worker_id: str, role: Role, kv_address: str = "",
                      instance_id: str = "i0", num_blocks: int = 100,
                      queued: int = 0, free: int = 100, running: int = 0) -> FakeWorker:
         """A registered worker whose first heartbeat the registry has recorded."""
@@ -228,8 +234,10 @@ def test_submit_sends_a_prefill_request_naming_the_decode_worker(tmp_path: Path)
         async with gateway(tmp_path) as gw:
             prefill, decode = await pair(gw)
             handle = gw.dispatcher.submit(TASK)
-            assert (handle.prefill_worker, handle.decode_worker, handle.epoch) == ("p1", "d1", 0)
-            assert handle.next_index == 0 and handle.early == {} and not handle.done
+            assignment = handle.assignment
+            assert (assignment.prefill_worker, assignment.decode_worker) == ("p1", "d1")
+            assert handle.epoch == 0
+            assert handle.output.next_index == 0 and handle.output.early == {} and not handle.done
             assert await prefill.expect(1) == [
                 PrefillRequest(handle.request_id, 0, TASK, "d1", "tcp://127.0.0.1:7001")]
             assert await decode.quiet() == []
@@ -273,11 +281,11 @@ def test_submit_picks_the_least_loaded_workers(tmp_path: Path) -> None:
             async def route(prompt_len: int) -> tuple[str, str]:
                 handle = gw.dispatcher.submit(
                     GenerationTask(list(range(prompt_len)), Sampling(), 4, [], False))
-                (message,) = await workers[handle.prefill_worker].expect(1)
+                (message,) = await workers[handle.assignment.prefill_worker].expect(1)
                 assert isinstance(message, PrefillRequest)
                 assert message.request_id == handle.request_id
-                assert message.decode_worker == handle.decode_worker
-                return handle.prefill_worker, handle.decode_worker
+                assert message.decode_worker == handle.assignment.decode_worker
+                return handle.assignment.prefill_worker, handle.assignment.decode_worker
 
             first_prefill, first_decode = await route(150)
             assert first_decode == "d1"  # 1600 free against 320
@@ -298,14 +306,14 @@ def test_ended_requests_no_longer_count_for_routing(tmp_path: Path) -> None:
             p2 = await gw.worker("p2", "prefill")
             await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001")
             big = gw.dispatcher.submit(GenerationTask(list(range(50)), Sampling(), 4, [], False))
-            busy, idle = (p1, p2) if big.prefill_worker == "p1" else (p2, p1)
+            busy, idle = (p1, p2) if big.assignment.prefill_worker == "p1" else (p2, p1)
             assert (await busy.expect(1))[0] == PrefillRequest(
                 big.request_id, 0, big.task, "d1", "tcp://127.0.0.1:7001")
-            assert gw.dispatcher.submit(TASK).prefill_worker == idle.worker_id
+            assert gw.dispatcher.submit(TASK).assignment.prefill_worker == idle.worker_id
             busy.send(FirstToken(big.request_id, 0, 2, "stop"))
             assert await next_event(big) == Event(2, "stop")
             assert gw.registry.workers[busy.worker_id].held_tokens == 0
-            assert gw.dispatcher.submit(TASK).prefill_worker == busy.worker_id
+            assert gw.dispatcher.submit(TASK).assignment.prefill_worker == busy.worker_id
 
     asyncio.run(body())
 
@@ -383,13 +391,13 @@ def test_tokens_that_arrive_early_wait_for_their_turn(tmp_path: Path) -> None:
             decode.tokens(rid, (3, 9, None))
             decode.tokens(rid, (1, 7, None), (2, 8, None))  # decode's first step, late
             assert await decode.flush() == []
-            assert pending(handle) == [] and handle.next_index == 0
-            assert sorted(handle.early) == [1, 2, 3]
+            assert pending(handle) == [] and handle.output.next_index == 0
+            assert sorted(handle.output.early) == [1, 2, 3]
             assert gw.active("p1") == {}  # decode has it: prefill is done with it
             prefill.send(FirstToken(rid, 0, 6, None))
             got = [await next_event(handle) for _ in range(4)]
             assert got == [Event(6, None), Event(7, None), Event(8, None), Event(9, None)]
-            assert handle.next_index == 4 and handle.early == {} and not handle.done
+            assert handle.output.next_index == 4 and handle.output.early == {} and not handle.done
             decode.tokens(rid, (4, 10, "stop"))
             assert await next_event(handle) == Event(10, "stop")
             assert handle.done
@@ -430,7 +438,7 @@ def test_duplicate_tokens_are_dropped(tmp_path: Path) -> None:
             decode.tokens(rid, (2, 8, None), (2, 80, None))  # early, twice: the first stays
             decode.tokens(rid, (2, 81, "stop"))  # a duplicate cannot end it either
             assert await decode.flush() == []
-            assert handle.early == {2: Event(8, None)} and pending(handle) == []
+            assert handle.output.early == {2: Event(8, None)} and pending(handle) == []
             assert gw.active("d1") == {rid: PROMPT_LEN + 1}  # held once, not once per copy
             prefill.send(FirstToken(rid, 0, 6, None))
             prefill.send(FirstToken(rid, 0, 60, None))
@@ -440,7 +448,7 @@ def test_duplicate_tokens_are_dropped(tmp_path: Path) -> None:
             decode.tokens(rid, (1, 71, None), (2, 82, None))
             assert await decode.flush() == []
             assert pending(handle) == [Event(7, None), Event(8, None)]
-            assert handle.next_index == 3 and handle.early == {} and not handle.done
+            assert handle.output.next_index == 3 and handle.output.early == {} and not handle.done
             assert gw.active("d1") == {rid: PROMPT_LEN + 2}  # indices 1 and 2, once each
             decode.tokens(rid, (3, 9, "stop"), (3, 90, "stop"))
             assert await decode.flush() == []
@@ -471,8 +479,8 @@ def test_tokens_from_a_worker_not_serving_the_request_are_dropped(
             stranger.tokens(rid, (1, 56, None))
             for worker in (prefill, decode, other_prefill, other_decode, stranger):
                 assert await worker.flush() == []  # dropped: neither delivered nor aborted
-            assert pending(handle) == [] and handle.early == {}
-            assert handle.next_index == 0 and not handle.done
+            assert pending(handle) == [] and handle.output.early == {}
+            assert handle.output.next_index == 0 and not handle.done
             assert gw.active("p1") == {rid: PROMPT_LEN}  # not released by a false decode token
             assert gw.active("d1") == {rid: PROMPT_LEN}  # nor counted as held
             assert gw.active("p2") == {} and gw.active("d2") == {}
@@ -519,7 +527,7 @@ def test_events_for_unknown_or_old_requests_are_not_delivered(tmp_path: Path) ->
             decode.send(RequestFailed(rid, 2, "x"))
             assert await prefill.flush() == [Abort("unknown", 0), Abort(rid, 1)]
             assert await decode.flush() == []
-            assert pending(handle) == [] and handle.next_index == 0
+            assert pending(handle) == [] and handle.output.next_index == 0
             prefill.send(FirstToken(rid, 0, 3, None))
             decode.tokens(rid, (1, 4, None))
             assert await next_event(handle) == Event(3, None)
@@ -632,7 +640,7 @@ def test_the_memory_of_re_aborts_is_bounded() -> None:
 def test_the_gateways_own_aborts_share_that_bounded_memory() -> None:
     control = RecordingControl()
     dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
-    handle = RequestHandle("r", 0, TASK, "p1", "d1")
+    handle = RequestHandle("r", 0, TASK, Assignment("p1", "d1"))
     dispatcher.requests["r"] = handle
     dispatcher.abort(handle)
     assert control.sent == [("p1", Abort("r", 0)), ("d1", Abort("r", 0))]
@@ -687,7 +695,7 @@ def test_a_failed_kv_hand_off_serves_the_request_again(tmp_path: Path) -> None:
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
-            assert handle.decode_worker == "d1"
+            assert handle.assignment.decode_worker == "d1"
             prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
                                        retry=True))
             abort, again = await prefill.expect(2)
@@ -695,7 +703,8 @@ def test_a_failed_kv_hand_off_serves_the_request_again(tmp_path: Path) -> None:
             assert isinstance(again, PrefillRequest) and again.epoch == 1
             assert again.decode_worker == "d2"  # not the one it could not reach
             assert await decode.expect(1) == [abort]
-            assert (handle.recoveries, handle.retries, handle.done) == (1, 0, False)
+            retries = handle.retries
+            assert (retries.message_losses, retries.worker_losses, handle.done) == (1, 0, False)
             prefill.send(FirstToken(handle.request_id, 1, 5, None))
             assert await next_event(handle) == Event(5, None)
             assert gw.registry.pick_decode() is gw.registry.workers["d2"]
@@ -744,14 +753,14 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
             abort, again = await decode.expect(2)  # no prefill pool: decode prefills it
             assert abort == Abort(stuck.request_id, 0) and "p1" not in gw.registry.workers
             assert isinstance(again, PrefillRequest) and again.epoch == 1
-            assert again.decode_worker == "d1" and stuck.prefill_worker == "d1"
+            assert again.decode_worker == "d1" and stuck.assignment.prefill_worker == "d1"
             assert not past_prefill.done  # it no longer needs the prefill worker
             assert gw.active("d1") == {past_prefill.request_id: PROMPT_LEN + 1,
                                        stuck.request_id: PROMPT_LEN}
             decode.tokens(stuck.request_id, (0, 7, "stop"), epoch=1)
             assert await next_event(stuck) == Event(7, "stop") and stuck.done
             await no_more_events(stuck)
-            assert gw.dispatcher.submit(TASK).prefill_worker == "d1"
+            assert gw.dispatcher.submit(TASK).assignment.prefill_worker == "d1"
             assert gw.registry.decisions["local_no_prefill"] == 2
 
     asyncio.run(body())
@@ -801,7 +810,7 @@ def test_a_streaming_request_resumes_from_what_the_client_has(tmp_path: Path) ->
             fresh.tokens(handle.request_id, (1, 9, None), epoch=1)
             assert [await next_event(handle) for _ in range(2)] == [Event(8, None),
                                                                     Event(9, None)]
-            assert handle.delivered == [5, 6, 7, 8, 9] and gw.dispatcher.resumed == 1
+            assert handle.output.delivered == [5, 6, 7, 8, 9] and gw.dispatcher.resumed == 1
 
     asyncio.run(body())
 
@@ -839,7 +848,7 @@ def test_leave_removes_the_worker_and_fails_its_requests(tmp_path: Path) -> None
             assert abort == Abort(on_prefill.request_id, 0) and "p1" not in gw.registry.workers
             assert isinstance(again, PrefillRequest) and again.epoch == 1
             assert not on_decode.done  # prefill had finished with it
-            assert gw.dispatcher.submit(TASK).prefill_worker == "d1"  # not to the leaver
+            assert gw.dispatcher.submit(TASK).assignment.prefill_worker == "d1"  # not to the leaver
             prefill.send(prefill.heartbeat())  # a beat that was already on its way
             abort, reply = await prefill.expect(2)
             assert abort == Abort(on_prefill.request_id, 0) and isinstance(reply, RegisterAgain)
@@ -1041,14 +1050,15 @@ def test_a_decode_worker_that_dies_after_a_failed_hand_off_counts_as_lost(
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             other = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
-            handle.retries = _MAX_RESUMES - 1
+            handle.retries.worker_losses = _MAX_RESUMES - 1
             prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
                                        retry=True))
             await prefill.expect(2)  # the abort, and the request again (to d2)
-            assert handle.decode_worker == "d2" and set(handle.unreached) == {"d1"}
+            assert handle.assignment.decode_worker == "d2"
+            assert set(handle.retries.unreached) == {"d1"}
             decode.send(Leave("d1", "i0"))
-            await until(lambda: handle.retries == _MAX_RESUMES, "the loss counted")
-            assert not handle.done and not handle.unreached
+            await until(lambda: handle.retries.worker_losses == _MAX_RESUMES, "the loss counted")
+            assert not handle.done and not handle.retries.unreached
             prefill.send(RequestFailed(handle.request_id, 1, "KV receiver not reachable",
                                        retry=True))
             await prefill.expect(2)
@@ -1067,16 +1077,18 @@ def test_a_decode_worker_that_heartbeats_after_a_failed_hand_off_was_not_killed_
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
-            handle.retries = _MAX_RESUMES - 1
+            handle.retries.worker_losses = _MAX_RESUMES - 1
             prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
                                        retry=True))
             await prefill.expect(2)
-            assert handle.decode_worker == "d2" and set(handle.unreached) == {"d1"}
+            assert handle.assignment.decode_worker == "d2"
+            assert set(handle.retries.unreached) == {"d1"}
             decode.send(decode.heartbeat())
             decode.send(Leave("d1", "i0"))
             await decode.flush()
             assert "d1" not in gw.dispatcher.registry.workers
-            assert handle.retries == _MAX_RESUMES - 1 and not handle.unreached
+            assert handle.retries.worker_losses == _MAX_RESUMES - 1
+            assert not handle.retries.unreached
             assert not handle.done
 
     asyncio.run(body())
@@ -1099,7 +1111,7 @@ def test_lost_messages_resume_a_request_until_their_own_limit(
                 abort, again = await prefill.expect(2)
                 assert abort == Abort(handle.request_id, epoch)
                 assert isinstance(again, PrefillRequest) and again.epoch == epoch + 1
-            assert handle.retries == 0 and not handle.done
+            assert handle.retries.worker_losses == 0 and not handle.done
             decode.tokens(handle.request_id, (1, 6, None), epoch=_MAX_RECOVERIES)
             assert await next_event(handle) == Event(None, "error", LOST)
             assert handle.done and gw.dispatcher.requests == {}
@@ -1120,14 +1132,15 @@ def test_losing_workers_resumes_a_request_twice_whatever_its_lost_messages(
             gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
             handle = gw.dispatcher.submit(TASK)
             decode.tokens(handle.request_id, (1, 6, None))  # its first token lost
-            await until(lambda: handle.recoveries == 1, "a recovery")
+            await until(lambda: handle.retries.message_losses == 1, "a recovery")
             for resumes in range(_MAX_RESUMES + 1):
-                assert handle.retries == resumes
-                on = next(p for p in prefills if p.worker_id == handle.prefill_worker)
+                assert handle.retries.worker_losses == resumes
+                on = next(p for p in prefills if p.worker_id == handle.assignment.prefill_worker)
                 on.send(Leave(on.worker_id, on.instance_id))
-                await until(lambda n=resumes: handle.retries > n or handle.done, "a resume")
+                await until(partial(resumed_past, handle, resumes), "a resume")
             assert await next_event(handle) == Event(None, "error", STOPPED)
-            assert handle.retries == _MAX_RESUMES and handle.recoveries == 1
+            assert handle.retries.worker_losses == _MAX_RESUMES
+            assert handle.retries.message_losses == 1
 
     asyncio.run(body())
 
@@ -1141,7 +1154,7 @@ def test_a_worker_with_work_and_no_progress_is_stalled(tmp_path: Path) -> None:
             wedged = await gw.worker("d1", "decode", kv_address="tcp://127.0.0.1:7001",
                                      running=1)
             handle = await submitted(gw, prefill)
-            assert handle.decode_worker == "d1"
+            assert handle.assignment.decode_worker == "d1"
             healthy = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
             gw.beating.update(p1=prefill, d1=wedged, d2=healthy)
             gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))

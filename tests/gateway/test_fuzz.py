@@ -108,7 +108,7 @@ NARROWED: dict[str, dict[str, Any]] = {
     "messages": {"type": "array", "minItems": 1, "maxItems": 4,
                  "items": {"$ref": "#/$defs/ChatMessage"}},
 }
-NARROWED_IN_MESSAGES = {"tool_calls": {"enum": [None, []]}}
+NARROWED_IN_MESSAGES: dict[str, Any] = {"tool_calls": {"enum": [None, []]}}
 
 
 def generation_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from core.messages import GenerationTask, Sampling, TopLogprob
 from engine.weights.folder import resolve_model
-from gateway.dispatch import Event, RequestHandle
+from engine.weights.tokenizer import decode_text
 from gateway.generation import Delta, Generation
+from gateway.handle import Assignment, Event, RequestHandle
 from gateway.logprobs import (
     LOGPROB_FLOOR,
     Piece,
@@ -60,14 +61,14 @@ def test_a_whole_characters_piece_is_its_decoded_text(
     tokenizer: PreTrainedTokenizerBase, pieces: TokenPieces
 ) -> None:
     for token_id in tokenizer.encode(" Hello world café <|im_end|>"):
-        assert pieces(token_id).text == tokenizer.decode([token_id])
+        assert pieces(token_id).text == decode_text(tokenizer, [token_id])
     assert pieces(2) == Piece("<|im_end|>", b"<|im_end|>")
 
 
 def test_a_piece_cut_mid_character_shows_its_bytes_escaped(
     tokenizer: PreTrainedTokenizerBase, pieces: TokenPieces
 ) -> None:
-    partial = [i for i in tokenizer.encode(" 日本語") if "\ufffd" in tokenizer.decode([i])]
+    partial = [i for i in tokenizer.encode(" 日本語") if "\ufffd" in decode_text(tokenizer, [i])]
     assert partial
     for token_id in partial:
         piece = pieces(token_id)
@@ -121,24 +122,17 @@ def test_two_tokens_with_one_text_keep_the_likelier() -> None:
     assert completion_logprobs([entry])["top_logprobs"] == [{"Hi": -0.1}]
 
 
-class _Dispatcher:
-    def __init__(self) -> None:
-        self.aborted = 0
-
-    def abort(self, handle: RequestHandle) -> None:
-        self.aborted += 1
-
-
 def run(tokenizer: PreTrainedTokenizerBase, ids: list[int], stops: tuple[str, ...] = (),
         min_tokens: int = 0, pieces: TokenPieces | None = None) -> list[Delta]:
     """Every delta of a generation whose tokens are `ids`, the last one ending it."""
     task = GenerationTask([1, 2], Sampling(logprobs=1), len(ids), [], True, min_tokens=min_tokens)
-    handle = RequestHandle("r", 0, task, "p", "d")
+    handle = RequestHandle("r", 0, task, Assignment("p", "d"))
     for index, token in enumerate(ids):
         top = [TopLogprob(token, -0.5), TopLogprob(7, -1.5)]
         handle.events.put_nowait(Event(token, "length" if index == len(ids) - 1 else None,
                                        logprob=-0.5 - index, top=top))
-    generation = Generation(handle, _Dispatcher(), Metrics(), tokenizer, stops, pieces)
+    aborted: list[RequestHandle] = []
+    generation = Generation(handle, aborted.append, Metrics(), tokenizer, stops, pieces)
 
     async def collect() -> list[Delta]:
         return [d async for d in generation.deltas(5.0, 5.0) if d is not None]
@@ -162,7 +156,7 @@ def test_every_tokens_logprobs_ride_on_the_deltas(
     assert offsets == sorted(offsets) and offsets[0] == 0
     for entry, token_id in zip(entries, ids, strict=True):
         if "\\x" not in entry.token.text:  # a token that starts a character starts at its text
-            assert text[entry.text_offset:].startswith(tokenizer.decode([token_id]))
+            assert text[entry.text_offset:].startswith(decode_text(tokenizer, [token_id]))
 
 
 def test_without_pieces_no_logprobs(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.config import Role
 from core.messages import DropCount, Heartbeat, Register, TransferTotals
 from gateway.metrics import Metrics
 from gateway.registry import LocalPrefill, Registry
@@ -19,8 +20,9 @@ KV_SERIES = ("raging_kv_transfer_", "raging_kv_chunks_dropped")
 
 def membership() -> Registry:
     registry = Registry(FP, 3.0, 1, 1)
-    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"),
-                            ("decode-1", "decode")):
+    roles: tuple[tuple[str, Role], ...] = (("prefill-0", "prefill"), ("decode-0", "decode"),
+                                           ("decode-1", "decode"))
+    for worker_id, role in roles:
         reply, _ = registry.register(Register(worker_id, "i0", role, "", FP, 16, 100))
         assert reply.accepted
     return registry
@@ -111,7 +113,8 @@ def test_workers_without_a_heartbeat_export_no_transfer_series() -> None:
 
 def test_progress_and_stalls_are_exported_per_worker() -> None:
     registry = Registry(FP, 3.0, 1, 1, stall_timeout_s=0.0)
-    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+    roles: tuple[tuple[str, Role], ...] = (("prefill-0", "prefill"), ("decode-0", "decode"))
+    for worker_id, role in roles:
         assert registry.register(Register(worker_id, "i0", role, "", FP, 16, 100))[0].accepted
     assert registry.heartbeat(Heartbeat("prefill-0", "i0", 0, 100, 0, 0, progress=60))
     assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
@@ -126,9 +129,8 @@ def test_progress_and_stalls_are_exported_per_worker() -> None:
 
 def test_rejected_peers_are_exported_for_the_gateway_and_each_decode_worker() -> None:
     registry = membership()
-    for worker_id, rejected in (("prefill-0", 0), ("decode-0", 4)):
-        assert registry.heartbeat(Heartbeat(worker_id, "i0", 0, 90, 1, 0,
-                                            rejected_peers=rejected))
+    for worker_id, count in (("prefill-0", 0), ("decode-0", 4)):
+        assert registry.heartbeat(Heartbeat(worker_id, "i0", 0, 90, 1, 0, rejected_peers=count))
     found = samples(Metrics().render(registry, 0, rejected_peers=2).decode())
     rejected = {dict(key)["worker"]: value for (name, key), value in found.items()
                 if name == "raging_internal_rejected_total"}

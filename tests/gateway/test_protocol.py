@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.weights.folder import resolve_model
+from engine.weights.tokenizer import decode_text
 from gateway.errors import (
     APIError,
     bad_request,
@@ -369,14 +370,14 @@ def test_request_models_are_frozen() -> None:
     req = parse_chat_request(chat())
     assert isinstance(req, ChatCompletionRequest)
     with pytest.raises(ValueError):
-        req.model = "other"  # type: ignore[misc]
+        req.model = "other"
 
 
 def test_render_chat_prompt_uses_template(tokenizer: PreTrainedTokenizerBase) -> None:
     messages = parse_chat_request(chat()).messages
     ids = render_chat_prompt(tokenizer, messages)
     assert all(isinstance(token, int) for token in ids)
-    text = tokenizer.decode(ids)
+    text = decode_text(tokenizer, ids)
     assert text.endswith("<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")
 
@@ -393,7 +394,7 @@ def test_render_chat_prompt_maps_developer_and_joins_parts(
             {"role": "user", "content": "日本語 😀"},
         ]
     )
-    text = tokenizer.decode(render_chat_prompt(tokenizer, parse_chat_request(body).messages))
+    text = decode_text(tokenizer, render_chat_prompt(tokenizer, parse_chat_request(body).messages))
     assert text == (
         "<|im_start|>system\nRules.<|im_end|>\n<|im_start|>user\nA\nB<|im_end|>\n"
         "<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\n日本語 😀<|im_end|>\n"
@@ -485,7 +486,7 @@ def test_check_context_rejects_empty_prompt() -> None:
 def test_error_response_shape_and_retry_after() -> None:
     response = error_response(bad_request("bad thing", param="temperature", code="x"))
     assert response.status_code == 400
-    assert json.loads(response.body) == {
+    assert json.loads(bytes(response.body)) == {
         "error": {
             "message": "bad thing",
             "type": "invalid_request_error",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
+from core.config import Role
 from core.messages import Heartbeat, Register
 from gateway.registry import LocalPrefill, Registry, WorkerInfo
 
@@ -14,7 +16,7 @@ def registry(timeout_s: float = 3.0, prefill: int = 1, decode: int = 1) -> Regis
     return Registry(FP, timeout_s, prefill, decode)
 
 
-def register(worker_id: str, role: str = "prefill", instance: str = "i0", fingerprint: str = FP,
+def register(worker_id: str, role: Role = "prefill", instance: str = "i0", fingerprint: str = FP,
              num_blocks: int = 100, kv_address: str = "") -> Register:
     return Register(worker_id, instance, role, kv_address, fingerprint, 16, num_blocks)
 
@@ -49,8 +51,9 @@ def test_fingerprint_mismatch_is_refused_naming_both() -> None:
 
 
 def test_unknown_role_is_refused() -> None:
+    """The codec refuses such a Register on the wire; made in-process, the registry does."""
     reg = registry()
-    reply, _ = reg.register(register("x1", role="embed"))
+    reply, _ = reg.register(register("x1", role=cast(Role, "embed")))
     assert not reply.accepted and "embed" in reply.reason and not reg.workers
 
 
@@ -162,7 +165,8 @@ def test_health_tells_starting_from_degraded_from_unavailable() -> None:
 
 def test_alive_by_role() -> None:
     reg = registry()
-    for worker_id, role in (("p1", "prefill"), ("d1", "decode"), ("p2", "prefill")):
+    roles: tuple[tuple[str, Role], ...] = (("p1", "prefill"), ("d1", "decode"), ("p2", "prefill"))
+    for worker_id, role in roles:
         reg.register(register(worker_id, role))
     assert [w.worker_id for w in reg.alive("prefill")] == ["p1", "p2"]
     assert [w.worker_id for w in reg.alive("decode")] == ["d1"]
@@ -369,7 +373,8 @@ def test_only_progress_clears_a_stall() -> None:
 
 def conditional(max_tokens: int = 8, saturated_tokens: int = 100) -> Registry:
     reg = Registry(FP, 3.0, 1, 1, local=LocalPrefill(max_tokens, saturated_tokens))
-    for worker_id, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")):
+    roles: tuple[tuple[str, Role], ...] = (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    for worker_id, role in roles:
         reg.register(register(worker_id, role, num_blocks=10))  # 160 tokens each
     return reg
 

@@ -422,7 +422,8 @@ def test_openai_client_retrieves_the_model_and_no_other(openai_client: openai.Op
     for other in ("gpt-4o", "org/some-model"):
         with pytest.raises(openai.NotFoundError) as info:
             openai_client.models.retrieve(other)
-        assert info.value.body["code"] == "model_not_found"
+        body = info.value.body
+        assert isinstance(body, dict) and body["code"] == "model_not_found"
 
 
 def test_openai_client_gets_unknown_field_named(openai_client: openai.OpenAI) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,14 +69,14 @@ def kv(seed: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = S
 
 
 def header_for(k: torch.Tensor, v: torch.Tensor, placement: Placement | None = None,
-               **changes: object) -> KVHeader:
+               **changes: Any) -> KVHeader:
     """The header a sender would write for K and V (inline, unless placed), with `changes`."""
     header = KVHeader(
         request_id="r", epoch=0, layer_start=0, layer_end=k.shape[0], num_tokens=k.shape[1],
         dtype=dtype_name(k.dtype), shape=list(k.shape),
         checksum=checksum(as_bytes(k), as_bytes(v)), placement=placement,
     )
-    return dataclasses.replace(header, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(header, **changes)
 
 
 # --- receiving -------------------------------------------------------------------------------

@@ -295,7 +295,9 @@ def test_round_trip_between_two_processes(receiver: KVReceiver, ending: str) -> 
         assert isinstance(reader, CudaIpcReader) and list(reader.segments.opened) == [segment]
         size = reader.segments.opened[segment].size  # from the driver: offsets checked against it
         assert size is not None and size >= 4 * 2**20
-        placement = items[0].header.placement  # type: ignore[union-attr]
+        first = items[0]
+        assert isinstance(first, KVPayload) and first.header.placement is not None
+        placement = first.header.placement
         outside = Placement("cuda_ipc", segment, size, 0, placement.handle)
         with pytest.raises(BadChunk, match="outside"):
             reader.read(header_with(outside, chunk(0)[0]))

@@ -11,13 +11,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from core.config import KVTransferConfig
+from core.config import KVBackend, KVTransferConfig
 from core.curve import CurveKeys, generate, load
 from core.messages import Abort, encode
 from kvtransfer import (
@@ -66,13 +67,13 @@ def _bad_messages() -> dict[str, Bad]:
     corrupted = bytearray(vb)
     corrupted[10] ^= 0x01
 
-    def bad(k: torch.Tensor, v: torch.Tensor, **changes: object) -> bytes:
+    def bad(k: torch.Tensor, v: torch.Tensor, **changes: Any) -> bytes:
         """A header that decodes and names its request."""
-        changes = {"request_id": BAD_ID, "epoch": BAD_EPOCH, **changes}
-        return FORWARD_CODEC.encode(header_for(k, v, **changes))
+        return FORWARD_CODEC.encode(header_for(k, v, request_id=BAD_ID, epoch=BAD_EPOCH,
+                                               **changes))
 
     def summed(*buffers: bytes) -> int:
-        return checksum(*map(memoryview, buffers))
+        return checksum(*(memoryview(buffer) for buffer in buffers))
 
     mistyped = msgpack.packb([0, BAD_ID, "five", 0, 2, 5, "float32", [2, 5, 3, 8], 0, None])
     notice = FORWARD_CODEC.encode(KVNotice(BAD_ID, BAD_EPOCH, b"meta"))
@@ -178,7 +179,8 @@ def test_every_bad_message_in_a_row_is_counted_and_good_ones_still_arrive(
     reasons = [r.reason for r in rejections(got)]
     assert len(reasons) == len(NAMED)
     for reason, name in zip(reasons, NAMED, strict=True):  # in the order sent
-        assert BAD[name].reason in reason, (name, reason)
+        fragment = BAD[name].reason
+        assert fragment is not None and fragment in reason, (name, reason)
     assert all(r.key == (BAD_ID, BAD_EPOCH) for r in rejections(got))
     k, v = kv(10)
     sender.send_layers(receiver.address, "from-sender", 0, 0, k, v)
@@ -275,7 +277,7 @@ def wait_for_rejections(receiver: KVReceiver, count: int) -> None:
 
 @pytest.mark.parametrize("backend", ["zmq", "shm"])
 def test_with_curve_the_clusters_senders_get_through(
-    curve_receiver: KVReceiver, context: zmq.Context, keys: CurveKeys, backend: str,
+    curve_receiver: KVReceiver, context: zmq.Context, keys: CurveKeys, backend: KVBackend,
 ) -> None:
     sender = make_sender(context, KVTransferConfig(backend=backend, buffer_mb=1), keys)
     try:

@@ -28,7 +28,7 @@ import zmq
 from core.config import KVTransferConfig
 from kvtransfer import KVReceiver, KVRejected, make_receiver, make_sender
 from kvtransfer.shm import SHM_DIR, ShmKVSender, sweep_dead_segments
-from kvtransfer.wire import FORWARD_CODEC, KVItem, KVPayload, Placement, checksum
+from kvtransfer.wire import FORWARD_CODEC, KVItem, KVPayload, Placement, as_bytes, checksum
 from tests.kvtransfer.conftest import (
     DTYPES,
     WAIT_S,
@@ -227,7 +227,7 @@ def test_a_bad_segment_name_is_rejected_as_placement(
     header = header_for(k, v, placement=Placement("shm", segment, 0, 0, b""), request_id="x")
     dealer.send(FORWARD_CODEC.encode(header))
     dealer.send_multipart([FORWARD_CODEC.encode(header_for(k, v, request_id="good")),
-                           memoryview(k.numpy()), memoryview(v.numpy())])
+                           as_bytes(k), as_bytes(v)])
     *rejected, good = receive(receiver, 1, until=is_payload_of("good"))
     assert [(r.key, type(r)) for r in rejected] == [(("x", 0), KVRejected)]
     assert receiver.dropped == Counter({"placement": 1})

@@ -21,6 +21,7 @@ from core.messages import (
     GenerationTask,
     Message,
     PrefillRequest,
+    RequestKey,
     Sampling,
     decode,
 )
@@ -138,7 +139,7 @@ def open_stream(sender: KVSender, runner: ModelRunner, requests: list[PrefillReq
     stream = LayerStream(sender, runner.cache, FINGERPRINT, chunk_bytes)
     for request, table in zip(requests, tables, strict=True):
         stream.start(request, table)
-    stream.begin_step({(r.request_id, r.epoch): len(r.task.prompt_ids) for r in requests})
+    stream.begin_step({r.key: len(r.task.prompt_ids) for r in requests})
     return stream
 
 
@@ -212,7 +213,7 @@ def test_an_unreachable_decode_worker_fails_only_its_request(
     try:
         stream = open_stream(sender, runner, requests, tables, ONE_LAYER)
         assert list(stream.broken()) == [("a", 0)]  # its notice found no receiver
-        stream.abort(("a", 0))
+        stream.abort(RequestKey("a", 0))
         assert stream.broken() == {}  # an aborted request is not one to serve again
         firsts = run_prefill(runner, stream, requests, tables, stream.send_layer)
         failure = stream.finish(firsts[0])
@@ -299,7 +300,7 @@ def test_a_prompt_in_two_chunks_streams_each_chunk_during_its_own_forward(
     num_layers = runner.spec.num_layers
     (request,) = requests = [prefill_request("a", receiver.address)]  # 11 tokens: 6, then 5
     tables = allocate(runner, requests)
-    key = (request.request_id, request.epoch)
+    key = request.key
     got: list[tuple[str, int, int, int]] = []  # (kind, token start, tokens, first layer)
 
     def keep(item: KVItem) -> None:

@@ -5,7 +5,7 @@ come, first served; the last ones test deadlines."""
 
 from __future__ import annotations
 
-from core.messages import GenerationTask, PrefillRequest, Sampling
+from core.messages import GenerationTask, PrefillRequest, RequestKey, Sampling
 from engine.model.chunk_cost import ChunkCost
 from prefill.scheduler import Chunk, Prefilling, PrefillScheduler
 
@@ -119,9 +119,9 @@ def test_a_prompt_over_the_budget_still_needs_its_blocks() -> None:
 
 def test_abort_of_a_queued_request() -> None:
     scheduler = scheduler_with(3, 4, 5)
-    assert scheduler.abort("r1", 0)
+    assert scheduler.abort(RequestKey("r1", 0))
     assert ids(list(scheduler.waiting)) == ["r0", "r2"]
-    assert not scheduler.abort("r1", 0)  # already gone
+    assert not scheduler.abort(RequestKey("r1", 0))  # already gone
     assert ids(step(scheduler, free_blocks=100)) == ["r0", "r2"]
 
 
@@ -129,22 +129,22 @@ def test_abort_matches_the_epoch() -> None:
     scheduler = PrefillScheduler(max_batch_tokens=100, block_size=BLOCK)
     scheduler.add(request("r", 3, epoch=0))
     scheduler.add(request("r", 5, epoch=1))
-    assert not scheduler.abort("r", 2)
-    assert scheduler.abort("r", 1)
+    assert not scheduler.abort(RequestKey("r", 2))
+    assert scheduler.abort(RequestKey("r", 1))
     assert [p.key for p in scheduler.waiting] == [("r", 0)]
 
 
 def test_abort_of_unknown_or_finished_request_is_false() -> None:
     scheduler = scheduler_with(3)
-    assert not scheduler.abort("nope", 0)
+    assert not scheduler.abort(RequestKey("nope", 0))
     step(scheduler, free_blocks=100)
-    assert not scheduler.abort("r0", 0)
+    assert not scheduler.abort(RequestKey("r0", 0))
 
 
 def test_queued_tokens() -> None:
     scheduler = scheduler_with(3, 4, 5, budget=7)
     assert scheduler.queued_tokens == 12
-    scheduler.abort("r2", 0)
+    scheduler.abort(RequestKey("r2", 0))
     assert scheduler.queued_tokens == 7
     step(scheduler, free_blocks=100)
     assert scheduler.queued_tokens == 0
@@ -244,8 +244,8 @@ def test_abort_of_a_prompt_in_progress() -> None:
     scheduler = scheduler_with(20, 20, budget=16, chunk=8)
     step(scheduler)
     assert scheduler.held() == [("r0", 0), ("r1", 0)] and scheduler.queued_tokens == 24
-    assert scheduler.abort("r0", 0)
-    assert not scheduler.abort("r0", 0)
+    assert scheduler.abort(RequestKey("r0", 0))
+    assert not scheduler.abort(RequestKey("r0", 0))
     assert scheduler.held() == [("r1", 0)] and scheduler.queued_tokens == 12
     assert ids(step(scheduler)) == ["r1"]
 

@@ -5,7 +5,7 @@ valid JSON matching the schema."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from core.messages import JSON_OBJECT, GenerationTask, Sampling
 from engine.sampling.grammar import Constraint, GrammarError, Grammars, unpack_bitmask
 from engine.sampling.sampler import History, draw, make_generator
+from engine.weights.tokenizer import decode_text
 
 EOS = 2  # the tiny model's (and the real tokenizer's) EOS
-SCHEMA = {
+SCHEMA: dict[str, object] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 8},
@@ -50,7 +51,7 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def task(grammar: str, prompt: list[int] | None = None, output: list[int] = (),
+def task(grammar: str, prompt: list[int] | None = None, output: Sequence[int] = (),
          **fields: Any) -> GenerationTask:
     """A task with `output` already streamed (a resumed request) when given."""
     prompt = prompt or [1, 5, 6]
@@ -59,7 +60,7 @@ def task(grammar: str, prompt: list[int] | None = None, output: list[int] = (),
                           output_start=len(prompt), grammar=grammar, **fields)
 
 
-def constraint(grammars: Grammars, grammar: str, output: list[int] = (),
+def constraint(grammars: Grammars, grammar: str, output: Sequence[int] = (),
                **fields: Any) -> Constraint:
     made = grammars.constraint(task(grammar, output=output, **fields), (EOS,))
     assert made is not None
@@ -83,7 +84,7 @@ def test_mask_keeps_only_tokens_that_start_an_object(
         grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
     allowed = allowed_ids(constraint(grammars, JSON_OBJECT))
     assert allowed and EOS not in allowed
-    assert all(tokenizer.decode([t]).startswith("{") for t in allowed)
+    assert all(decode_text(tokenizer, [t]).startswith("{") for t in allowed)
     # The draw picks an allowed token even where every allowed one is the least likely.
     logits = torch.zeros(3, 49152)
     logits[:, sorted(allowed)] = -50.0
@@ -152,18 +153,18 @@ def generate(tiny_model_dir: Path, grammars: Grammars, tokenizer: PreTrainedToke
     @torch.inference_mode()
     def run(prompt: str, grammar: str, params: Sampling) -> tuple[str, bool]:
         c = constraint(grammars, grammar)
-        generator, output = make_generator(params.seed), []
+        generator, output = make_generator(params.seed), list[int]()
         out = model(torch.tensor([tokenizer.encode(prompt)]), use_cache=True)
         for _ in range(MAX_TOKENS):
             token = draw(out.logits[:, -1], [params], [generator],
                          [History(allowed=c.allowed())])[0].token_id
             if token == EOS:
-                return tokenizer.decode(output), True
+                return decode_text(tokenizer, output), True
             c.advance(token)
             output.append(token)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
                         use_cache=True)
-        return tokenizer.decode(output), False
+        return decode_text(tokenizer, output), False
 
     return run
 
@@ -198,6 +199,6 @@ def test_no_raw_control_character_inside_a_string(
     for token in tokenizer.encode('{"name": "ab'):
         c.advance(token)
     allowed = allowed_ids(c)
-    control = {t for t in allowed if any(ch < " " for ch in tokenizer.decode([t]))}
+    control = {t for t in allowed if any(ch < " " for ch in decode_text(tokenizer, [t]))}
     assert allowed and control == set()
     assert grammars.control_tokens[tokenizer.convert_tokens_to_ids("ā")]  # byte 0x01

@@ -35,7 +35,7 @@ def test_logprobs_are_log_softmax_before_temperature_top_k_and_top_p(params: Sam
 def test_greedy_takes_the_best_logprob() -> None:
     logits = random_logits(3, seed=1)
     for got in draw(logits, [Sampling(temperature=0.0, logprobs=3)] * 3, [make_generator(0)] * 3):
-        assert got.top[0] == TopLogprob(got.token_id, got.logprob)
+        assert got.logprob is not None and got.top[0] == TopLogprob(got.token_id, got.logprob)
         assert got.top[0].logprob >= got.top[1].logprob >= got.top[2].logprob
 
 

@@ -3,6 +3,8 @@ repetition penalty; a row's draw still depends on nothing but its own row."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -76,10 +78,12 @@ def test_all_three_apply_in_vllms_order() -> None:
 def test_a_penalty_moves_greedy_off_a_repeated_token() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 3], logits[0, 4] = 2.0, 1.5
+    settings: tuple[dict[str, Any], ...] = ({}, {"presence_penalty": 1.0},
+                                            {"frequency_penalty": 0.2},
+                                            {"repetition_penalty": 1.5})
     plain, presence, frequency, repetition = (
         sample(logits, [Sampling(temperature=0.0, **kwargs)], [make_generator(0)], [history()])
-        for kwargs in ({}, {"presence_penalty": 1.0}, {"frequency_penalty": 0.2},
-                       {"repetition_penalty": 1.5}))
+        for kwargs in settings)
     assert plain == [3] and presence == frequency == repetition == [4]
 
 
@@ -151,6 +155,6 @@ def test_penalties_do_not_touch_the_callers_logits() -> None:
     {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
     {"repetition_penalty": float("inf")}, {"logprobs": -1}, {"logprobs": MAX_LOGPROBS + 1},
 ])
-def test_bad_penalties_and_logprobs_are_value_errors(kwargs: dict[str, float]) -> None:
+def test_bad_penalties_and_logprobs_are_value_errors(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         Sampling(**kwargs)

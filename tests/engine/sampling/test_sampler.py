@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 @pytest.mark.parametrize(
     "kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}]
 )
-def test_bad_params_are_value_errors(kwargs: dict[str, float]) -> None:
+def test_bad_params_are_value_errors(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         Sampling(**kwargs)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights.load import EMBED, LM_HEAD, WEIGHTS_INDEX, load_weights, weight_files
+from engine.weights.files import WEIGHTS_INDEX
+from engine.weights.load import EMBED, LM_HEAD, load_weights, weight_files
 
 
 def mapped_files(tensor: torch.Tensor) -> list[str]:

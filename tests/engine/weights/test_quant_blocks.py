@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.weights.folder import QUANT_FILE
+from engine.weights.files import QUANT_FILE
 from engine.weights.load import EMBED, LM_HEAD, load_weights
 from engine.weights.quant_blocks import (
     QUANT_BLOCK_BYTES,
@@ -51,8 +51,9 @@ def test_quantizing_a_dequantized_matrix_finds_the_same_quant_blocks(bits: int) 
 def test_exact_quant_picks_the_fewest_bits_that_reproduce_the_weight() -> None:
     four = dequantize(quantize(random_weight(4, 64), 4))
     eight = dequantize(quantize(random_weight(4, 64, seed=1), 8))
-    assert exact_quant(four).bits == 4
-    assert exact_quant(eight).bits == 8
+    in_four, in_eight = exact_quant(four), exact_quant(eight)
+    assert in_four is not None and in_four.bits == 4
+    assert in_eight is not None and in_eight.bits == 8
     assert exact_quant(random_weight(4, 64)) is None  # never quantized
     assert exact_quant(four[:, :48]) is None  # rows do not split into quant blocks
     assert exact_quant(four.to(torch.bfloat16)) is None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.weights.folder import QUANT_ROWS_FILE
+from engine.weights.files import QUANT_ROWS_FILE
 from engine.weights.quant_rows import MeasuredQuantRows
 
 

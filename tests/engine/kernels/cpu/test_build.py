@@ -14,9 +14,11 @@ from engine.model.rope import rotate
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
+def assert_near(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     """fp32 to rounding; bf16 within one step of its 8-bit mantissa (one rounding less)."""
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 8e-3}
+    fp32 = dtype == torch.float32
+    torch.testing.assert_close(out.float(), expected, atol=1e-5 if fp32 else 2e-2,
+                               rtol=1e-5 if fp32 else 8e-3)
 
 
 def test_kernels_apply_only_to_fp32_or_bf16_alike() -> None:
@@ -37,7 +39,7 @@ def test_rms_norm_matches_torch(cpu_kernels: ModuleType, dtype: torch.dtype, row
     out = cpu_kernels.rms_norm(x, weight, 1e-5)
     assert out.dtype == dtype and out.is_contiguous()
     expected = F.rms_norm(x.float(), (576,), weight.float(), eps=1e-5)
-    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+    assert_near(out, expected, dtype)
 
 
 @DTYPES
@@ -52,4 +54,4 @@ def test_rope_matches_torch_on_a_slice_of_the_qkv_output(cpu_kernels: ModuleType
     out = cpu_kernels.rope(k, cos, sin)
     assert out.dtype == dtype and out.shape == k.shape and out.is_contiguous()
     expected = rotate(k.float(), cos.float(), sin.float())
-    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+    assert_near(out, expected, dtype)
