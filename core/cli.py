@@ -16,8 +16,8 @@ class ConfigParser(argparse.ArgumentParser):
     """`--config FILE`, `--set` and the flags every process shares (`--model`,
     `--control-address`, `--kv-backend`); `config_flag` adds more."""
 
-    def __init__(self, description: str) -> None:
-        super().__init__(description=description)
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog=prog, description=description)
         self._keys: dict[str, str] = {}  # argparse dest -> the config key its flag sets
         self.add_argument("--config", default=None, help="YAML config file (configs/default.yaml)")
         self.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -19,8 +19,9 @@ Build = Callable[[str, Config], Worker]  # (worker id, config) -> the worker, mo
 def worker_main(role: Role, build: Build) -> None:
     """Parse the command line, pin this process to its CPUs, build the worker (loading its
     model there, pinned) and serve until SIGTERM or SIGINT."""
-    parser = ConfigParser(f"raging {role} worker")
-    parser.add_argument("--worker-id", default=f"{role}-0")
+    parser = ConfigParser(f"python -m {role}", f"raging {role} worker")
+    parser.add_argument("--worker-id", default=f"{role}-0",
+                        help="its name at the gateway (default: %(default)s)")
     parser.config_flag(f"{role}.threads")
     parser.config_flag(f"{role}.cpus")
     args = parser.parse_args()

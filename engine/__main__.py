@@ -18,7 +18,7 @@ from engine.weights.folder import resolve_model
 
 
 def main() -> None:
-    parser = ConfigParser("Prepare a model folder and kernels for raging.")
+    parser = ConfigParser("python -m engine", "Prepare a model folder and kernels for raging.")
     config = parser.config(parser.parse_args())
     folder = resolve_model(config.model.name, config.model.cache_dir)
     kernels()

@@ -43,7 +43,7 @@ def gateway_app(config: Config) -> Starlette:
 
 
 def main() -> None:
-    parser = ConfigParser("raging gateway (OpenAI-compatible HTTP server)")
+    parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
     for key in ("host", "port", "expect_prefill", "expect_decode"):
         parser.config_flag(f"gateway.{key}")
     parser.config_flag("auth.keys_file", "--api-key-file")

@@ -11,7 +11,7 @@ from core.config import KV_BACKENDS
 
 
 def parsed(argv: list[str], *keys: str) -> tuple[ConfigParser, argparse.Namespace]:
-    parser = ConfigParser("test")
+    parser = ConfigParser("test", "a test")
     for key in keys:
         parser.config_flag(key)
     return parser, parser.parse_args(argv)
@@ -67,4 +67,4 @@ def test_a_boolean_flag_reads_true_and_false() -> None:
 
 def test_a_flag_for_no_such_key_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="no config key"):
-        ConfigParser("test").config_flag("gateway.nosuchkey")
+        ConfigParser("test", "a test").config_flag("gateway.nosuchkey")
