@@ -3,15 +3,12 @@ then the worker each role builds (`python -m prefill`, `python -m decode`) and i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from core.cli import ConfigParser, setup_logging
 from core.config import Config, Role
 from core.cpus import pin_to
 from core.worker import RegistrationRefused, Worker
-
-log = logging.getLogger(__name__)
 
 Build = Callable[[str, Config], Worker]  # (worker id, config) -> the worker, model loaded
 
@@ -27,7 +24,10 @@ def worker_main(role: Role, build: Build) -> None:
     args = parser.parse_args()
     config = parser.config(args)
     setup_logging(args.worker_id)
-    pin_to(config.pool(role).cpus)
+    try:
+        pin_to(config.pool(role).cpus)
+    except ValueError as exc:  # a CPU list that is malformed or not this machine's
+        raise SystemExit(f"{args.worker_id}: {exc}") from None
     worker = build(args.worker_id, config)
     try:
         worker.run()

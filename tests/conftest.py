@@ -63,6 +63,13 @@ def cpu_kernels() -> ModuleType:
     return require_kernels()
 
 
+@pytest.fixture(scope="session")
+def prefill_kernel(cpu_kernels: ModuleType) -> None:
+    """The paged prefill kernel, which is built for CPUs with AVX512-BF16 only."""
+    if not cpu_kernels.paged_prefill_built():
+        pytest.skip("no AVX512-BF16 on this CPU: the gather + SDPA path serves instead")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Tests marked `kernels` need the C++ kernels (see `require_kernels`)."""
     if item.get_closest_marker("kernels") is not None:

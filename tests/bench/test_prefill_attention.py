@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from bench.prefill_attention import markdown, measure, parse_chunk
-from engine.kernels.cpu.paged_prefill import prefill_kernel_built
 
 
 def test_chunk_specs_parse() -> None:
@@ -16,9 +15,8 @@ def test_chunk_specs_parse() -> None:
             parse_chunk(bad)
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 def test_both_paths_agree_and_are_timed() -> None:
-    if not prefill_kernel_built():
-        pytest.skip("no AVX512-BF16 build here: there is no prefill kernel to time")
     figures = measure(["16@0", "5@40"], repeats=2, cache_blocks=64, layers=2)
     assert [f.chunk for f in figures] == ["16@0", "5@40"]
     for figure in figures:

@@ -6,14 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu.paged_prefill import paged_prefill, prefill_kernel_built
+from engine.kernels.cpu.paged_prefill import paged_prefill
 
 BLOCK = 16
-
-
-needs_kernel = pytest.mark.skipif(
-    not prefill_kernel_built(),
-    reason="no AVX512-BF16 build here: the gather + SDPA path serves instead")
+needs_kernel = pytest.mark.usefixtures("prefill_kernel")
 
 
 def causal_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
