@@ -1,10 +1,10 @@
 """Continuous batching for decode: admit, grow, preempt (by recompute), finish. Pure bookkeeping.
 
 A sequence's KV covers `tokens[:num_cached]`; each step feeds the next `num_scheduled` of the
-rest: one token in steady state, a chunk of them for a prompt prefilled here or for a
-preempted sequence's recompute. A step's chunks share one budget, costed as the prefill
-worker's are (engine/chunk_cost.py: deep into a long prompt a chunk has fewer tokens), so a long
-prompt never holds the running sequences' next tokens back by more than one chunk's time; they go
+rest: one token in steady state, a chunk of them for a prompt prefilled here or for a preempted
+sequence's recompute. A step's chunks share one budget, costed as the prefill worker's are
+(engine/model/chunk_cost.py: deep into a long prompt a chunk has fewer tokens), so a long prompt
+never holds the running sequences' next tokens back by more than one chunk's time; they go
 earliest deadline first (see prefill/scheduler.py), so a short prompt does not wait for a long
 one to finish.
 """

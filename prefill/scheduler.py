@@ -1,19 +1,19 @@
 """Prefill scheduling: earliest deadline first, under a compute budget, long prompts in chunks.
 Pure bookkeeping.
 
-A prompt's deadline is its arrival plus `ttft_s_per_token` for each of its tokens, the way
-users budget a first token: a long prompt may take longer. Each step takes prompts in deadline
-order, in progress or waiting, while the step's cost stays within `max_batch_tokens` (costs
-count the keys each token attends to, engine/chunk_cost.py, so a chunk deep into a long prompt
-has fewer tokens). A prompt whose rest fits what is left goes whole. One that would fit a step
-of its own waits for the next step; a longer one gets a chunk of what is left, at most
+A prompt's deadline is its arrival plus `ttft_s_per_token` for each of its tokens, the way users
+budget a first token: a long prompt may take longer. Each step takes prompts in deadline order,
+in progress or waiting, while the step's cost stays within `max_batch_tokens` (costs count the
+keys each token attends to, engine/model/chunk_cost.py, so a chunk deep into a long prompt has
+fewer tokens). A prompt whose rest fits what is left goes whole. One that would fit a step of
+its own waits for the next step; a longer one gets a chunk of what is left, at most
 `chunk_tokens` worth (if it comes first, at least half of `chunk_tokens` in tokens, so that
 steps' fixed costs stay a small share), unless a prompt due earlier finishes in the step: the
-step's end is that prompt's first token, and a chunk of a prompt due later would only delay
-it. A short prompt that arrives behind a long one therefore waits for the step in progress,
-not for the long one, goes whole in a step no longer than it needs, and is not cut in pieces
-that each ride with the long one's chunks; the long one's deadline comes in its turn, so it is
-never starved.
+step's end is that prompt's first token, and a chunk of a prompt due later would only delay it.
+A short prompt that arrives behind a long one therefore waits for the step in progress, not for
+the long one, goes whole in a step no longer than it needs, and is not cut in pieces that each
+ride with the long one's chunks; the long one's deadline comes in its turn, so it is never
+starved.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Attention over the paged KV cache, planned once per forward pass and reused by every layer.
 
 New tokens of all sequences are laid out as consecutive rows of one flat batch. Single-token
-sequences (decode steps) attend together, straight from the paged cache (engine.paged_decode);
-longer ones (prefill chunks) each attend causally to cached prefix + new tokens, straight from
-the cache where engine.paged_prefill applies (bf16 on a CPU with AVX512-BF16), else in their own
-SDPA call.
+sequences (decode steps) attend together, straight from the paged cache
+(engine.kernels.cpu.paged_decode); longer ones (prefill chunks) each attend causally to cached
+prefix + new tokens, straight from the cache where engine.kernels.cpu.paged_prefill applies
+(bf16 on a CPU with AVX512-BF16), else in their own SDPA call.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class Layer:
     """One decoder layer ready to run: its norms, and its matrices as `layout` multiplies them
     (q/k/v and gate/up are each one projection of the same input). Plain matrices are views of
     the mapped file, never copied, so every worker on a host shares one copy in the page cache
-    (fusing q/k/v would make a private copy); packed ones (engine.linear) are private."""
+    (fusing q/k/v would make a private copy); packed ones (engine.model.linear) are private."""
 
     input_norm: torch.Tensor
     qkv: Projection

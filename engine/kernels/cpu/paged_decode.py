@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged KV cache (engine/csrc/paged_decode.cpp).
+"""Decode attention read straight from the paged KV cache (csrc/paged_decode.cpp).
 
 Gathering every sequence's context into a dense tensor before attending costs three passes over
 the KV per layer (read, write, read again); the kernel makes one, in 16-float vectors.

@@ -1,5 +1,5 @@
 """A prompt's causal attention read straight from the paged KV cache
-(engine/csrc/paged_prefill.cpp), for a bf16 cache on a CPU with AVX512-BF16.
+(csrc/paged_prefill.cpp), for a bf16 cache on a CPU with AVX512-BF16.
 
 Deep into a long prompt, attention is most of a prefill step, and torch's CPU flash attention
 runs it at about a third of the speed of the bf16 projections here; the kernel multiplies bf16
