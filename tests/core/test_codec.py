@@ -204,6 +204,30 @@ def test_wrong_types_in_other_messages_are_malformed() -> None:
     assert_malformed(packed(TAG[Register], "w", "i", "decode", "", "fp", "16", 1))
 
 
+@pytest.mark.parametrize("message", [
+    ["w", "i", "embed", "", "fp", 16, 1],  # Register: a role that is neither prefill nor decode
+    ["w", "i", "Decode", "", "fp", 16, 1],
+], ids=repr)
+def test_a_role_outside_its_choices_is_malformed(message: list[Any]) -> None:
+    assert_malformed(packed(TAG[Register], *message))
+
+
+def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "banana", 0, None, []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 1, 0, None, []))  # not even text
+    assert decode(encode(FirstToken("r", 0, 5, "length"))) == FirstToken("r", 0, 5, "length")
+
+
+def test_a_transfer_total_names_a_known_backend() -> None:
+    def heartbeat(backend: str) -> bytes:
+        totals = [[backend, "send", 1, 1, 0.1, 0]]
+        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0)
+
+    beat = decode(heartbeat("shm"))
+    assert isinstance(beat, Heartbeat) and beat.transfers[0].backend == "shm"
+    assert_malformed(heartbeat("rdma"))
+
+
 def test_invalid_utf8_string_is_malformed() -> None:
     good = packed(TAG[Abort], "r", 0)
     bad = good.replace(b"\xa1r", b"\xa1\xff")
