@@ -9,7 +9,8 @@ import logging
 import sys
 from typing import Any
 
-from core.config import Config, config_field, literal_values, load_config
+from core.codec import literal_values
+from core.config import Config, config_field, load_config
 
 
 class ConfigParser(argparse.ArgumentParser):

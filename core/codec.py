@@ -100,7 +100,7 @@ def _decoder(hint: Any) -> Callable[[Any, str], Any]:
 
 
 def _required(hint: Any) -> Callable[[Any, str], Any]:
-    allowed = _literal_values(hint)
+    allowed = literal_values(hint)
     if allowed is not None:
         def choice(value: Any, where: str) -> Any:
             if any(type(value) is type(a) and value == a for a in allowed):
@@ -138,12 +138,12 @@ def _without_none(hint: Any) -> Any:
     return rest[0] if len(rest) == 1 else Union[rest]  # noqa: UP007 (a union built at run time)
 
 
-def _literal_values(hint: Any) -> tuple[Any, ...] | None:
+def literal_values(hint: Any) -> tuple[Any, ...] | None:
     """The values a `Literal[...]` (or a union of them) allows; None for any other type."""
     if typing.get_origin(hint) is Literal:
         return typing.get_args(hint)
     if _is_union(hint):
-        parts = [_literal_values(o) for o in typing.get_args(hint)]
+        parts = [literal_values(o) for o in typing.get_args(hint)]
         if all(part is not None for part in parts):
             return tuple(value for part in parts for value in part or ())
     return None

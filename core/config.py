@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from core.codec import literal_values
+
 T = TypeVar("T")
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVBackend = Literal["zmq", "shm", "cuda_ipc"]
@@ -213,11 +215,6 @@ def config_field(dotted: str) -> tuple[dataclasses.Field[Any], Any]:
     if key not in fields:
         raise ValueError(f"no config key {dotted!r}")
     return fields[key], typing.get_type_hints(section_hint)[key]
-
-
-def literal_values(hint: Any) -> tuple[Any, ...] | None:
-    """The values a `Literal[...]` type allows (None for any other type)."""
-    return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
 
 
 def _hint_of(section: str, key: str) -> Any:
