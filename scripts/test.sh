@@ -5,6 +5,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
+# The web page's tests drive a real browser: Debian's chromium, installed when missing.
+if ! command -v chromium >/dev/null; then
+  echo "[test] installing chromium (Debian) for the web page's browser tests"
+  if [[ "$(id -u)" == 0 ]]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
+  "${apt_get[@]}" install -y -q chromium >/dev/null
+fi
 cd "$ROOT"
 "$RAGING_PY" -m engine >/dev/null
 "$RAGING_PY" -m ruff check .
