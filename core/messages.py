@@ -127,6 +127,7 @@ class Register:
     fingerprint: str
     block_size: int
     num_blocks: int
+    host: str = ""  # the machine it runs on (its host name), for people looking at the cluster
 
 
 @dataclass(frozen=True)

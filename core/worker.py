@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -63,7 +64,7 @@ class Worker(ABC):
     def registration(self) -> Register:
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
-                        i.block_size, i.num_blocks)
+                        i.block_size, i.num_blocks, socket.gethostname())
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

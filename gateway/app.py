@@ -17,9 +17,11 @@ from starlette.routing import Route
 from core.channels import ControlServer
 from core.curve import keys_for
 from gateway import auth
+from gateway.cluster import cluster_route
 from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, error_response, method_not_allowed, not_found, server_error
 from gateway.openai_api import OpenAIRoutes
+from gateway.page import page_routes
 from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/cluster", cluster_route(state), methods=["GET"]),
+            *page_routes(),
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             ClientDisconnect: _client_gone, Exception: _unexpected_error},

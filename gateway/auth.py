@@ -28,11 +28,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.config import AuthConfig, Config
 from gateway.errors import APIError, error_response, unauthorized
+from gateway.page import PAGE_PATHS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-OPEN_PATHS = frozenset({"/health"})  # load balancers and launch.sh probe it without a key
+# /health: load balancers and launch.sh probe it without a key; the web page's files hold no data.
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS
 _STATE_KEY = "tenant"
 _SALT_DOMAIN = b"raging-tenant-cache-salt-v1\0"
 _KEY_PATTERN = re.compile(r"[!-9;-~]+")  # printable ASCII, no space, no ':' (KEY:TENANT)

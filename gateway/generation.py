@@ -143,9 +143,11 @@ class Generation:
         now = time.monotonic()
         if self.last_token_at is None:
             self.metrics.ttft.observe(now - self.started)
+            self.metrics.recent.ttft(now - self.started)
             self.metrics.queued.dec()
         else:
             self.metrics.inter_token.observe(now - self.last_token_at)
+            self.metrics.recent.tpot(now - self.last_token_at)
         self.last_token_at = now
         self.completion_tokens += 1
         self.metrics.generation_tokens.inc()

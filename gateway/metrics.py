@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.config import ROLES
+from gateway.recent import RecentLatency
 from gateway.registry import ROUTE_PATHS, Registry
 
 disable_created_metrics()
@@ -66,6 +67,7 @@ class Metrics:
                              "Requests resumed on other workers after losing one", registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
+        self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
                resumed: int = 0, rejected_peers: int = 0) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import typing
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,6 +17,21 @@ from gateway.prefix_index import PrefixIndex
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
 ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
+# What happened to a worker's membership, as the registry saw it.
+EventKind = Literal["registered", "restarted", "refused", "left", "dead", "stalled", "recovered"]
+_EVENT_MEMORY = 200  # the newest membership events kept
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    """One join, leave, death or stall, for people watching the cluster (`Registry.events`)."""
+
+    at: float  # wall-clock time.time()
+    kind: EventKind
+    worker_id: str
+    role: str
+    host: str
+    detail: str = ""
 
 
 @dataclass
@@ -34,6 +49,7 @@ class WorkerInfo:
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
+    host: str = ""  # the machine it said it runs on
 
     @property
     def capacity_tokens(self) -> int:
@@ -86,6 +102,11 @@ class Registry:
         self.local = local
         self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
+        self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
+
+    def _note(self, kind: EventKind, worker: WorkerInfo | Register, detail: str = "") -> None:
+        self.events.append(MembershipEvent(time.time(), kind, worker.worker_id, worker.role,
+                                           worker.host, detail))
 
     def register(self, message: Register) -> tuple[RegisterReply, WorkerInfo | None]:
         """Admit a worker whose KV layout matches; a re-registering id replaces the old one."""
@@ -95,6 +116,7 @@ class Registry:
             self.refused += 1
             reason = (f"KV layout mismatch: worker has {message.fingerprint}, "
                       f"gateway serves {self.fingerprint}")
+            self._note("refused", message, reason)
             return RegisterReply(False, reason), None
         previous = self.workers.get(message.worker_id)
         info = WorkerInfo(
@@ -102,10 +124,15 @@ class Registry:
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
             prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
+            host=message.host,
         )
         if previous is not None and previous.instance_id == message.instance_id:
             info.active = previous.active  # the same process registering again keeps its requests
             info.prefixes = previous.prefixes
+        elif previous is not None:
+            self._note("restarted", info, "a new process took over its id")
+        else:
+            self._note("registered", info)
         self.workers[message.worker_id] = info
         self.ready()  # notes a pool made whole, whether or not anyone asks
         return RegisterReply(True, ""), previous
@@ -119,7 +146,9 @@ class Registry:
         moved = info.load is not None and message.progress != info.load.progress
         if moved or not info.busy:
             info.progressed_at = now
-        info.stalled = info.stalled and not moved  # only new progress clears a stall
+        if info.stalled and moved:  # only new progress clears a stall
+            info.stalled = False
+            self._note("recovered", info, "computing again")
         info.last_seen = now
         info.load = message
         info.unreachable = False
@@ -133,6 +162,7 @@ class Registry:
                    and w.progressed_at < deadline]
         for worker in stalled:
             worker.stalled = True
+            self._note("stalled", worker, f"no progress for {self.stall_timeout_s:g} s")
         return stalled
 
     def expire(self) -> list[WorkerInfo]:
@@ -141,10 +171,15 @@ class Registry:
         dead = [w for w in self.workers.values() if w.last_seen < deadline]
         for worker in dead:
             del self.workers[worker.worker_id]
+            self._note("dead", worker, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
         return dead
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
-        return self.workers.pop(worker_id, None)
+        """A worker that said it is leaving."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is not None:
+            self._note("left", worker)
+        return worker
 
     def alive(self, role: Role) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]

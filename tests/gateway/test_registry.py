@@ -427,3 +427,34 @@ def test_route_without_a_prefill_pool_prefills_on_decode() -> None:
     reg.workers["d1"].active["x"] = 5
     assert route_path(reg, 3) == ("d2", "d2", "local_no_prefill")
     assert reg.ready() and reg.capacity_tokens() == 1600
+
+
+def events(reg: Registry) -> list[tuple[str, str]]:
+    return [(event.kind, event.worker_id) for event in reg.events]
+
+
+def test_membership_events_follow_joins_restarts_stalls_and_deaths() -> None:
+    reg = Registry(FP, 0.2, 1, 1, 0.0)
+    reg.register(Register("p1", "i0", "prefill", "", FP, 16, 100, "host-a"))
+    reg.register(register("d1", "decode"))
+    reg.register(register("d1", "decode"))  # the same process again: not news
+    reg.register(register("d1", "decode", instance="i1"))
+    reg.register(register("x1", fingerprint="other"))
+    assert reg.heartbeat(Heartbeat("d1", "i1", 0, 100, 1, 0, progress=5))
+    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    assert reg.heartbeat(Heartbeat("d1", "i1", 0, 100, 1, 0, progress=6))
+    assert reg.remove("p1") is not None and reg.remove("p1") is None
+    time.sleep(0.25)
+    assert [w.worker_id for w in reg.expire()] == ["d1"]
+    assert events(reg) == [("registered", "p1"), ("registered", "d1"), ("restarted", "d1"),
+                           ("refused", "x1"), ("stalled", "d1"), ("recovered", "d1"),
+                           ("left", "p1"), ("dead", "d1")]
+    first = reg.events[0]
+    assert (first.role, first.host) == ("prefill", "host-a") and first.at <= time.time()
+
+
+def test_only_the_newest_membership_events_are_kept() -> None:
+    reg = registry()
+    for n in range(300):
+        reg.register(register(f"p{n}"))
+    assert len(reg.events) == 200 and reg.events[-1].worker_id == "p299"
