@@ -323,23 +323,27 @@ function renderLatency(latency) {
   drawChart($("latency-chart"), latency);
 }
 
+// Bars of each bucket's mean TTFT and TPOT, the newest at the right; each series is scaled to
+// its own peak, which is written in the top left.
 function drawChart(canvas, latency) {
   const ctx = canvas.getContext("2d");
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   const slots = Math.round(latency.window_s / latency.bucket_s);
-  const last = Math.floor(Date.now() / 1000 / latency.bucket_s) * latency.bucket_s;
-  const x = (start) => canvas.width * (1 - (last - start) / latency.bucket_s / slots) - 4;
-  for (const [series, color] of [["ttft", "#2f6fde"], ["tpot", "#e07b00"]]) {
-    const points = latency.buckets.filter((b) => b[series].count).map((b) => [x(b.start), b[series].mean_ms]);
-    const top = Math.max(...points.map((p) => p[1]), 1);
-    ctx.strokeStyle = ctx.fillStyle = color;
-    ctx.beginPath();
-    points.forEach(([px, value], i) => {
-      const py = canvas.height - 6 - (canvas.height - 12) * (value / top);
-      if (i) ctx.lineTo(px, py); else ctx.moveTo(px, py);
-      ctx.fillRect(px - 2, py - 2, 4, 4);
-    });
-    ctx.stroke();
+  const slot = canvas.width / slots;
+  const newest = Math.floor(Date.now() / 1000 / latency.bucket_s);
+  const series = [["ttft", "#2f6fde", 0], ["tpot", "#e07b00", 1]];
+  ctx.font = "11px system-ui, sans-serif";
+  for (const [name, color, offset] of series) {
+    const points = latency.buckets.filter((b) => b[name].count);
+    const peak = Math.max(...points.map((b) => b[name].mean_ms), 1);
+    ctx.fillStyle = color;
+    for (const bucket of points) {
+      const age = newest - Math.round(bucket.start / latency.bucket_s);
+      const height = (canvas.height - 20) * (bucket[name].mean_ms / peak);
+      const left = canvas.width - (age + 1) * slot + offset * slot / 2;
+      ctx.fillRect(left + 1, canvas.height - height, slot / 2 - 2, height);
+    }
+    if (points.length) ctx.fillText(`${name.toUpperCase()} peak ${peak.toFixed(0)} ms`, 4 + offset * 150, 12);
   }
 }
 

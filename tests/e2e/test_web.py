@@ -99,8 +99,7 @@ def test_without_a_key_the_page_loads_but_shows_no_data(page: Page, cluster: Clu
     assert statuses == {"/v1/models": 401, "/v1/cluster": 401}, calls
 
 
-def test_with_the_key_the_cluster_view_lists_every_worker(page: Page, cluster: Cluster,
-                                                          tmp_path: Path) -> None:
+def test_with_the_key_the_cluster_view_lists_every_worker(page: Page, cluster: Cluster) -> None:
     calls = open_page(page, cluster)
     expected = registry_workers(cluster)
     assert sorted(expected) == ["decode-0", "decode-1", "prefill-0"]
@@ -117,7 +116,6 @@ def test_with_the_key_the_cluster_view_lists_every_worker(page: Page, cluster: C
     polls = [status for path, status in calls if path == "/v1/cluster"]  # one at a time
     with_key = polls[polls.index(200):]  # before the key was typed: 401 (the test above)
     assert len(with_key) >= 2 and set(with_key) == {200}, calls
-    page.screenshot(path=str(tmp_path / "web-cluster.png"))
 
 
 def reference_answer(cluster: Cluster) -> str:
@@ -184,11 +182,12 @@ def test_a_message_streams_an_answer_then_its_stats(page: Page, cluster: Cluster
     page.screenshot(path=str(tmp_path / "web-chat.png"))
 
 
-def test_stop_aborts_the_answer_and_the_cluster_frees_it(page: Page, cluster: Cluster) -> None:
+def test_stop_aborts_the_answer_and_the_cluster_frees_it(page: Page, cluster: Cluster,
+                                                        tmp_path: Path) -> None:
     open_page(page, cluster)
     ask(page, "Write a very long story about a dragon who learns to sing.", 2000)
-    page.wait_for_function("(document.querySelector('.message.assistant .text') || {})"
-                           ".textContent?.length > 10")
+    page.wait_for_function("() => (document.querySelector('.message.assistant .text')"
+                           "?.textContent.length ?? 0) > 10")
     page.click("#stop")
     page.wait_for_selector(".message.assistant .stats")
     assert (page.text_content(".message.assistant .stats") or "").endswith("stopped")
@@ -202,6 +201,8 @@ def test_stop_aborts_the_answer_and_the_cluster_frees_it(page: Page, cluster: Cl
         time.sleep(0.5)
     assert view["requests"]["in_flight"] == 0, json.dumps(view)
     assert all(w["kv_blocks_used"] == 0 for w in view["workers"] if w["role"] == "decode")
+    page.wait_for_timeout(2000)  # a poll after the answers of this module's tests
+    page.locator("#cluster").screenshot(path=str(tmp_path / "web-cluster.png"))
 
 
 def test_an_error_reply_is_shown_as_text(page: Page, cluster: Cluster) -> None:
