@@ -140,6 +140,7 @@ async function answer(box) {
   run.ended = performance.now();
   box.classList.remove("streaming");
   if (run.text) conversation.push({ role: "assistant", content: run.text });
+  else if (run.finish === "error") conversation.pop();  // not answered: not part of the chat
   showStats(box, run);
 }
 
@@ -212,7 +213,7 @@ function timingLine(timing) {
   line.className = "timing";
   const entries = [];
   const collect = (prefix, value) => {
-    if (typeof value === "number") entries.push(`${prefix} ${value.toFixed(1)} ms`);
+    if (typeof value === "number") entries.push(`${prefix.replace(/_ms$/, "")} ${value.toFixed(1)} ms`);
     else if (value && typeof value === "object") {
       for (const [name, inner] of Object.entries(value)) collect(prefix ? `${prefix}.${name}` : name, inner);
     }

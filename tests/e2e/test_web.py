@@ -1,11 +1,14 @@
 """The built-in web page in headless Chromium, against a real cluster on the real model with an
 API key set: without the key the page shows nothing; with it, the cluster view lists every
-worker and a chat answer streams in, grows, and ends with its stats; Stop aborts it."""
+worker and a chat answer streams in, grows, and ends with its stats; Stop aborts it. And on a
+tiny cluster without keys: the page needs none, and shows a worker leaving as it happens."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -16,7 +19,7 @@ import openai
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.e2e.cluster import Cluster, launch, sse_events
+from tests.e2e.cluster import Cluster, alive, launch, sse_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
@@ -218,3 +221,30 @@ def test_an_error_reply_is_shown_as_text(page: Page, cluster: Cluster) -> None:
     assert page.text_content(".message.user .text") == "<b>hello</b>"  # as text, not markup
     assert page.query_selector("#messages b") is None
     assert page.is_enabled("#send")
+
+
+@pytest.fixture(scope="module")
+def open_cluster(tiny_model_dir: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A tiny cluster without API keys, one of whose workers the test stops."""
+    with launch(tmp_path_factory.mktemp("open-run"), tiny_model_dir, prefill=1,
+                decode=2) as running:
+        yield running
+
+
+def test_without_keys_the_page_needs_none_and_shows_a_worker_leave(
+        page: Page, open_cluster: Cluster) -> None:
+    calls = open_page(page, open_cluster, key=None)
+    page.wait_for_function("() => document.querySelectorAll('#workers tbody tr').length === 3")
+    assert page.eval_on_selector_all("#model option", "o => o.map(x => x.value)") == [
+        open_cluster.model]
+    pid = open_cluster.pids()["decode-1"]
+    os.kill(pid, signal.SIGTERM)  # it says Leave as it stops; launch.sh keeps the others
+    page.wait_for_function("() => [...document.querySelectorAll('#events li')]"
+                           ".some(li => li.textContent.includes('decode-1 (decode') "
+                           "&& li.textContent.includes(' left'))")
+    page.wait_for_function("() => document.querySelectorAll('#workers tbody tr').length === 2")
+    assert set(shown_workers(page)) == {"prefill-0", "decode-0"}
+    assert page.text_content("#health") == "degraded"
+    assert not alive(pid)
+    assert {status for path, status in calls} == {200}, calls
