@@ -246,5 +246,8 @@ def test_without_keys_the_page_needs_none_and_shows_a_worker_leave(
     page.wait_for_function("() => document.querySelectorAll('#workers tbody tr').length === 2")
     assert set(shown_workers(page)) == {"prefill-0", "decode-0"}
     assert page.text_content("#health") == "degraded"
+    deadline = time.monotonic() + 60
+    while alive(pid) and time.monotonic() < deadline:  # it said Leave, then shuts down
+        time.sleep(0.2)
     assert not alive(pid)
     assert {status for path, status in calls} == {200}, calls
