@@ -13,6 +13,7 @@ from core.config import ROLES, Role
 from core.messages import Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.prefix_index import PrefixIndex
+from gateway.totals import WorkerTotals
 
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
@@ -86,6 +87,7 @@ class Registry:
         self.local = local
         self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
+        self.preemptions = WorkerTotals()  # per worker id, across its restarts
 
     def register(self, message: Register) -> tuple[RegisterReply, WorkerInfo | None]:
         """Admit a worker whose KV layout matches; a re-registering id replaces the old one."""
@@ -123,6 +125,7 @@ class Registry:
         info.last_seen = now
         info.load = message
         info.unreachable = False
+        self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
         return True
 
     def newly_stalled(self) -> list[WorkerInfo]:
