@@ -85,6 +85,8 @@ class Generation:
                     return
                 yield KEEPALIVE
                 continue
+            if self.closed:  # closed as the event came: nobody gets it, nothing counts it
+                return
             deadline = time.monotonic() + progress_timeout_s
             delta = self._apply(event)
             self.ending = delta.finish_reason or self.ending

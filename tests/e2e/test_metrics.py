@@ -54,10 +54,10 @@ def by_label(values: dict[Sample, float], name: str, label: str) -> dict[str, fl
 
 def counters(types: dict[str, str], values: dict[Sample, float]) -> dict[Sample, float]:
     """The samples that must never decrease: counters and histograms' buckets, sums, counts."""
-    monotonic = {name for name, kind in types.items() if kind in ("counter", "histogram")
-                 and not name.startswith(WORKER_RESET)}
-    return {key: v for key, v in values.items()
-            if any(key[0].startswith(name) for name in monotonic)}
+    monotonic = {name + suffix for name, kind in types.items()
+                 if kind in ("counter", "histogram") and not name.startswith(WORKER_RESET)
+                 for suffix in ("_total", "_bucket", "_sum", "_count")}
+    return {key: v for key, v in values.items() if key[0] in monotonic}
 
 
 def complete(client: openai.OpenAI, model: str, prompt: str) -> int:
@@ -152,9 +152,10 @@ def check_vllm_series(cluster: Cluster, prompt_tokens: int) -> dict[Sample, floa
     assert reasons == {"stop": 0, "length": finished, "abort": 1, "error": 0}
     assert all(dict(key[1])["model_name"] == cluster.model for key in values
                if key[0].startswith("vllm:"))
-    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_generation_tokens", "vllm:request_prompt_tokens"):
-        assert total(values, f"{name}_count", **model) == finished + 1, name
+    for name in ("vllm:time_to_first_token_seconds", "vllm:request_generation_tokens",
+                 "vllm:request_prompt_tokens"):
+        assert total(values, f"{name}_count", **model) == finished + 1, name  # the abort too
+    assert total(values, "vllm:e2e_request_latency_seconds_count", **model) == finished
     for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
         assert total(values, f"{name}_count") >= finished * (MAX_TOKENS - 1), name
     assert total(values, "vllm:request_generation_tokens_sum") >= finished * MAX_TOKENS
