@@ -123,6 +123,10 @@ class VllmEngineCollector(Collector):
                                     "Number of requests waiting to be processed.", labels=labels)
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
                                   "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        # The older name, which earlier Inference Extension releases read by default.
+        gpu_usage = GaugeMetricFamily("vllm:gpu_cache_usage_perc",
+                                      "KV-cache usage (the older name of "
+                                      "vllm:kv_cache_usage_perc).", labels=labels)
         for worker in self.membership.workers.values():
             if worker.load is None or worker.num_blocks <= 0:
                 continue
@@ -131,9 +135,10 @@ class VllmEngineCollector(Collector):
             waiting.add_metric(engine, worker.load.waiting)
             used = worker.num_blocks - min(worker.load.free_blocks, worker.num_blocks)
             usage.add_metric(engine, used / worker.num_blocks)
+            gpu_usage.add_metric(engine, used / worker.num_blocks)
         preemptions = CounterMetricFamily("vllm:num_preemptions",
                                           "Cumulative number of preemption from the engine.",
                                           labels=labels)
         for worker_id, count in self.membership.preemptions.by_worker().items():
             preemptions.add_metric([self.model_name, worker_id], count)
-        yield from (running, waiting, usage, preemptions)
+        yield from (running, waiting, usage, gpu_usage, preemptions)

@@ -138,7 +138,7 @@ def check_vllm_series(cluster: Cluster, prompt_tokens: int) -> dict[Sample, floa
     """After len(PROMPTS) finished requests and one aborted: vLLM's names, types and counts."""
     types, values = scrape(cluster)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc"):
+                 "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
         assert types[name] == "gauge", name
     for name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
                  "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
@@ -172,6 +172,7 @@ def check_vllm_series(cluster: Cluster, prompt_tokens: int) -> dict[Sample, floa
     usage = by_label(values, "vllm:kv_cache_usage_perc", "engine")
     assert set(usage) == engines and all(0 <= u <= 1 for u in usage.values())
     assert usage["decode-0"] == 0  # every request's blocks freed
+    assert by_label(values, "vllm:gpu_cache_usage_perc", "engine") == usage
     assert by_label(values, "vllm:num_preemptions_total", "engine")["decode-0"] > 0
     assert missing_from(cluster.client.get("/metrics").text) == set()
     return values

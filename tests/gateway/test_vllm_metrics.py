@@ -75,6 +75,7 @@ def test_engines_report_running_waiting_and_kv_usage_as_a_fraction() -> None:
     assert per_engine("vllm:num_requests_running") == {"prefill-0": 0, "decode-0": 6}
     assert per_engine("vllm:num_requests_waiting") == {"prefill-0": 3, "decode-0": 2}
     assert per_engine("vllm:kv_cache_usage_perc") == {"prefill-0": 0.0, "decode-0": 0.75}
+    assert per_engine("vllm:gpu_cache_usage_perc") == per_engine("vllm:kv_cache_usage_perc")
     kind, preemptions = found["vllm:num_preemptions"]
     assert kind == "counter"
     assert {dict(k[1])["engine"]: v for k, v in preemptions.items()} == {"prefill-0": 0,
