@@ -37,8 +37,9 @@ def gateway_app(config: Config) -> Starlette:
                                      gateway.saturated_local_max_tokens))
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
+    metrics = Metrics(spec.name, max_len)  # vLLM's series are labelled with the served name
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
-                         tokenizer=load_tokenizer(folder), registry=registry, metrics=Metrics())
+                         tokenizer=load_tokenizer(folder), registry=registry, metrics=metrics)
     return build_app(state)
 
 

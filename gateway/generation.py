@@ -41,6 +41,8 @@ class Generation:
         self.stops = StopStringMatcher(stops)
         self.started = time.monotonic()
         self.last_token_at: float | None = None
+        self.first_token_at: float | None = None
+        self.ending: Ending | None = None  # how it finished, once it has
         self.completion_tokens = 0
         self.closed = False
         self.pieces = pieces
@@ -58,6 +60,7 @@ class Generation:
         if self.last_token_at is None:
             self.metrics.queued.dec()
         self.metrics.inflight.dec()
+        self._count_end()
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,12 +80,16 @@ class Generation:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     self.abort()
+                    self.ending = "error"
                     yield Delta("", "error", "the request made no progress in time")
                     return
                 yield KEEPALIVE
                 continue
+            if self.closed:  # closed as the event came: nobody gets it, nothing counts it
+                return
             deadline = time.monotonic() + progress_timeout_s
             delta = self._apply(event)
+            self.ending = delta.finish_reason or self.ending
             if delta.text or delta.finish_reason:
                 yield self._with_logprobs(delta)
             if delta.finish_reason:
@@ -145,9 +152,22 @@ class Generation:
             self.metrics.ttft.observe(now - self.started)
             self.metrics.recent.ttft(now - self.started)
             self.metrics.queued.dec()
+            self.first_token_at = now
         else:
             self.metrics.inter_token.observe(now - self.last_token_at)
             self.metrics.recent.tpot(now - self.last_token_at)
         self.last_token_at = now
         self.completion_tokens += 1
         self.metrics.generation_tokens.inc()
+
+    def _count_end(self) -> None:
+        """vLLM's per-request series: how it finished ("abort" when it ended unfinished), its
+        token counts and, once prefilled (by its own prefill, not a forked choice's), the prompt
+        tokens its prefill found cached."""
+        decode_s = None
+        if self.first_token_at is not None and self.last_token_at is not None:
+            decode_s = self.last_token_at - self.first_token_at
+        self.metrics.vllm.finished(self.ending or "abort", self.prompt_tokens,
+                                   self.completion_tokens, decode_s)
+        if self.first_token_at is not None and not self.handle.assignment.forked:
+            self.metrics.vllm.prefilled(self.prompt_tokens, self.handle.cached_tokens)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway: requests, tokens, latencies, queue, KV blocks per worker."""
+"""Prometheus metrics of the gateway: requests, tokens, latencies, queue, KV blocks per worker;
+the same under vLLM's names (gateway.vllm_metrics). docs/metrics.md lists every series."""
 
 from __future__ import annotations
 
@@ -18,26 +19,61 @@ from prometheus_client.registry import Collector
 from core.config import ROLES
 from gateway.recent import RecentLatency
 from gateway.registry import ROUTE_PATHS, Registry
+from gateway.vllm_metrics import VllmEngineCollector, VllmMetrics
 
 disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class Histograms:
+    """One observation recorded in several histograms: ours and vLLM's."""
+
+    def __init__(self, *histograms: Histogram) -> None:
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for histogram in self.histograms:
+            histogram.observe(value)
+
+
+class Counters:
+    """One count added to several counters: ours and vLLM's."""
+
+    def __init__(self, *counters: Counter) -> None:
+        self.counters = counters
+
+    def inc(self, amount: float = 1) -> None:
+        for counter in self.counters:
+            counter.inc(amount)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """`model_name` labels the vLLM-named series (the served model's name); `max_model_len`
+    bounds their token-count buckets."""
+
+    def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name, max_model_len)
+        vllm = self.vllm
         self.requests = Counter("raging_requests", "Requests by route and outcome",
                                 ["route", "outcome"], registry=r)
-        self.prompt_tokens = Counter("raging_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("raging_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.ttft = Histogram("raging_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("raging_inter_token_latency_seconds", "Between tokens",
-                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("raging_e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counters(
+            Counter("raging_prompt_tokens", "Prompt tokens admitted", registry=r),
+            vllm.prompt_tokens)
+        self.generation_tokens = Counters(
+            Counter("raging_generation_tokens", "Tokens generated", registry=r),
+            vllm.generation_tokens)
+        self.ttft = Histograms(
+            Histogram("raging_time_to_first_token_seconds", "Arrival to first token",
+                      buckets=_LATENCY_BUCKETS, registry=r), vllm.ttft)
+        self.inter_token = Histograms(
+            Histogram("raging_inter_token_latency_seconds", "Between tokens",
+                      buckets=_LATENCY_BUCKETS, registry=r),
+            vllm.inter_token, vllm.time_per_output_token)
+        self.e2e = Histograms(
+            Histogram("raging_e2e_request_latency_seconds", "Arrival to last token",
+                      buckets=_LATENCY_BUCKETS, registry=r), vllm.e2e)
         self.inflight = Gauge("raging_requests_inflight", "Requests admitted, not finished",
                               registry=r)
         self.queued = Gauge("raging_requests_queued", "Requests waiting for their first token",
@@ -48,8 +84,6 @@ class Metrics:
         self.running = Gauge("raging_worker_running", "Sequences running", ["worker"], registry=r)
         self.waiting = Gauge("raging_worker_waiting", "Sequences waiting for KV blocks",
                              ["worker"], registry=r)
-        self.preemptions = Gauge("raging_worker_preemptions", "Sequences preempted so far",
-                                 ["worker"], registry=r)
         self.in_transfer = Gauge("raging_kv_in_transfer",
                                  "KV in flight: requests arriving (decode), chunks staged "
                                  "and not yet released (prefill)", ["worker"], registry=r)
@@ -61,10 +95,6 @@ class Metrics:
         self.stalled = Gauge("raging_worker_stalled",
                              "1 while the worker has work but computes nothing (not routed to)",
                              ["worker"], registry=r)
-        self.aborts = Gauge("raging_aborts_sent", "Aborts the gateway sent to workers",
-                            registry=r)
-        self.resumed = Gauge("raging_requests_resumed",
-                             "Requests resumed on other workers after losing one", registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
         self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
@@ -73,7 +103,7 @@ class Metrics:
                resumed: int = 0, rejected_peers: int = 0) -> bytes:
         """The exposition text, with the per-worker gauges refreshed from the registry;
         `rejected_peers`: the gateway's own count of peers that failed CURVE authentication."""
-        for gauge in (self.kv_used, self.kv_total, self.running, self.waiting, self.preemptions,
+        for gauge in (self.kv_used, self.kv_total, self.running, self.waiting,
                       self.in_transfer, self.leases_expired, self.progress, self.stalled):
             gauge.clear()
         for role in ROLES:
@@ -84,19 +114,18 @@ class Metrics:
                 self.kv_used.labels(name).set(worker.num_blocks - worker.load.free_blocks)
                 self.running.labels(name).set(worker.load.running)
                 self.waiting.labels(name).set(worker.load.waiting)
-                self.preemptions.labels(name).set(worker.load.preemptions)
                 self.in_transfer.labels(name).set(worker.load.in_transfer)
                 self.leases_expired.labels(name).set(worker.load.leases_expired)
                 self.progress.labels(name).set(worker.load.progress)
             self.kv_total.labels(name).set(worker.num_blocks)
             self.stalled.labels(name).set(int(worker.stalled))
         self.dropped.set(dropped)
-        self.aborts.set(aborts_sent)
-        self.resumed.set(resumed)
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
         transfers.register(RejectedPeersCollector(membership, rejected_peers))
         transfers.register(DecisionCollector(membership))
+        transfers.register(RecoveryCollector(membership, aborts_sent, resumed))
+        transfers.register(VllmEngineCollector(membership, self.vllm.model_name))
         return generate_latest(self.registry) + generate_latest(transfers)
 
 
@@ -167,3 +196,26 @@ class DecisionCollector(Collector):
         for path in ROUTE_PATHS:
             family.add_metric([path], self.membership.decisions[path])
         yield family
+
+
+class RecoveryCollector(Collector):
+    """What the gateway did to keep requests going, as Counters: aborts it sent, requests it
+    resumed elsewhere, and preemptions per worker (monotonic across restarts, gateway.totals)."""
+
+    def __init__(self, membership: Registry, aborts_sent: int, resumed: int) -> None:
+        self.membership = membership
+        self.aborts_sent = aborts_sent
+        self.resumed = resumed
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("raging_aborts_sent", "Aborts the gateway sent to workers",
+                                  value=self.aborts_sent)
+        yield CounterMetricFamily("raging_requests_resumed",
+                                  "Requests resumed on other workers after losing one",
+                                  value=self.resumed)
+        preemptions = CounterMetricFamily("raging_worker_preemptions",
+                                          "Sequences preempted, per worker id since the gateway "
+                                          "started", labels=["worker"])
+        for worker_id, count in self.membership.preemptions.by_worker().items():
+            preemptions.add_metric([worker_id], count)
+        yield preemptions

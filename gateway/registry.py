@@ -13,6 +13,7 @@ from core.config import ROLES, Role
 from core.messages import Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.prefix_index import PrefixIndex
+from gateway.totals import WorkerTotals
 
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
@@ -103,6 +104,7 @@ class Registry:
         self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
         self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
+        self.preemptions = WorkerTotals()  # per worker id, across its restarts
 
     def _note(self, kind: EventKind, worker: WorkerInfo | Register, detail: str = "") -> None:
         self.events.append(MembershipEvent(time.time(), kind, worker.worker_id, worker.role,
@@ -152,6 +154,7 @@ class Registry:
         info.last_seen = now
         info.load = message
         info.unreachable = False
+        self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
         return True
 
     def newly_stalled(self) -> list[WorkerInfo]:

@@ -94,16 +94,16 @@ def test_a_thousand_aborts_at_random_phases_leak_nothing(cluster: Cluster) -> No
         assert not any(state.values()), {k: v for k, v in state.items() if v}
         time.sleep(1.0)
     assert cluster.client.get("/health").status_code == 200
-    aborts = cluster.metric("raging_aborts_sent")
+    aborts = cluster.metric("raging_aborts_sent_total")
     print(f"{REQUESTS} requests, {outcomes}, {aborts:.0f} aborts sent, leaked blocks 0, "
           f"settled in {time.monotonic() - started:.1f} s")
 
 
 def test_normal_completions_send_no_aborts(cluster: Cluster) -> None:
-    before = cluster.metric("raging_aborts_sent")
+    before = cluster.metric("raging_aborts_sent_total")
     for max_tokens in (1, 2, 9):
         response = cluster.client.post("/v1/completions", json={
             "model": cluster.model, "prompt": "Hello there", "max_tokens": max_tokens,
             "ignore_eos": True})
         assert response.status_code == 200
-    assert cluster.metric("raging_aborts_sent") == before
+    assert cluster.metric("raging_aborts_sent_total") == before

@@ -323,7 +323,7 @@ def test_a_tiny_decode_pool_preempts_and_resumes_without_dropping(
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda p: stream_completion(running, p, max_tokens), prompts))
         time.sleep(1.0)  # one heartbeat
-        assert running.metric("raging_worker_preemptions", 'worker="decode-0"') > 0
+        assert running.metric("raging_worker_preemptions_total", 'worker="decode-0"') > 0
         assert running.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
     for prompt, result in zip(prompts, results, strict=True):
         expected = reference(tokenizer.encode(prompt), max_tokens)

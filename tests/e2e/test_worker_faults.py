@@ -81,7 +81,7 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
     recovered_s = time.monotonic() - started
     for prompt, text in zip(prompts, texts, strict=True):
         assert text == decode_text(tokenizer, reference(tokenizer.encode(prompt), 8)), prompt
-    retried = cluster.metric("raging_requests_resumed")
+    retried = cluster.metric("raging_requests_resumed_total")
     assert retried >= 1
     print(f"{len(prompts)} requests, 1 prefill worker killed, {retried:.0f} retried, "
           f"all done {recovered_s:.1f} s after the first was sent")
@@ -141,7 +141,7 @@ def test_streams_on_a_killed_decode_worker_go_on_elsewhere_without_a_gap(
         killed_at = time.monotonic()
         results = [f.result(timeout=60) for f in futures]
     assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
-    resumed = cluster.metric("raging_requests_resumed")
+    resumed = cluster.metric("raging_requests_resumed_total")
     assert 1 <= resumed <= len(prompts)
     print(f"{len(prompts)} streams, 1 decode worker killed, {resumed:.0f} resumed, all done "
           f"{time.monotonic() - killed_at:.1f} s after the kill")
@@ -195,7 +195,7 @@ def test_requests_routed_to_a_decode_worker_just_killed_finish_on_the_other(
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: stream_text(cluster, p, max_tokens), prompts))
     assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
-    resumed = cluster.metric("raging_requests_resumed")
+    resumed = cluster.metric("raging_requests_resumed_total")
     assert resumed >= 1  # some were routed to the dead worker
     # ... and came back through the prefill worker's failed hand-off, not only (or not yet)
     # through the gateway's heartbeat timeout.

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.config import Role
+from core.config import GatewayConfig, Role
 from core.messages import DropCount, Heartbeat, Register, TransferTotals
 from gateway.metrics import Metrics
 from gateway.registry import LocalPrefill, Registry
+from tests.gateway.dashboard import (
+    ROOT,
+    STAGE_SERIES,
+    dashboard_metrics,
+    missing_from,
+    stage_series_defined,
+)
 
 FP = "tiny|float32|layers=2|kv_heads=2|head_dim=16"
 SEND = TransferTotals("shm", "send", chunks=60, bytes=3 * 2**30, seconds=1.25, failures=2)
@@ -151,3 +159,48 @@ def test_disaggregation_decisions_are_counted_by_path() -> None:
     counts = {s.labels["path"]: s.value for s in families["raging_disagg_decision"].samples}
     assert counts == {"disaggregated": 3, "local_short": 1, "local_saturated": 0,
                       "local_no_prefill": 0}
+
+
+def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restart() -> None:
+    registry = membership()
+    assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, preemptions=5))
+    metrics = Metrics("m")
+    found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
+    assert found[("raging_aborts_sent_total", frozenset())] == 3
+    assert found[("raging_requests_resumed_total", frozenset())] == 2
+    assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 5
+    # decode-0 restarts: a new instance whose own count begins at 0 again
+    assert registry.register(Register("decode-0", "i1", "decode", "", FP, 16, 100))[0].accepted
+    assert registry.heartbeat(Heartbeat("decode-0", "i1", 0, 90, 1, 0, preemptions=1))
+    found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
+    assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 6
+    assert found[("vllm:num_preemptions_total", labels(model_name="m", engine="decode-0"))] == 6
+    registry.remove("decode-0")  # gone: its count stays in the totals
+    found = samples(metrics.render(registry, 0, aborts_sent=4, resumed=2).decode())
+    assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 6
+    assert found[("raging_aborts_sent_total", frozenset())] == 4
+    types = {f.name: f.type for f in text_string_to_metric_families(
+        metrics.render(registry, 0).decode())}
+    for name in ("raging_aborts_sent", "raging_requests_resumed", "raging_worker_preemptions",
+                 "vllm:num_preemptions"):
+        assert types[name] == "counter", name
+
+
+def test_every_metric_the_dashboard_reads_is_exposed() -> None:
+    registry = membership()
+    for worker_id in ("prefill-0", "decode-0", "decode-1"):
+        beat(registry, worker_id, [SEND if worker_id.startswith("prefill") else RECEIVE])
+    text = Metrics("m").render(registry, 0).decode()
+    read = dashboard_metrics()
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
+            "raging_disagg_decision_total", "raging_workers"} <= read  # the parse finds them
+    assert missing_from(text) == set()
+    assert missing_from("") == read - (set() if stage_series_defined() else STAGE_SERIES)
+
+
+def test_the_prometheus_config_scrapes_the_gateways_metrics_route() -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    gateway = GatewayConfig()
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"] == [{"targets": [f"{gateway.host}:{gateway.port}"]}]
