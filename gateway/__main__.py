@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 
 from core.cli import ConfigParser, setup_logging
 from core.config import Config
+from core.tracing import make_tracer
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
 from engine.weights.spec import kv_fingerprint, load_spec
@@ -38,7 +39,8 @@ def gateway_app(config: Config) -> Starlette:
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
-                         tokenizer=load_tokenizer(folder), registry=registry, metrics=Metrics())
+                         tokenizer=load_tokenizer(folder), registry=registry, metrics=Metrics(),
+                         tracer=make_tracer(config.tracing, "raging-gateway", "gateway"))
     return build_app(state)
 
 
