@@ -88,10 +88,10 @@ class Dispatcher:
                                  timing=RequestTiming(arrived or time.monotonic()),
                                  traceparent=traceparent)
                    for i in range(n)]
-        self._send(handles[0], route, task, [h.request_id for h in handles[1:]])
-        now = time.monotonic()
+        now = time.monotonic()  # before the send: a stage ends before the next one starts
         for handle in handles:
             handle.timing.dispatch(now)
+        self._send(handles[0], route, task, [h.request_id for h in handles[1:]])
         # once: the prompt was queued once, whatever its choices
         self.observe_stage("gateway_queue", handles[0].timing.stages["gateway_queue"])
         for handle in handles:
