@@ -96,9 +96,11 @@ def check_breakdown(timing: dict[str, Any], handed_off: bool) -> None:
 
 def test_stage_histograms_count_each_stage_of_each_request(untraced: Cluster) -> None:
     """3 prompts handed off, 2 prefilled on decode, streamed or not: every stage observed once
-    per request, kv_transfer only for the ones handed off."""
+    per request, kv_transfer only for the ones handed off (a request resumed on a loaded
+    machine, its messages late, may add its new epoch's worker stages)."""
     client = openai_client(untraced)
     before = stage_counts(untraced)
+    resumed_before = untraced.metric("raging_requests_resumed")
     for prompt, stream in ((LONG, False), (LONG, True), (LONG, False), (SHORT, True),
                            (SHORT, False)):
         if stream:
@@ -112,9 +114,12 @@ def test_stage_histograms_count_each_stage_of_each_request(untraced: Cluster) ->
                 extra_body={"ignore_eos": True})
             assert whole.choices[0].finish_reason == "length"
     after = stage_counts(untraced)
+    resumes = untraced.metric("raging_requests_resumed") - resumed_before
     grown = {stage: after[stage] - before[stage] for stage in STAGES}
-    assert grown == {"gateway_queue": 5, "prefill_wait": 5, "prefill_compute": 5,
-                     "kv_transfer": 3, "first_decode": 5}
+    expected = {"gateway_queue": 5, "prefill_wait": 5, "prefill_compute": 5, "kv_transfer": 3,
+                "first_decode": 5}
+    assert grown["gateway_queue"] == 5, grown  # queued once, whatever happens after
+    assert all(expected[s] <= grown[s] <= expected[s] + resumes for s in STAGES), grown
     assert untraced.metric("raging_stage_seconds_sum", 'stage="prefill_compute"') > 0
 
 
