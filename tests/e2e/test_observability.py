@@ -159,6 +159,28 @@ def test_a_stream_carries_its_breakdown_in_its_last_chunk_when_the_header_asks(
     assert timing["ttft_ms"] <= (first_chunk_at - sent) * 1000 + SLACK_MS  # the client's TTFT
 
 
+def test_chat_carries_the_breakdown_too(untraced: Cluster) -> None:
+    reply = openai_client(untraced).chat.completions.create(
+        model=untraced.model, messages=[{"role": "user", "content": LONG}],
+        max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "raging": {"timing": True}})
+    assert reply.model_extra is not None
+    check_breakdown(reply.model_extra["raging"]["timing"], handed_off=True)
+
+
+def test_each_choice_ends_with_its_own_breakdown(untraced: Cluster) -> None:
+    """n = 2: the prompt is prefilled once; the second choice is forked on decode."""
+    chunks = list(openai_client(untraced).completions.create(
+        model=untraced.model, prompt=LONG, max_tokens=MAX_TOKENS, n=2, stream=True,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Raging-Timing": "true"}))
+    ends: dict[int, Any] = {c.choices[0].index: (c.model_extra or {}).get("raging")
+                            for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert set(ends) == {0, 1} and all(end is not None for end in ends.values())
+    first, forked = ends[0]["timing"], ends[1]["timing"]
+    check_breakdown(first, handed_off=True)
+    assert forked["prefill_compute_ms"] is None and forked["first_decode_ms"] >= 0
+    assert forked["gateway_queue_ms"] == first["gateway_queue_ms"]
+
+
 def test_without_an_endpoint_no_process_imports_opentelemetry(untraced: Cluster) -> None:
     for prompt in (LONG, SHORT):
         response = untraced.client.post("/v1/completions", json={
