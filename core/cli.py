@@ -15,7 +15,7 @@ from core.config import Config, config_field, load_config
 
 class ConfigParser(argparse.ArgumentParser):
     """`--config FILE`, `--set` and the flags every process shares (`--model`,
-    `--control-address`, `--kv-backend`); `config_flag` adds more."""
+    `--control-address`, `--kv-backend`, `--otlp-endpoint`); `config_flag` adds more."""
 
     def __init__(self, prog: str, description: str) -> None:
         super().__init__(prog=prog, description=description)
@@ -26,6 +26,7 @@ class ConfigParser(argparse.ArgumentParser):
         self.config_flag("model.name", "--model")
         self.config_flag("gateway.control_address")
         self.config_flag("kv_transfer.backend", "--kv-backend")
+        self.config_flag("tracing.otlp_endpoint")
 
     def config_flag(self, dotted: str, flag: str | None = None) -> None:
         """A flag for the config key `section.key` (default name: `--key`, dashed)."""

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -160,6 +161,21 @@ class InternalConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces of requests across the processes (docs/observability.md)."""
+
+    otlp_endpoint: str = setting("", "export spans over OTLP/HTTP to this collector URL "
+                                     "(http://HOST:4318; /v1/traces is added when the URL has "
+                                     "no path); empty: tracing off, opentelemetry not imported")
+
+    def __post_init__(self) -> None:
+        url = urlsplit(self.otlp_endpoint)
+        if self.otlp_endpoint and (url.scheme not in ("http", "https") or not url.netloc):
+            raise ValueError(f"tracing.otlp_endpoint must be an http(s) URL, "
+                             f"not {self.otlp_endpoint!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -168,6 +184,7 @@ class Config:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     internal: InternalConfig = field(default_factory=InternalConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def pool(self, role: Role) -> PrefillConfig | DecodeConfig:
         """The section of the workers of `role`."""

@@ -18,6 +18,9 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
 JSON_OBJECT = "json_object"  # GenerationTask.grammar for any JSON object (else a schema's text)
 FinishReason = Literal["stop", "length"]  # a stop or EOS token; max_tokens
+# The stages of a request on its way to its first tokens (docs/observability.md).
+Stage = Literal["gateway_queue", "prefill_wait", "prefill_compute", "kv_transfer", "first_decode"]
+STAGES: tuple[Stage, ...] = typing.get_args(Stage)
 
 
 class RequestKey(NamedTuple):
@@ -198,6 +201,19 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class StageTime:
+    """How long a request spent in one stage, measured on the one process that reports it:
+    durations only, as the processes' clocks are never compared."""
+
+    stage: Stage
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seconds < math.inf:
+            raise ValueError(f"a stage lasts a finite time >= 0, not {self.seconds}")
+
+
+@dataclass(frozen=True)
 class PrefillRequest(Keyed):
     request_id: str
     epoch: int
@@ -207,6 +223,7 @@ class PrefillRequest(Keyed):
     # n > 1: the other choices' request ids. The prompt is prefilled once and its KV forked
     # on decode, where choice i draws with `task.sampling.for_choice(i)` from its first token.
     siblings: list[str] = field(default_factory=list)
+    traceparent: str = ""  # W3C trace context of the gateway's request span; "": not traced
 
 
 @dataclass(frozen=True)
@@ -219,6 +236,7 @@ class DecodeRequest(Keyed):
     task: GenerationTask
     fingerprint: str
     siblings: list[str] = field(default_factory=list)  # as in PrefillRequest
+    traceparent: str = ""  # as in PrefillRequest
 
 
 def choice_keys(request: PrefillRequest | DecodeRequest) -> list[RequestKey]:
@@ -243,6 +261,7 @@ class FirstToken(Keyed):
     cached_tokens: int = 0  # prompt tokens whose KV the prefill worker had cached already
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
+    stages: list[StageTime] = field(default_factory=list)  # prefill_wait, prefill_compute
 
 
 @dataclass(frozen=True)
@@ -254,6 +273,9 @@ class TokenEvent(Keyed):
     finish_reason: FinishReason | None
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
+    # The stages the sender measured that ended with this token (its first token's or its
+    # first decode step's), once per epoch; empty on every other token.
+    stages: list[StageTime] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from core.channels import ControlClient
 from core.config import Config, Role
 from core.curve import keys_for
 from core.messages import Heartbeat, Held, Leave, Message, Register, RegisterAgain, RegisterReply
+from core.tracing import make_tracer
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
@@ -60,6 +61,7 @@ class Worker(ABC):
         self.next_heartbeat = 0.0
         self.stopping = False
         self.progress = 0  # model layers computed since start, reported in heartbeats
+        self.tracer = make_tracer(config.tracing, f"raging-{identity.role}", self.worker_id)
 
     def registration(self) -> Register:
         i = self.identity
@@ -149,3 +151,5 @@ class Worker(ABC):
         self.control.send(Leave(self.worker_id, self.instance_id))
         self.control.close(linger_ms=1000)
         self.context.term()
+        if self.tracer is not None:
+            self.tracer.shutdown()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.messages import DecodeRequest, RequestKey
+from core.timeline import Timeline
 from kvtransfer import KVHeader, KVPayload
 
 
@@ -38,6 +39,7 @@ class IncomingKV:
     next_layer: int = 0  # of the token range arriving now
     token_start: int = 0  # the token range arriving now: token_start..token_end-1
     token_end: int = 0
+    timeline: Timeline = field(default_factory=Timeline)  # first_kv: its first chunk's arrival
 
 
 class IncomingTable:
@@ -92,6 +94,8 @@ class IncomingTable:
         entry.token_end = header.token_start + header.num_tokens
         entry.next_layer = header.layer_end
         entry.deadline = now + self.lease_s
+        if entry.timeline.first_kv is None:
+            entry.timeline.first_kv = now
         return None
 
     def _in_order(self, entry: IncomingKV, header: KVHeader) -> bool:

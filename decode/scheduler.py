@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.messages import DecodeRequest, RequestKey
+from core.timeline import Timeline
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 
@@ -38,6 +39,7 @@ class DecodeSequence:
     blocks: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # its grammar's state, when it asked for one
     deadline: float = 0.0  # when its prompt should be prefilled by, if prefilled here
+    timeline: Timeline = field(default_factory=Timeline)  # its stages' stamps here
 
     @property
     def key(self) -> RequestKey:

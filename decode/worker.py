@@ -22,6 +22,7 @@ from core.messages import (
     PrefillRequest,
     RequestFailed,
     RequestKey,
+    StageTime,
     TokenBatch,
     TokenEvent,
     TransferTotals,
@@ -88,6 +89,10 @@ class DecodeWorker(Worker):
         batch = self.scheduler.chunk(running)
         if not batch:
             return False
+        now = time.monotonic()
+        for sequence in batch:
+            if sequence.num_generated == 0:  # its prompt is computed here
+                sequence.timeline.start(now)
         logits = self.runner.forward(ForwardBatch(
             token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
             start_positions=[s.num_cached for s in batch],
@@ -124,6 +129,7 @@ class DecodeWorker(Worker):
             if self.phases.of(child.key) is Phase.ENDED:
                 continue  # aborted meanwhile
             child.num_cached = len(child.tokens) - (0 if drawing else 1)
+            child.timeline.kv_ready = time.monotonic()
             copy = self.scheduler.fork(parent, child)
             if copy is not None:
                 self.runner.cache.copy_block(*copy)
@@ -150,11 +156,36 @@ class DecodeWorker(Worker):
             sequence.constraint.advance(token.token_id)
         eos = self.runner.spec.eos_token_ids
         reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
+        stages = self._stages_done(sequence)
         if reason is not None:
             self.scheduler.remove(sequence)
             self.phases.end(sequence.key, time.monotonic())
+            self._trace_end(sequence, reason)
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
-                          token.logprob, token.top)
+                          token.logprob, token.top, stages)
+
+    def _stages_done(self, sequence: DecodeSequence) -> list[StageTime]:
+        """The stages the token just drawn ends: its prompt's, when prefilled here (token 0);
+        else, on its first decode step's token, kv_transfer and first_decode."""
+        timeline, now = sequence.timeline, time.monotonic()
+        if sequence.num_generated == 1 and timeline.started is not None:
+            timeline.computed = timeline.kv_ready = now
+            return timeline.prefill_stages()
+        if timeline.first_decoded is None and timeline.kv_ready is not None:
+            timeline.first_decoded = now
+            return timeline.decode_stages()
+        return []
+
+    def _trace_end(self, sequence: DecodeSequence, outcome: str) -> None:
+        """The request ended here (finished or aborted): its spans on this worker."""
+        if self.tracer is None:
+            return
+        request = sequence.request
+        self.tracer.stages(request.traceparent, sequence.timeline, {
+            "raging.request_id": request.request_id, "raging.epoch": request.epoch,
+            "raging.prompt_tokens": len(request.task.prompt_ids),
+        }, ended=time.monotonic(), outcome={"raging.output_tokens": sequence.num_generated,
+                                            "raging.finish_reason": outcome})
 
     def _on_kv(self, item: KVItem) -> None:
         key = item.key
@@ -205,6 +236,8 @@ class DecodeWorker(Worker):
             choices = [c for c in choices if c.key != request.key]
         if choices:
             choices[0].received_kv = entry.layers
+            choices[0].timeline = entry.timeline
+            choices[0].timeline.kv_ready = time.monotonic()
             self._queue(choices[0], choices[1:])
 
     def _choices(self, request: DecodeRequest, first_tokens: list[int]) -> list[DecodeSequence]:
@@ -217,7 +250,8 @@ class DecodeWorker(Worker):
             if self.phases.of(key) is Phase.ENDED:
                 continue
             choices.append(DecodeSequence(
-                request=DecodeRequest(*key, task, request.fingerprint),
+                request=DecodeRequest(*key, task, request.fingerprint,
+                                      traceparent=request.traceparent),
                 tokens=[*task.prompt_ids, *([] if first is None else [first])],
                 num_generated=0 if first is None else 1,
                 generator=make_generator(task.sampling.seed if first is None
@@ -232,8 +266,9 @@ class DecodeWorker(Worker):
         if self.phases.of(message.key) is not None:
             return  # a repeat, or already aborted
         request = DecodeRequest(*message.key, message.task, self.identity.fingerprint,
-                                message.siblings)
+                                message.siblings, message.traceparent)
         choices = self._choices(request, [])
+        choices[0].timeline.arrived = time.monotonic()
         self._queue(choices[0], choices[1:])
 
     def _queue(self, sequence: DecodeSequence, forks: list[DecodeSequence]) -> None:
@@ -297,6 +332,7 @@ class DecodeWorker(Worker):
         sequence = self.scheduler.find(key)
         if sequence is not None:
             self.scheduler.remove(sequence)
+            self._trace_end(sequence, "abort")
         else:
             self.incoming.take(key)
         for fork in self.phases.forks.pop(key, []):  # the others go on, computing the prompt

@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 
 from core.cli import ConfigParser, setup_logging
 from core.config import Config
+from core.tracing import make_tracer
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
 from engine.weights.spec import kv_fingerprint, load_spec
@@ -39,7 +40,8 @@ def gateway_app(config: Config) -> Starlette:
                   spec.max_position_embeddings)
     metrics = Metrics(spec.name, max_len)  # vLLM's series are labelled with the served name
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
-                         tokenizer=load_tokenizer(folder), registry=registry, metrics=metrics)
+                         tokenizer=load_tokenizer(folder), registry=registry, metrics=metrics,
+                         tracer=make_tracer(config.tracing, "raging-gateway", "gateway"))
     return build_app(state)
 
 

@@ -55,7 +55,7 @@ def build_app(state: GatewayState) -> Starlette:
         context = zmq.asyncio.Context()
         keys = keys_for(state.config.internal)
         control = ControlServer(context, state.config.gateway.control_address, keys)
-        state.dispatcher = Dispatcher(control, state.registry)
+        state.dispatcher = Dispatcher(control, state.registry, state.metrics.observe_stage)
         state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),
                                   asyncio.create_task(state.dispatcher.watch_liveness())]
         if keys is not None:
@@ -69,6 +69,8 @@ def build_app(state: GatewayState) -> Starlette:
                 task.cancel()
             control.close()
             context.term()
+            if state.tracer is not None:
+                state.tracer.shutdown()
 
     return Starlette(
         routes=[

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 from core.channels import ControlServer
@@ -28,12 +29,15 @@ from core.messages import (
     RegisterAgain,
     RequestFailed,
     RequestKey,
+    Stage,
+    StageTime,
     TokenBatch,
     TokenEvent,
 )
 from gateway.errors import service_unavailable
 from gateway.handle import Assignment, Event, RequestHandle
 from gateway.registry import Registry, Route, WorkerInfo
+from gateway.timing import RequestTiming
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +52,17 @@ _NO_WORKER = "no worker is available to serve it"
 _LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
+def _unobserved(stage: Stage, seconds: float) -> None:
+    pass
+
+
 class Dispatcher:
-    def __init__(self, control: ControlServer, registry: Registry) -> None:
+    def __init__(self, control: ControlServer, registry: Registry,
+                 observe_stage: Callable[[Stage, float], None] = _unobserved) -> None:
+        """`observe_stage` gets each stage's seconds as they become known (the histogram)."""
         self.control = control
         self.registry = registry
+        self.observe_stage = observe_stage
         self.requests: dict[str, RequestHandle] = {}
         self.aborts_sent = 0
         self.resumed = 0
@@ -61,19 +72,28 @@ class Dispatcher:
         """Route the request and send it; 503 when no decode worker is available."""
         return self.submit_choices(task, 1)[0]
 
-    def submit_choices(self, task: GenerationTask, n: int) -> list[RequestHandle]:
+    def submit_choices(self, task: GenerationTask, n: int, arrived: float | None = None,
+                       traceparent: str = "") -> list[RequestHandle]:
         """A request for `n` choices: one handle each, choice i sampling with
         `for_choice(i)`. The prompt goes out once; its decode worker forks the KV. Each
-        choice is a request of its own from then on (resumed, aborted, finished alone)."""
+        choice is a request of its own from then on (resumed, aborted, finished alone).
+        `arrived`: when its HTTP request came in (default: now); `traceparent`: its span's."""
         route = self.registry.route(task.prompt_ids, task.cache_salt)
         if route is None:
             raise service_unavailable("no decode worker is available", retry_after=1.0)
         handles = [RequestHandle(uuid.uuid4().hex, 0,
                                  replace(task, sampling=task.sampling.for_choice(i)),
                                  Assignment(route.prefill.worker_id, route.decode.worker_id,
-                                            forked=i > 0))
+                                            forked=i > 0),
+                                 timing=RequestTiming(arrived or time.monotonic()),
+                                 traceparent=traceparent)
                    for i in range(n)]
+        now = time.monotonic()  # before the send: a stage ends before the next one starts
+        for handle in handles:
+            handle.timing.dispatch(now)
         self._send(handles[0], route, task, [h.request_id for h in handles[1:]])
+        # once: the prompt was queued once, whatever its choices
+        self.observe_stage("gateway_queue", handles[0].timing.stages["gateway_queue"])
         for handle in handles:
             self.requests[handle.request_id] = handle
         return handles
@@ -86,7 +106,7 @@ class Dispatcher:
         handle.assignment.decode_worker = route.decode.worker_id
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
-            route.decode.kv_address, siblings or []))
+            route.decode.kv_address, siblings or [], handle.traceparent))
         for worker in (route.prefill, route.decode):
             worker.active[handle.request_id] = len(task.prompt_ids)
             worker.active.update(dict.fromkeys(siblings or [], 0))
@@ -157,7 +177,7 @@ class Dispatcher:
             self._note_cached(message)
             self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
                                                  message.token_id, message.finish_reason,
-                                                 message.logprob, message.top))
+                                                 message.logprob, message.top, message.stages))
         elif isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message):
                 self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
@@ -231,6 +251,8 @@ class Dispatcher:
         event = Event(token.token_id, token.finish_reason, logprob=token.logprob, top=token.top)
         if not handle.output.accept(token.index, event):
             return  # a duplicate
+        if token.stages:
+            self._record_stages(handle, token.stages)
         handle.held_at = time.monotonic()
         if token.index > 0:
             self._decode_progress(handle)
@@ -240,6 +262,13 @@ class Dispatcher:
                 self._finish(handle)
                 break
         handle.output.note_gap(time.monotonic())
+
+    def _record_stages(self, handle: RequestHandle, stages: list[StageTime]) -> None:
+        """Stages a worker measured for the handle's current epoch: observed, and kept for the
+        client's breakdown."""
+        for stage in stages:
+            self.observe_stage(stage.stage, stage.seconds)
+        handle.timing.record(stages)
 
     def _decode_progress(self, handle: RequestHandle) -> None:
         """The decode worker holds the request now: prefill is done with it."""
@@ -332,6 +361,7 @@ class Dispatcher:
             self._send_abort(worker_id, handle.key)
             self._release(handle.request_id, worker_id)
         handle.epoch += 1
+        handle.timing.resumed += 1
         handle.assignment.forked = False
         handle.output.new_epoch()
         handle.held_at = time.monotonic()

@@ -149,6 +149,7 @@ class Generation:
     def _count_token(self) -> None:
         now = time.monotonic()
         if self.last_token_at is None:
+            self.handle.timing.first_token = now
             self.metrics.ttft.observe(now - self.started)
             self.metrics.recent.ttft(now - self.started)
             self.metrics.queued.dec()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.messages import FinishReason, GenerationTask, Keyed, TopLogprob
+from gateway.timing import RequestTiming
 
 Ending = FinishReason | Literal["error"]
 
@@ -109,3 +110,5 @@ class RequestHandle(Keyed):
     done: bool = False
     cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    traceparent: str = ""  # its gateway span's, for the workers' spans; "": not traced

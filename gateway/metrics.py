@@ -17,12 +17,14 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from core.config import ROLES
+from core.messages import STAGES, Stage
 from gateway.recent import RecentLatency
 from gateway.registry import ROUTE_PATHS, Registry
 from gateway.vllm_metrics import VllmEngineCollector, VllmMetrics
 
 disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)  # a KV hand-off can take under 1 ms
 
 
 class Histograms:
@@ -98,6 +100,15 @@ class Metrics:
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
         self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
+        self.stage = Histogram("raging_stage_seconds",
+                               "Time in each stage on the way to the first tokens, measured "
+                               "where the stage runs (docs/observability.md)", ["stage"],
+                               buckets=_STAGE_BUCKETS, registry=r)
+        for stage in STAGES:
+            self.stage.labels(stage)
+
+    def observe_stage(self, stage: Stage, seconds: float) -> None:
+        self.stage.labels(stage).observe(seconds)
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
                resumed: int = 0, rejected_peers: int = 0) -> bytes:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +35,10 @@ from gateway.protocol import (
 )
 from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
 from gateway.state import GatewayState
+from gateway.timing import TIMING_HEADER, asks_for_timing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 
 class OpenAIRoutes:
@@ -43,16 +48,20 @@ class OpenAIRoutes:
         self.pieces = TokenPieces(state.tokenizer)
 
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
         prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
-        return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body))
+        return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body),
+                                 arrived)
 
     async def completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         body = parse_completion_request(await self._read_body(request))
         self._check_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
-        return await self._serve(request, CompletionFormat(), prompts, generation_params(body))
+        return await self._serve(request, CompletionFormat(), prompts, generation_params(body),
+                                 arrived)
 
     async def _tokenize(self, function: Callable[[Any, Any], list[int]], text: Any) -> list[int]:
         """Off the event loop (a huge prompt must not stall /health), on the one tokenizer thread:
@@ -105,7 +114,8 @@ class OpenAIRoutes:
                                "retry shortly", retry_after=1.0)
 
     async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
-                     params: GenerationParams) -> Response:
+                     params: GenerationParams, arrived: float) -> Response:
+        """`arrived`: when the request came in, where its gateway_queue stage starts."""
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
         max_tokens = [check_context(len(ids), params.max_tokens, limit) for ids in prompts]
@@ -118,13 +128,16 @@ class OpenAIRoutes:
         self._admit(prompt_tokens)
         tasks = [generation_task(params, ids, most, cache_salt(request))
                  for ids, most in zip(prompts, max_tokens, strict=True)]
-        handles = self._submit(tasks, params.n)
+        span = self._open_span(request, arrived, prompt_tokens, params.n)
+        handles = self._submit(tasks, params.n, arrived, span)
         self.state.metrics.prompt_tokens.inc(prompt_tokens)
         logprobs = params.logprobs is not None
         generations = [Generation(handle, self.state.dispatcher.abort, self.state.metrics,
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None) for handle in handles]
-        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n)
+        timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
+        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
+                      timing, span)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -133,17 +146,33 @@ class OpenAIRoutes:
         response.headers.update(echoed)
         return response
 
-    def _submit(self, tasks: list[GenerationTask], n: int) -> list[RequestHandle]:
+    def _open_span(self, request: Request, arrived: float, prompt_tokens: int,
+                   n: int) -> Span | None:
+        """The request's span (a child of the client's `traceparent`, if it sent one); None
+        when tracing is off."""
+        tracer = self.state.tracer
+        if tracer is None:
+            return None
+        return tracer.open(f"{request.method} {request.url.path}",
+                           request.headers.get("traceparent"), arrived,
+                           {"raging.prompt_tokens": prompt_tokens, "raging.choices": n})
+
+    def _submit(self, tasks: list[GenerationTask], n: int, arrived: float,
+                span: Span | None) -> list[RequestHandle]:
         """Each task's `n` choices, task by task (choice index = task * n + choice); when one
-        cannot be routed, the ones already sent are aborted."""
-        dispatcher = self.state.dispatcher
+        cannot be routed, the ones already sent are aborted (and the span ends)."""
+        dispatcher, tracer = self.state.dispatcher, self.state.tracer
+        traceparent = "" if tracer is None or span is None else tracer.traceparent(span)
         handles: list[RequestHandle] = []
         try:
             for task in tasks:
-                handles += dispatcher.submit_choices(task, n)
-        except APIError:
+                handles += dispatcher.submit_choices(task, n, arrived, traceparent)
+        except APIError as exc:
             for handle in handles:
                 dispatcher.abort(handle)
+            if tracer is not None and span is not None:
+                tracer.close(span, time.monotonic(), {"raging.outcome": "unavailable",
+                                                      "http.response.status_code": exc.status})
             raise
         return handles
 

@@ -98,6 +98,12 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # ignored: chunks are never padded
 
 
+class RagingOptions(_Request):
+    """`raging`: this server's own options (docs/api.md)."""
+
+    timing: bool | None = False  # the response carries the request's latency breakdown
+
+
 class JsonSchemaFormat(_Request):
     """`response_format.json_schema`: the JSON schema the output must match."""
 
@@ -214,6 +220,7 @@ class _SamplingRequest(_Request):
     min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
+    raging: RagingOptions | None = None
 
     _no_logit_bias = field_validator("logit_bias")(_empty_only)
 
@@ -410,6 +417,7 @@ class GenerationParams:
     logprobs: int | None = None
     grammar: str = ""  # structured output, as GenerationTask.grammar
     n: int = 1  # choices: the prompt is prefilled once, each choice samples on its own
+    timing: bool = False  # the response carries the latency breakdown (gateway.timing)
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
@@ -433,6 +441,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest) -> Generat
         logprobs=_logprobs(req),
         grammar=req.response_format.grammar if req.response_format else "",
         n=req.n or 1,
+        timing=bool(req.raging and req.raging.timing),
     )
 
 

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,6 +21,9 @@ from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.handle import Ending
 from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from gateway.state import GatewayState
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
 
@@ -79,11 +82,13 @@ _ENDED = object()  # a choice's deltas are over
 
 class Reply:
     """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
-    carries the logprobs of its tokens."""
+    carries the logprobs of its tokens; with `timing`, its latency breakdown (the chunk that
+    ends a choice carries that choice's; a whole response, its first choice's). `span`: the
+    request's trace span, ended with the response."""
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
-                 ) -> None:
+                 timing: bool = False, span: Span | None = None) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -93,6 +98,8 @@ class Reply:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.choices_per_prompt = choices_per_prompt
+        self.timing = timing
+        self.span = span
         self.created = int(time.time())
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
 
@@ -134,7 +141,8 @@ class Reply:
                 else:
                     logprobs = delta.logprobs if self.logprobs else None
                     yield self._event([self.fmt.choice_delta(
-                        index, delta.text, delta.finish_reason, False, logprobs)])
+                        index, delta.text, delta.finish_reason, False, logprobs)],
+                        raging=self._raging(index) if delta.finish_reason else None)
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -160,7 +168,10 @@ class Reply:
             choices = [self.fmt.choice_full(i, "".join(w.parts), w.finish_reason,
                                             w.logprobs if self.logprobs else None)
                        for i, w in enumerate(wholes)]
-            return JSONResponse(self._body(choices, usage=self._usage()))
+            body = self._body(choices, usage=self._usage())
+            if self.timing:
+                body["raging"] = self._raging(0)
+            return JSONResponse(body)
         finally:
             watcher.cancel()
             collector.cancel()
@@ -180,6 +191,12 @@ class Reply:
         assert all(w.finish_reason is not None for w in wholes), "each choice ends with one"
         return wholes
 
+    def _raging(self, index: int) -> dict[str, Any] | None:
+        """The `raging` field of choice `index`'s last chunk: its breakdown, when asked for."""
+        if not self.timing:
+            return None
+        return {"timing": self.generations[index].handle.timing.breakdown()}
+
     def _close(self, outcome: str) -> None:
         for task in self.pumps:
             task.cancel()
@@ -187,6 +204,24 @@ class Reply:
             generation.close()
         route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
         self.state.metrics.requests.labels(route, outcome).inc()
+        self._end_span(outcome)
+
+    def _end_span(self, outcome: str) -> None:
+        """The request's span ends, over a gateway.queue span per prompt."""
+        tracer, span = self.state.tracer, self.span
+        if tracer is None or span is None:
+            return
+        for generation in self.generations[::self.choices_per_prompt]:
+            timing, handle = generation.handle.timing, generation.handle
+            if timing.dispatched is not None:
+                tracer.record("gateway.queue", span, timing.arrived, timing.dispatched,
+                              {"raging.request_id": handle.request_id})
+        tracer.close(span, time.monotonic(), {
+            "raging.outcome": outcome, "raging.request_id": self.generations[0].handle.request_id,
+            "raging.epoch": max(g.handle.epoch for g in self.generations),
+            "raging.output_tokens": sum(g.completion_tokens for g in self.generations),
+            "raging.prefill_worker": self.generations[0].handle.assignment.prefill_worker,
+            "raging.decode_worker": self.generations[0].handle.assignment.decode_worker})
 
     def _usage(self) -> dict[str, Any]:
         """Each prompt counts once (it was prefilled once, whatever its choices); the choices'
@@ -203,13 +238,17 @@ class Reply:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
                 "model": self.state.model_name, "choices": choices, "usage": usage}
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        """One SSE chunk; `usage` only on the last one, when the client asked for it."""
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+               raging: dict[str, Any] | None = None) -> str:
+        """One SSE chunk; `usage` only on the last one, when the client asked for it; `raging`
+        on the one that ends a choice, when the client asked for its timing."""
         chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
                                  "created": self.created, "model": self.state.model_name,
                                  "choices": choices}
         if usage is not None:
             chunk["usage"] = usage
+        if raging is not None:
+            chunk["raging"] = raging
         return f"data: {json.dumps(chunk)}\n\n"
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from core.config import Config
+from core.tracing import Tracer
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
 from gateway.registry import Registry
@@ -25,6 +26,7 @@ class GatewayState:
     dispatcher: Dispatcher = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
     control_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    tracer: Tracer | None = None  # None: tracing off
 
     def control_plane_up(self) -> bool:
         """False once a control-plane task has stopped: nothing would reach the workers."""

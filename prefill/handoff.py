@@ -44,7 +44,7 @@ class LayerStream:
         out = _Outgoing(request, table)
         self.outgoing[request.key] = out
         notice = DecodeRequest(request.request_id, request.epoch, request.task, self.fingerprint,
-                               request.siblings)
+                               request.siblings, request.traceparent)
         self._notify(out, encode(notice))
 
     def begin_step(self, ends: dict[RequestKey, int]) -> None:

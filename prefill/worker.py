@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from core.messages import (
     TransferTotals,
     choice_keys,
 )
+from core.timeline import Timeline
 from core.worker import Worker, WorkerIdentity
 from engine.kv.allocator import blocks_needed
 from engine.kv.block_hash import block_hashes
@@ -44,12 +45,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     """One prompt in progress: its prompt's block hashes, its block table (for the whole
-    prompt, held across its chunks), and how many of its prompt tokens were cached already."""
+    prompt, held across its chunks), how many of its prompt tokens were cached already, and
+    when it arrived and started."""
 
     request: PrefillRequest
     chain: list[bytes]
     table: list[int]
     cached: int
+    timeline: Timeline = field(default_factory=Timeline)
 
 
 class _StepAborted(Exception):
@@ -73,6 +76,7 @@ class PrefillWorker(Worker):
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching
         self.jobs: dict[RequestKey, _Job] = {}  # the prompts in progress
+        self.arrivals: dict[RequestKey, float] = {}  # when each queued prompt arrived
         self.in_step: set[RequestKey] = set()  # the prompts in the forward pass now
         self.aborted_in_step: set[RequestKey] = set()
         self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
@@ -101,6 +105,7 @@ class PrefillWorker(Worker):
                                                 f"invalid grammar: {exc}"))
                 return
         self.scheduler.add(request, time.monotonic())
+        self.arrivals[request.key] = time.monotonic()
 
     def step(self) -> bool:
         chunks = self.scheduler.schedule(self.cache.num_available, self._start)
@@ -137,6 +142,8 @@ class PrefillWorker(Worker):
         """Admit a prompt: reserve its blocks, announce it to its decode worker; how many of
         its tokens are cached."""
         job = self._plan(request)
+        now = time.monotonic()  # its first chunk's forward pass comes next
+        job.timeline = Timeline(arrived=self.arrivals.pop(request.key, now), started=now)
         self.jobs[request.key] = job
         # With one token to make and no other choice (n > 1) to fork, decode never sees it.
         if request.task.max_tokens > 1 or request.siblings:
@@ -155,6 +162,7 @@ class PrefillWorker(Worker):
     def _drop(self, key: RequestKey) -> None:
         """Forget a prompt in progress (aborted): free its blocks, stop its stream."""
         job = self.jobs.pop(key, None)
+        self.arrivals.pop(key, None)
         if job is not None:
             self.cache.release(job.table)
         self.stream.forget(key)
@@ -196,7 +204,7 @@ class PrefillWorker(Worker):
             del self.jobs[request.key]
             self.cache.insert(job.chain, job.table)
             self.cache.release(job.table)
-            self._hand_off(request, token, job.cached)
+            self._hand_off(job, token)
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
@@ -211,16 +219,23 @@ class PrefillWorker(Worker):
         allowed = None if constraint is None else constraint.allowed()
         return History(task.prompt_ids, task.prompt_len, banned_tokens(task, 0, eos), allowed)
 
-    def _hand_off(self, request: PrefillRequest, token: Draw, cached_tokens: int) -> None:
-        """First token to the gateway, then to decode after the KV (unless it ends the request)."""
-        eos = self.runner.spec.eos_token_ids
+    def _hand_off(self, job: _Job, token: Draw) -> None:
+        """First token to the gateway, then to decode after the KV (unless it ends the request),
+        with the prompt's stages here."""
+        request, eos = job.request, self.runner.spec.eos_token_ids
         reason = finish_reason(request.task, token.token_id, 1, eos)
+        job.timeline.computed = time.monotonic()
         first = FirstToken(request.request_id, request.epoch, token.token_id, reason,
-                           cached_tokens, token.logprob, token.top)
+                           job.cached, token.logprob, token.top, job.timeline.prefill_stages())
         self.control.send(first)
         failure = self.stream.finish(first)
         if failure is not None:
             self._report_failure(request, failure, reason)
+        if self.tracer is not None:
+            self.tracer.stages(request.traceparent, job.timeline, {
+                "raging.request_id": request.request_id, "raging.epoch": request.epoch,
+                "raging.prompt_tokens": len(request.task.prompt_ids),
+                "raging.cached_tokens": job.cached, "raging.decode_worker": request.decode_worker})
 
     def _report_failure(self, request: PrefillRequest, failure: str,
                         first_finish: FinishReason | None = None) -> None:

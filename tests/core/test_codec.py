@@ -25,6 +25,7 @@ from core.messages import (
     RegisterReply,
     RequestFailed,
     Sampling,
+    StageTime,
     TokenBatch,
     TokenEvent,
     TopLogprob,
@@ -42,6 +43,7 @@ TASK = GenerationTask(
     prompt_ids=[1, 2, 3], sampling=Sampling(0.7, 0.9, 40, 1234), max_tokens=16,
     stop_token_ids=[2], ignore_eos=False,
 )
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 SAMPLES: list[Message] = [
     Register("p1", "inst", "prefill", "", "fp", 16, 640),
     Register("d1", "inst", "decode", "tcp://127.0.0.1:5555", "fp", 16, 1024),
@@ -69,6 +71,13 @@ SAMPLES: list[Message] = [
                                            grammar='{"type": "object"}'), "fp"),
     Abort("r1", 2),
     RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
+    # Stage durations and trace context (docs/observability.md).
+    PrefillRequest("r8", 1, TASK, "d1", "", [], TRACEPARENT),
+    DecodeRequest("r8", 1, TASK, "fp", [], TRACEPARENT),
+    FirstToken("r8", 1, 42, None, 0, None, [],
+               [StageTime("prefill_wait", 0.0), StageTime("prefill_compute", 0.125)]),
+    TokenBatch([TokenEvent("r8", 1, 1, 7, None, None, [],
+                           [StageTime("kv_transfer", 0.002), StageTime("first_decode", 0.03)])]),
 ]
 
 
@@ -129,7 +138,7 @@ def test_optional_fields_take_none_or_a_value() -> None:
 
 
 def test_int_is_accepted_where_float_is_expected_and_becomes_float() -> None:
-    data = packed(TAG[DecodeRequest], "r", 0, raw_task([1, 1, 0, None, 0, 0, 1]), "fp", [])
+    data = packed(TAG[DecodeRequest], "r", 0, raw_task([1, 1, 0, None, 0, 0, 1]), "fp", [], "")
     back = decode(data)
     assert isinstance(back, DecodeRequest)
     assert back.task.sampling.temperature == 1.0
@@ -213,8 +222,8 @@ def test_a_role_outside_its_choices_is_malformed(message: list[Any]) -> None:
 
 
 def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "banana", 0, None, []))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 1, 0, None, []))  # not even text
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "banana", 0, None, [], []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 1, 0, None, [], []))  # not even text
     assert decode(encode(FirstToken("r", 0, 5, "length"))) == FirstToken("r", 0, 5, "length")
 
 
@@ -262,13 +271,13 @@ def _task_fields(**changes: Any) -> list[Any]:
     _task_fields(ignore_eos=0),  # int where bool
 ], ids=repr)
 def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
-    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", []))
+    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", [], ""))
 
 
 @pytest.mark.parametrize("events", [
     None, "events", [None],
     [["r", 0, 7, None]],  # the old shape, without an index
-    [["r", 0, 1, 7, None, 5]],  # a field too many
+    [["r", 0, 1, 7, None, None, [], [], 5]],  # a field too many
     [["r", 0, "1", 7, None]],  # str where the index is
     [["r", 0, 1.0, 7, None]],  # float where the index is
     [["r", 0, None, 7, None]],  # no index
@@ -338,11 +347,13 @@ def test_a_codec_with_its_own_types() -> None:
 
 
 def test_a_token_batch_as_decode_sends_it_decodes() -> None:
-    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, []],
-                                    ["r", 0, 2, 8, "stop", -0.5, [[8, -0.5]]]])
+    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, [], []],
+                                    ["r", 0, 2, 8, "stop", -0.5, [[8, -0.5]],
+                                     [["first_decode", 0.25]]]])
     assert decode(data) == TokenBatch([TokenEvent("r", 0, 1, 7, None),
                                        TokenEvent("r", 0, 2, 8, "stop", -0.5,
-                                                  [TopLogprob(8, -0.5)])])
+                                                  [TopLogprob(8, -0.5)],
+                                                  [StageTime("first_decode", 0.25)])])
 
 
 def test_leave_and_register_again_are_typed() -> None:
@@ -375,9 +386,9 @@ BAD_SAMPLINGS = [
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
-    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [])
+    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "")
     assert_malformed(bad)
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp", []))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp", [], ""))
     with pytest.raises(ValueError):
         Sampling(*sampling)
 
@@ -393,7 +404,7 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.0, 1.0, 0, None, 1e300, -1e300, 1e-300, 20],
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", []))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], ""))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)
@@ -404,15 +415,15 @@ def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
     task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
             output_start, ""]
-    assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", []))
+    assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", [], ""))
 
 
 def test_a_top_logprob_must_be_a_pair_of_id_and_number() -> None:
-    good = packed(TAG[FirstToken], "r", 0, 5, None, 0, -1, [[5, -1]])
+    good = packed(TAG[FirstToken], "r", 0, 5, None, 0, -1, [[5, -1]], [])
     assert decode(good) == FirstToken("r", 0, 5, None, 0, -1.0, [TopLogprob(5, -1.0)])
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [[5]]))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [["5", -1.0]]))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, "low", []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [[5]], []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [["5", -1.0]], []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, "low", [], []))
 
 
 @pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), float("nan")], ids=repr)
@@ -420,3 +431,15 @@ def test_a_non_finite_temperature_is_refused_and_says_why(temperature: float) ->
     with pytest.raises(ValueError, match="finite"):
         Sampling(temperature=temperature)
     assert Sampling(temperature=1e300).temperature == 1e300
+
+
+@pytest.mark.parametrize("stage", [
+    ["prefill_wait", -0.001],  # a duration below zero
+    ["prefill_wait", float("nan")], ["prefill_wait", float("inf")],
+    ["lunch", 0.1],  # not a stage
+    ["prefill_wait", "0.1"], ["prefill_wait"], [None, 0.1],
+], ids=repr)
+def test_a_stage_must_be_a_known_name_and_a_finite_duration(stage: list[Any]) -> None:
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, None, [], [stage]))
+    event = ["r", 0, 1, 7, None, None, [], [stage]]
+    assert_malformed(packed(TAG[TokenBatch], [event]))

@@ -27,6 +27,7 @@ from core.messages import (
     RequestKey,
     Sampling,
     TokenBatch,
+    TokenEvent,
     decode,
     encode,
 )
@@ -514,3 +515,43 @@ def test_n_choices_arriving_with_kv_fork_it_once_written(worker: Served) -> None
     outputs = outputs_of(decode_worker, gateway, ["r.1", "r.2"])
     assert [len(o) for o in outputs] == [6, 6]
     assert decode_worker.runner.allocator.num_free == 256
+
+
+def events_of_steps(worker: DecodeWorker, gateway: zmq.Socket, steps: int) -> list[TokenEvent]:
+    """The token events of the worker's next `steps` steps, in order."""
+    for _ in range(steps):
+        assert worker.step()
+    return [e for m in sent_to_gateway(worker, gateway) if isinstance(m, TokenBatch)
+            for e in m.events]
+
+
+def test_kv_from_a_prefill_worker_reports_its_transfer_and_first_step_once(worker) -> None:
+    decode_worker, gateway = worker
+    announce(decode_worker, "r")
+    k, v = layer_kv(decode_worker)
+    for layer in range(decode_worker.runner.spec.num_layers):
+        send_layer(decode_worker, "r", layer, k, v)
+        time.sleep(0.02)  # the layers arrive as they are computed
+    first_token(decode_worker, "r")
+    time.sleep(0.03)  # waiting for the next step
+    began = time.monotonic()
+    first, second = events_of_steps(decode_worker, gateway, 2)
+    stages = {s.stage: s.seconds for s in first.stages}
+    assert first.index == 1 and list(stages) == ["kv_transfer", "first_decode"]
+    assert stages["kv_transfer"] >= 0.02 * decode_worker.runner.spec.num_layers
+    assert 0.03 <= stages["first_decode"] <= 0.03 + time.monotonic() - began
+    assert second.stages == []
+
+
+def test_a_prompt_prefilled_here_reports_its_prefill_then_its_first_decode_step(worker) -> None:
+    decode_worker, gateway = worker
+    job = task(100)
+    decode_worker.handle(PrefillRequest("p", 0, job, decode_worker.worker_id, ""))
+    time.sleep(0.05)  # queued here
+    events = events_of_steps(decode_worker, gateway, 3)
+    assert [e.index for e in events] == [0, 1, 2]
+    prefill = {s.stage: s.seconds for s in events[0].stages}
+    assert list(prefill) == ["prefill_wait", "prefill_compute"]
+    assert prefill["prefill_wait"] >= 0.05 and prefill["prefill_compute"] > 0
+    assert [s.stage for s in events[1].stages] == ["first_decode"]  # no transfer: KV is here
+    assert events[2].stages == []

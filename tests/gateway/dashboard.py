@@ -12,10 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/raging-dashboard.json"
-# Per-stage latency histograms the tracing work adds; the dashboard may name them before this
-# branch defines them, and only then.
-STAGE_SERIES = frozenset({"raging_stage_seconds_bucket", "raging_stage_seconds_sum",
-                          "raging_stage_seconds_count"})
 _PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right",
                            "bool", "and", "or", "unless", "offset"})
 _IDENTIFIER = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
@@ -51,13 +47,6 @@ def dashboard_metrics() -> set[str]:
     return {name for expr in queries() for name in metric_names(expr)}
 
 
-def stage_series_defined() -> bool:
-    """Whether some module of the server defines the per-stage histograms yet."""
-    sources = (p for part in ("gateway", "core", "prefill", "decode")
-               for p in (ROOT / part).rglob("*.py"))
-    return any("raging_stage_seconds" in p.read_text() for p in sources)
-
-
 def exposed(text: str) -> dict[str, str]:
     """Every sample name of an exposition (with _bucket, _sum, _count, _total) -> its type."""
     return dict(_sample_types(text))
@@ -71,7 +60,5 @@ def _sample_types(text: str) -> Iterator[tuple[str, str]]:
 
 
 def missing_from(text: str) -> set[str]:
-    """The dashboard's metrics that the exposition lacks (the stage series excused until they
-    are defined)."""
-    missing = dashboard_metrics() - set(exposed(text))
-    return missing if stage_series_defined() else missing - STAGE_SERIES
+    """The dashboard's metrics that the exposition lacks."""
+    return dashboard_metrics() - set(exposed(text))

@@ -32,6 +32,7 @@ from core.messages import (
     RegisterReply,
     RequestFailed,
     Sampling,
+    StageTime,
     TokenBatch,
     TokenEvent,
 )
@@ -1172,5 +1173,44 @@ def test_a_worker_with_work_and_no_progress_is_stalled(tmp_path: Path) -> None:
             wedged.send(replace(load, progress=load.progress + 30))
             await until(lambda: not gw.registry.workers["d1"].stalled, "progress to clear it")
             assert gw.registry.ready()
+
+    asyncio.run(body())
+
+
+def test_stages_are_observed_once_each_and_kept_for_the_breakdown(tmp_path: Path) -> None:
+    """gateway_queue at dispatch; each worker's stages as its token is accepted: not again for
+    a duplicate, never for another epoch's; a resumed epoch's stages replace the old ones."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            observed: list[tuple[str, float]] = []
+            gw.dispatcher.observe_stage = lambda stage, seconds: observed.append((stage, seconds))
+            prefill, decode = await pair(gw)
+            await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            handle = gw.dispatcher.submit_choices(TASK, 1, time.monotonic() - 0.05, "tp-1")[0]
+            (request,) = await prefill.expect(1)
+            assert isinstance(request, PrefillRequest) and request.traceparent == "tp-1"
+            assert observed[0][0] == "gateway_queue" and observed[0][1] >= 0.05
+            rid = handle.request_id
+            first = FirstToken(rid, 0, 5, None, stages=[StageTime("prefill_wait", 0.01),
+                                                        StageTime("prefill_compute", 0.2)])
+            prefill.send(first)
+            prefill.send(first)  # a duplicate
+            decode.send(TokenBatch([TokenEvent(rid, 3, 1, 6, None,
+                                               stages=[StageTime("first_decode", 9.0)])]))
+            decode.send(TokenBatch([TokenEvent(rid, 0, 1, 6, None, stages=[
+                StageTime("kv_transfer", 0.003), StageTime("first_decode", 0.04)])]))
+            assert await next_event(handle) == Event(5, None)
+            assert await next_event(handle) == Event(6, None)
+            assert observed[1:] == [("prefill_wait", 0.01), ("prefill_compute", 0.2),
+                                    ("kv_transfer", 0.003), ("first_decode", 0.04)]
+            prefill.send(RequestFailed(rid, 0, "KV receiver not reachable", retry=True))
+            await until(lambda: handle.epoch == 1, "the request resumed")
+            prefill.send(FirstToken(rid, 1, 7, None,
+                                    stages=[StageTime("prefill_compute", 0.3)]))
+            assert await next_event(handle) == Event(7, None)
+            assert observed[-1] == ("prefill_compute", 0.3)
+            stages = handle.timing.stages
+            assert stages["prefill_compute"] == 0.3 and stages["first_decode"] == 0.04
+            assert handle.timing.resumed == 1 and len(observed) == 6  # gateway_queue once
 
     asyncio.run(body())

@@ -11,10 +11,8 @@ from gateway.metrics import Metrics
 from gateway.registry import LocalPrefill, Registry
 from tests.gateway.dashboard import (
     ROOT,
-    STAGE_SERIES,
     dashboard_metrics,
     missing_from,
-    stage_series_defined,
 )
 
 FP = "tiny|float32|layers=2|kv_heads=2|head_dim=16"
@@ -193,9 +191,10 @@ def test_every_metric_the_dashboard_reads_is_exposed() -> None:
     text = Metrics("m").render(registry, 0).decode()
     read = dashboard_metrics()
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
-            "raging_disagg_decision_total", "raging_workers"} <= read  # the parse finds them
+            "raging_disagg_decision_total", "raging_workers",
+            "raging_stage_seconds_bucket"} <= read  # the parse finds them
     assert missing_from(text) == set()
-    assert missing_from("") == read - (set() if stage_series_defined() else STAGE_SERIES)
+    assert missing_from("") == read
 
 
 def test_the_prometheus_config_scrapes_the_gateways_metrics_route() -> None:

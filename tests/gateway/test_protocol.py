@@ -505,3 +505,19 @@ def test_error_messages_are_capped() -> None:
     assert len(err.message) <= 1000
     assert err.param is not None and len(err.param) <= 200
     assert str(err) == err.message
+
+
+@pytest.mark.parametrize(("raging", "timing"), [
+    (None, False), ({}, False), ({"timing": False}, False), ({"timing": None}, False),
+    ({"timing": True}, True),
+])
+def test_the_raging_extension_asks_for_the_timing_breakdown(raging: Any, timing: bool) -> None:
+    for parse, body in ((parse_chat_request, chat(raging=raging)),
+                        (parse_completion_request, completion(raging=raging))):
+        assert generation_params(parse(body)).timing is timing
+
+
+@pytest.mark.parametrize("raging", [{"timing": "yes"}, {"timing": 1}, {"timings": True}, True])
+def test_a_malformed_raging_extension_is_400(raging: Any) -> None:
+    err = raises_400(lambda b: generation_params(parse_chat_request(b)), chat(raging=raging))
+    assert err.param is not None and err.param.startswith("raging")

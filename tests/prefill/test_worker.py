@@ -18,6 +18,7 @@ from core.config import load_config
 from core.messages import (
     JSON_OBJECT,
     Abort,
+    DecodeRequest,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -446,3 +447,32 @@ def test_steps_are_costed_by_the_model_shape(setup) -> None:
     worker = setup[0]
     assert worker.scheduler.cost == ChunkCost.of(worker.runner.spec)
     assert worker.scheduler.cost.keys_per_token < float("inf")
+
+
+def test_the_first_token_reports_the_prompts_wait_and_compute_here(setup) -> None:
+    """To the gateway and on to decode, after the KV; the notice ahead of the KV passes the
+    gateway's trace context on."""
+    worker, gateway, receiver = setup
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    to_worker(gateway, replace(request("r", receiver.address), traceparent=traceparent))
+    time.sleep(0.1)
+    before = time.monotonic()
+    worker.take_control()
+    time.sleep(0.05)  # queued here
+    began = time.monotonic()
+    assert worker.step()
+    after = time.monotonic()
+    (first,) = firsts(gateway)
+    stages = {s.stage: s.seconds for s in first.stages}
+    assert list(stages) == ["prefill_wait", "prefill_compute"]
+    assert stages["prefill_wait"] >= 0.05 and 0 < stages["prefill_compute"] <= after - began
+    assert stages["prefill_wait"] + stages["prefill_compute"] <= after - before
+    notices: list[Message] = []
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        receiver.fileno_socket().poll(50)
+        receiver.drain(lambda item: notices.append(decode(item.meta))
+                       if isinstance(item, KVNotice) else None)
+    announced, handed = notices
+    assert isinstance(announced, DecodeRequest) and announced.traceparent == traceparent
+    assert handed == first
