@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +36,7 @@ from gateway.protocol import (
 )
 from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
 from gateway.state import GatewayState
+from gateway.tools import ToolPlan, tool_plan
 
 
 class OpenAIRoutes:
@@ -45,8 +48,13 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
-        prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
-        return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body))
+        tools = tool_plan(body, self.state.config.gateway.tool_call_parser)
+        prompt_ids = await self._tokenize(functools.partial(render_chat_prompt, tools=tools),
+                                          body.messages)
+        params = generation_params(body)
+        if tools is not None and tools.grammar:
+            params = dataclasses.replace(params, grammar=tools.grammar)
+        return await self._serve(request, ChatFormat(), [prompt_ids], params, tools)
 
     async def completions(self, request: Request) -> Response:
         body = parse_completion_request(await self._read_body(request))
@@ -105,7 +113,7 @@ class OpenAIRoutes:
                                "retry shortly", retry_after=1.0)
 
     async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
-                     params: GenerationParams) -> Response:
+                     params: GenerationParams, tools: ToolPlan | None = None) -> Response:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
         max_tokens = [check_context(len(ids), params.max_tokens, limit) for ids in prompts]
@@ -124,7 +132,8 @@ class OpenAIRoutes:
         generations = [Generation(handle, self.state.dispatcher.abort, self.state.metrics,
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None) for handle in handles]
-        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n)
+        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
+                      tools)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
