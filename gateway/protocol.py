@@ -621,7 +621,7 @@ def render_chat_prompt(
 
 
 def _uses_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
-    template = tokenizer.chat_template
+    template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and template_uses_tools(template)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jinja2
 import jinja2.meta
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.handle import Ending
 from gateway.tool_parsers import (
     CallPiece,
@@ -114,26 +114,28 @@ def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
 def tool_plan(request: ChatCompletionRequest, parser: ParserName = "") -> ToolPlan | None:
     """The request's tool plan (None: no tools offered); a 400 when its fields disagree."""
     if request.tools and request.functions:
-        raise bad_request("Use tools or the legacy functions, not both", param="functions")
-    if request.tool_choice is not None and request.function_call is not None:
-        raise bad_request("Use tool_choice or the legacy function_call, not both",
-                          param="function_call")
-    legacy = request.functions is not None or request.function_call is not None
+        raise _bad("functions", "use tools or the legacy functions, not both")
+    legacy = bool(request.functions) or not isinstance(request.function_call, str | None)
+    if legacy and request.tool_choice is not None:
+        raise _bad("function_call", "use tool_choice or the legacy function_call, not both")
+    choice_param = "function_call" if legacy else "tool_choice"
     functions = tuple(request.functions or [t.function for t in request.tools or []])
-    choice_param = "function_call" if request.function_call is not None else "tool_choice"
-    mode, forced = _choice(request.tool_choice or request.function_call, bool(functions))
-    if mode in ("required", "named") and not functions:
-        raise bad_request(f"{choice_param} asks for a call, but no tools are given",
-                          param=choice_param)
+    choice = request.function_call if legacy else request.tool_choice
+    mode, forced = _choice(choice, bool(functions))
+    forcing = mode in ("required", "named")
+    if forcing and not functions:
+        raise _bad(choice_param, "it asks for a call, but no tools are given")
     if not functions:
         return None
-    forcing = mode in ("required", "named")
-    if forcing and request.response_format and request.response_format.type != "text":
-        raise bad_request(f"response_format cannot be combined with a forced {choice_param}",
-                          param="response_format")
     _check_names(functions, forced, choice_param, "functions" if legacy else "tools")
+    if forcing and request.response_format and request.response_format.type != "text":
+        raise _bad("response_format", f"it cannot be combined with a forced {choice_param}")
     parallel = request.parallel_tool_calls is not False and not legacy
     return ToolPlan(functions, mode, forced, parallel, legacy, parser)
+
+
+def _bad(param: str, message: str) -> APIError:
+    return bad_request(f"Invalid '{param}': {message}", param=param)
 
 
 def _choice(choice: Any, offered: bool) -> tuple[ToolMode, str | None]:
@@ -152,10 +154,9 @@ def _check_names(functions: Sequence[FunctionDefinition], forced: str | None,
     names = [f.name for f in functions]
     if len(set(names)) < len(names):
         repeated = next(n for n in names if names.count(n) > 1)
-        raise bad_request(f"Function '{repeated}' is given twice", param=tools_param)
+        raise _bad(tools_param, f"function '{repeated}' is given twice")
     if forced is not None and forced not in names:
-        raise bad_request(f"{choice_param} names function '{forced}', which is not in "
-                          f"{tools_param}", param=choice_param)
+        raise _bad(choice_param, f"it names function '{forced}', which is not in {tools_param}")
 
 
 # The prompt.
