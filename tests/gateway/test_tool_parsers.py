@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -19,10 +20,11 @@ from gateway.tool_parsers import (
     parse_call,
 )
 
-Calls = list[tuple[str, dict[str, object]]]  # (name, arguments) of each call
+Call = tuple[str, dict[str, Any]]  # a call's name and arguments
+Calls = list[Call]
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
-WEATHER_CALL = ("get_weather", {"city": "Paris", "unit": "c"})
-TIME_CALL = ("get_time", {})
+WEATHER_CALL: Call = ("get_weather", {"city": "Paris", "unit": "c"})
+TIME_CALL: Call = ("get_time", {})
 
 
 def settle(pieces: list[Piece]) -> tuple[str, Calls]:
