@@ -27,6 +27,7 @@ from tests.e2e.cluster import Cluster, launch, sse_events
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
 MAX_TOKENS = 200
+LAUNCH_S = 420  # a loaded machine may build the kernels first
 # The function of the openai client's tool-calling example (README / the API reference).
 WEATHER_PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -51,7 +52,7 @@ QUESTION: list[ChatCompletionMessageParam] = [
 
 @pytest.fixture(scope="module")
 def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir) as running:
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, timeout_s=LAUNCH_S) as running:
         yield running
 
 
@@ -243,7 +244,7 @@ def test_a_chat_ui_turn_with_its_built_in_tools_gets_an_answer(cluster: Cluster)
 def hermes_cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[Cluster]:
     with launch(tmp_path_factory.mktemp("hermes"), real_model_dir,
-                flags=["--set", "gateway.tool_call_parser=hermes"]) as running:
+                flags=["--set", "gateway.tool_call_parser=hermes"], timeout_s=LAUNCH_S) as running:
         yield running
 
 
