@@ -81,6 +81,9 @@ class GatewayConfig:
     tool_call_parser: ToolCallParser = setting("", "how tool_choice 'auto' finds calls in the "
                                                    "output: hermes (<tool_call> JSON), "
                                                    "llama3_json; empty: none, output is text")
+    max_parallel_tool_calls: int = setting(4, "calls a forced tool_choice ('required') may "
+                                              "make at most, so that a small model that "
+                                              "repeats its call ends (0: no bound)")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
-        tools = tool_plan(body, self.state.config.gateway.tool_call_parser)
+        gateway = self.state.config.gateway
+        tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
         prompt_ids = await self._tokenize(functools.partial(render_chat_prompt, tools=tools),
                                           body.messages)
         params = generation_params(body)

@@ -71,6 +71,7 @@ class ToolPlan:
     parallel: bool = True
     legacy: bool = False
     parser: ParserName = ""
+    max_calls: int = 0  # of a forced "required" array, when parallel; 0: no bound
 
     @property
     def grammar(self) -> str:
@@ -82,8 +83,8 @@ class ToolPlan:
             return ""
         calls: dict[str, Any] = {"type": "array", "minItems": 1,
                                  "items": {"anyOf": [_call_schema(f) for f in self.functions]}}
-        if not self.parallel:
-            calls["maxItems"] = 1
+        if not self.parallel or self.max_calls:
+            calls["maxItems"] = self.max_calls if self.parallel else 1
         return json.dumps(calls)
 
     def tool_dicts(self) -> list[dict[str, Any]]:
@@ -111,8 +112,10 @@ def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
             "required": ["name", "arguments"]}
 
 
-def tool_plan(request: ChatCompletionRequest, parser: ParserName = "") -> ToolPlan | None:
-    """The request's tool plan (None: no tools offered); a 400 when its fields disagree."""
+def tool_plan(request: ChatCompletionRequest, parser: ParserName = "",
+              max_calls: int = 0) -> ToolPlan | None:
+    """The request's tool plan (None: no tools offered); a 400 when its fields disagree.
+    `parser` and `max_calls`: the config's tool_call_parser and max_parallel_tool_calls."""
     if request.tools and request.functions:
         raise _bad("functions", "use tools or the legacy functions, not both")
     legacy = bool(request.functions) or not isinstance(request.function_call, str | None)
@@ -131,7 +134,7 @@ def tool_plan(request: ChatCompletionRequest, parser: ParserName = "") -> ToolPl
     if forcing and request.response_format and request.response_format.type != "text":
         raise _bad("response_format", f"it cannot be combined with a forced {choice_param}")
     parallel = request.parallel_tool_calls is not False and not legacy
-    return ToolPlan(functions, mode, forced, parallel, legacy, parser)
+    return ToolPlan(functions, mode, forced, parallel, legacy, parser, max_calls)
 
 
 def _bad(param: str, message: str) -> APIError:

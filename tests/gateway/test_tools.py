@@ -138,6 +138,14 @@ def test_without_parallel_calls_the_grammar_takes_one_call() -> None:
     assert accepts(single.grammar, one) and not accepts(single.grammar, one * 2)
 
 
+def test_max_calls_bounds_the_required_array() -> None:
+    made = tool_plan(request(tools=[TIME], tool_choice="required"), max_calls=2)
+    assert made is not None
+    call = {"name": "get_time", "arguments": {}}
+    assert accepts(made.grammar, [call, call]) and not accepts(made.grammar, [call] * 3)
+    assert accepts(plan(tools=[TIME], tool_choice="required").grammar, [call] * 9)  # 0: free
+
+
 def test_named_grammar_is_the_functions_arguments() -> None:
     named = plan(tools=[WEATHER, TIME],
                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
