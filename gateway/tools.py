@@ -223,21 +223,22 @@ def _fallback_entries(conversation: list[dict[str, Any]], messages: Sequence[Cha
     """Calls as `<tool_call>` text; results as user turns (consecutive ones merged), which
     every template renders."""
     entries: list[dict[str, Any]] = []
+    after_result = False  # the last entry is a user turn of tool results
     for entry, message in zip(conversation, messages, strict=True):
         if message.role in ("tool", "function"):
             response = f"<tool_response>\n{message.text}\n</tool_response>"
-            if entries and entries[-1].get("tool_response"):
+            if after_result:
                 entries[-1]["content"] += "\n" + response
             else:
-                entries.append({"role": "user", "content": response, "tool_response": True})
+                entries.append({"role": "user", "content": response})
+            after_result = True
             continue
         calls = _earlier_calls(message)
         if calls:
             text = "\n".join(_call_text(name, arguments) for _, name, arguments in calls)
             entry = {**entry, "content": f"{message.text}\n{text}" if message.text else text}
         entries.append(entry)
-    for entry in entries:
-        entry.pop("tool_response", None)
+        after_result = False
     return entries
 
 
