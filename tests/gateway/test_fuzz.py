@@ -126,6 +126,7 @@ NARROWED_IN_MESSAGES: dict[str, Any] = {
     "content": {"type": "string"}, "tool_call_id": {"type": "string", "maxLength": 256},
     "name": {"type": "string"},
 }
+REQUIRED_IN_MESSAGES = ("content", "tool_call_id", "name")
 
 
 def generation_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -137,6 +138,7 @@ def generation_schema(model: type[BaseModel]) -> dict[str, Any]:
     message = schema.get("$defs", {}).get("ChatMessage")
     if message is not None:
         message["properties"].update(NARROWED_IN_MESSAGES)
+        message["required"] = sorted({*message.get("required", []), *REQUIRED_IN_MESSAGES})
     for definition in [schema, *schema.get("$defs", {}).values()]:
         for name, prop in definition["properties"].items():
             if set(prop) <= {"default", "title"}:
