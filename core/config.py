@@ -26,6 +26,7 @@ KVBackend = Literal["zmq", "shm", "cuda_ipc"]
 KV_BACKENDS: tuple[KVBackend, ...] = typing.get_args(KVBackend)
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
+ToolCallParser = Literal["", "hermes", "llama3_json"]
 
 
 def setting(default: T, help: str) -> T:
@@ -78,6 +79,12 @@ class GatewayConfig:
     prefill_saturated_tokens: int = setting(1024, "... and, while every prefill worker holds "
                                                   "this many tokens (0: never), ...")
     saturated_local_max_tokens: int = setting(256, "... prompts up to this long")
+    tool_call_parser: ToolCallParser = setting("", "how tool_choice 'auto' finds calls in the "
+                                                   "output: hermes (<tool_call> JSON), "
+                                                   "llama3_json; empty: none, output is text")
+    max_parallel_tool_calls: int = setting(4, "calls a forced tool_choice ('required') may "
+                                              "make at most, so that a small model that "
+                                              "repeats its call ends (0: no bound)")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +38,7 @@ from gateway.protocol import (
 from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
 from gateway.state import GatewayState
 from gateway.timing import TIMING_HEADER, asks_for_timing
+from gateway.tools import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -51,9 +54,15 @@ class OpenAIRoutes:
         arrived = time.monotonic()
         body = parse_chat_request(await self._read_body(request))
         self._check_model(body.model)
-        prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
-        return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body),
-                                 arrived)
+        gateway = self.state.config.gateway
+        tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
+        prompt_ids = await self._tokenize(functools.partial(render_chat_prompt, tools=tools),
+                                          body.messages)
+        params = generation_params(body)
+        if tools is not None and tools.grammar:
+            params = dataclasses.replace(params, grammar=tools.grammar)
+        return await self._serve(request, ChatFormat(), [prompt_ids], params, arrived,
+                                 tools)
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -114,7 +123,8 @@ class OpenAIRoutes:
                                "retry shortly", retry_after=1.0)
 
     async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
-                     params: GenerationParams, arrived: float) -> Response:
+                     params: GenerationParams, arrived: float,
+                     tools: ToolPlan | None = None) -> Response:
         """`arrived`: when the request came in, where its gateway_queue stage starts."""
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
@@ -137,7 +147,7 @@ class OpenAIRoutes:
                                   self.pieces if logprobs else None) for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
         reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
-                      timing, span)
+                      timing, span, tools)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",

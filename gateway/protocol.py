@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from core.messages import JSON_OBJECT, MAX_LOGPROBS
 from gateway.errors import APIError, bad_request
+from gateway.tools import ToolPlan, template_uses_tools, tool_plan, with_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,7 +53,7 @@ _MAX_SCHEMA_ERROR_CHARS = 300
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[17:40:21] /path/file.cc:94: "
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 
-Role = Literal["system", "user", "assistant", "tool", "developer"]
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -154,29 +155,89 @@ def _schema_problem(grammar: str) -> str | None:
     return None
 
 
+class FunctionDefinition(_Request):
+    """A function the model may call: `tools[i].function`, or a legacy `functions[i]`."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # ignored: a forced call always matches the schema here
+
+
+class Tool(_Request):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` forcing a call of one function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    """An earlier call: `tool_calls[i].function`, or a legacy assistant `function_call`."""
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    """One entry of an earlier assistant message's `tool_calls`."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    """One chat message; list-of-parts content is normalized to a string (parts joined by \\n)."""
+    """One chat message; list-of-parts content is normalized to a string (parts joined by \\n).
+    An assistant message that calls tools may have null or no content; a legacy "function"
+    message is a tool result."""
 
     role: Role
-    content: str
     name: str | None = None
     refusal: str | None = None  # ignored: an earlier assistant refusal, already in `content`
-    tool_call_id: str | None = None  # ignored: tool results are plain text to the template
-    tool_calls: list[dict[str, Any]] | None = None
-    function_call: Any = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
     audio: Any = None
+    content: str | None = Field(default=None, validate_default=True)
 
-    _no_tool_calls = field_validator("tool_calls")(_empty_only)
-    _no_function_or_audio = field_validator("function_call", "audio")(_none_only)
+    _no_audio = field_validator("audio")(_none_only)
 
     @field_validator("content", mode="before")
     @classmethod
-    def _join_text_parts(cls, value: object) -> object:
+    def _join_text_parts(cls, value: object, info: ValidationInfo) -> object:
         if value is None:
+            calls = info.data.get("tool_calls") or info.data.get("function_call")
+            if info.data.get("role") == "assistant" and calls:
+                return None
             raise _invalid("content must be a string or a list of text parts")
         if isinstance(value, list):
             return "\n".join(_part_text(part) for part in value)
         return value
+
+    @model_validator(mode="after")
+    def _tool_fields_with_their_role(self) -> ChatMessage:
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise _invalid("only assistant messages may carry tool_calls or function_call")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise _invalid("a tool message needs the tool_call_id it answers")
+        if self.role == "function" and self.name is None:
+            raise _invalid("a function message needs the name of the function")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
 
 
 def _part_text(part: object) -> str:
@@ -268,11 +329,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    # "none", "auto", "required", or a NamedToolChoice (typed Any: see _choice).
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # ignored: there are no tools to call
-    functions: list[dict[str, Any]] | None = None
-    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per reply
+    functions: list[FunctionDefinition] | None = None  # legacy: tools of type "function"
+    function_call: Any = None  # legacy tool_choice: "none", "auto", or a FunctionName
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -289,7 +351,6 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None
     verbosity: str | None = None
 
-    _no_functions = field_validator("functions")(_empty_only)
     _missing_features = field_validator("audio", "prediction", "web_search_options",
                                         "moderation")(_none_only)
 
@@ -300,22 +361,22 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _invalid("top_logprobs needs logprobs set to true")
         return value
 
-    @field_validator("tools")
+    @field_validator("tool_choice", "function_call", mode="before")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise _unsupported("tool calling")
-        return value
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_forced_call(cls, value: object, info: ValidationInfo) -> object:
-        # Typed Any, not str | dict: a union would name its members in the error location.
-        if not isinstance(value, str | dict | None):
-            raise _invalid(f"{info.field_name} must be a string or an object")
-        if value not in (None, "none", "auto"):  # with no tools, both mean a plain message
-            raise _unsupported("tool calling")
-        return value
+    def _choice(cls, value: object, info: ValidationInfo) -> object:
+        # Not a union type: pydantic would name the union's members in the error location.
+        if value is None or value in ("none", "auto") or (
+                value == "required" and info.field_name == "tool_choice"):
+            return value
+        if not isinstance(value, dict):
+            raise _invalid(f"{info.field_name} must be one of the allowed strings or an object")
+        named = NamedToolChoice if info.field_name == "tool_choice" else FunctionName
+        try:
+            return named.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+            raise PydanticCustomError("invalid_value", "{where}: {message}", {
+                "where": _format_loc(first["loc"]) or "value", "message": first["msg"]}) from None
 
     @field_validator("modalities")
     @classmethod
@@ -469,12 +530,27 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse a /v1/chat/completions body; any invalid body raises a 400 `APIError`."""
-    return _parse(ChatCompletionRequest, body)
+    request = _parse(ChatCompletionRequest, body)
+    check_tool_request(request)
+    return request
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse a /v1/completions body; any invalid body raises a 400 `APIError`."""
     return _parse(CompletionRequest, body)
+
+
+def check_tool_request(request: ChatCompletionRequest) -> None:
+    """400 for tool fields that disagree, or (when a call is forced) a function whose
+    parameters the workers could not compile into a grammar."""
+    plan = tool_plan(request)
+    if plan is None or not plan.grammar:
+        return
+    problem = _schema_problem(plan.grammar)
+    if problem is not None:
+        param = "functions" if plan.legacy else "tools"
+        raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "
+                          f"schema: {problem}", param=param)
 
 
 def _parse(model: type[_Model], body: bytes) -> _Model:
@@ -535,23 +611,33 @@ def _format_loc(loc: tuple[int | str, ...]) -> str | None:
 
 
 def render_chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage]
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
+    tools: ToolPlan | None = None,
 ) -> list[int]:
-    """Token ids of `messages` under the model's chat template, ending in the assistant cue."""
-    conversation = [_template_message(message) for message in messages]
+    """Token ids of `messages` under the model's chat template, ending in the assistant cue;
+    offered `tools`, earlier calls and tool results as gateway/tools.py renders them."""
+    conversation, shown = with_tools([_template_message(message) for message in messages],
+                                     messages, tools, _uses_tools(tokenizer))
+    template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
+        None if shown is None else list(shown))
     try:
         encoded = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
+            conversation, tools=template_tools, add_generation_prompt=True, tokenize=True
         )
     except TemplateError as exc:
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
     return _token_ids(encoded)
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
+def _uses_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and template_uses_tools(template)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
     # Chat templates predate OpenAI's "developer" role; it means "system" to them.
     role = "system" if message.role == "developer" else message.role
-    entry = {"role": role, "content": message.content}
+    entry: dict[str, Any] = {"role": role, "content": message.text}
     if message.name is not None:
         entry["name"] = message.name
     return entry

@@ -21,11 +21,13 @@ from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.handle import Ending
 from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from gateway.state import GatewayState
+from gateway.tools import Reason, ToolPlan, ToolStream
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
+CallFields = dict[str, Any] | None  # a chat message's or delta's tool_calls / function_call
 
 
 class ChatFormat:
@@ -34,17 +36,19 @@ class ChatFormat:
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
+    def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
+                     logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+        """`calls`: the delta's `tool_calls` (or legacy `function_call`), if any."""
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        delta.update(calls or {})
         shown = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, index: int, text: str, reason: Ending | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+    def choice_full(self, index: int, text: str | None, reason: Reason | None,
+                    logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text, **(calls or {})}
         shown = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason}
 
@@ -55,13 +59,15 @@ class CompletionFormat:
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
+    def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
+                     logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+        assert calls is None, "no tools on /v1/completions"
         shown = None if logprobs is None else completion_logprobs(logprobs)
         return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
 
-    def choice_full(self, index: int, text: str, reason: Ending | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
+    def choice_full(self, index: int, text: str | None, reason: Reason | None,
+                    logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+        assert text is not None
         return self.choice_delta(index, text, reason, first=False, logprobs=logprobs)
 
 
@@ -88,7 +94,8 @@ class Reply:
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
-                 timing: bool = False, span: Span | None = None) -> None:
+                 timing: bool = False, span: Span | None = None,
+                 tools: ToolPlan | None = None) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -102,6 +109,8 @@ class Reply:
         self.span = span
         self.created = int(time.time())
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
+        # One per choice when its output may hold tool calls (gateway/tools.py).
+        self.tool_streams = [tools.stream() for _ in generations] if tools else []
 
     async def _deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
         """Every choice's deltas (and KEEPALIVEs) as they come, with the choice's index."""
@@ -139,10 +148,10 @@ class Reply:
                     yield "data: [DONE]\n\n"  # as vLLM ends a failed stream: clients stop here
                     return
                 else:
-                    logprobs = delta.logprobs if self.logprobs else None
-                    yield self._event([self.fmt.choice_delta(
-                        index, delta.text, delta.finish_reason, False, logprobs)],
-                        raging=self._raging(index) if delta.finish_reason else None)
+                    choice = self._streamed_choice(index, delta)
+                    if choice is not None:
+                        yield self._event([choice], raging=self._raging(index)
+                                          if delta.finish_reason else None)
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -165,9 +174,7 @@ class Reply:
                 outcome = "error"
                 return JSONResponse(_stream_error(wholes), status_code=503)
             outcome = "ok"
-            choices = [self.fmt.choice_full(i, "".join(w.parts), w.finish_reason,
-                                            w.logprobs if self.logprobs else None)
-                       for i, w in enumerate(wholes)]
+            choices = [self._whole_choice(i, w) for i, w in enumerate(wholes)]
             body = self._body(choices, usage=self._usage())
             if self.timing:
                 body["raging"] = self._raging(0)
@@ -176,6 +183,35 @@ class Reply:
             watcher.cancel()
             collector.cancel()
             self._close(outcome)
+
+    def _tool_stream(self, index: int) -> ToolStream | None:
+        return self.tool_streams[index] if self.tool_streams else None
+
+    def _streamed_choice(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        """A delta's chunk choice; None when tool-call parsing holds all of it back."""
+        logprobs = delta.logprobs if self.logprobs else None
+        tools = self._tool_stream(index)
+        if tools is None:
+            return self.fmt.choice_delta(index, delta.text, delta.finish_reason, False,
+                                         logprobs)
+        output = tools.feed(delta.text)
+        reason: Reason | None = None
+        if delta.finish_reason is not None:
+            rest, reason = tools.finish(delta.finish_reason)
+            output.extend(rest)
+        if not (output.content or output.calls or reason or logprobs):
+            return None
+        return self.fmt.choice_delta(index, output.content, reason, False, logprobs,
+                                     tools.message_fields(output))
+
+    def _whole_choice(self, index: int, whole: _Whole) -> dict[str, Any]:
+        logprobs = whole.logprobs if self.logprobs else None
+        text = "".join(whole.parts)
+        tools = self._tool_stream(index)
+        if tools is None or whole.finish_reason is None:
+            return self.fmt.choice_full(index, text, whole.finish_reason, logprobs)
+        content, calls, reason = tools.whole(text, whole.finish_reason)
+        return self.fmt.choice_full(index, content, reason, logprobs, calls)
 
     async def _collect(self) -> list[_Whole] | str:
         """Every choice, once all have ended; or the error that ended one."""

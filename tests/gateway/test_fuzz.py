@@ -55,6 +55,18 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
         ], max_tokens=8, temperature=0.5, top_p=0.9, top_k=5, stream=True,
             stream_options={"include_usage": True}, stop=["x", "y"], stop_token_ids=[2],
             seed=3, metadata={"k": "v"}, response_format={"type": "text"}, tools=[]),
+        valid_body(CHAT, messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        ], tools=[{"type": "function", "function": {
+            "name": "weather", "description": "the weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}],
+            tool_choice="required", parallel_tool_calls=False),
+        valid_body(CHAT, functions=[{"name": "now"}], function_call={"name": "now"}),
     ],
     TEXT: [
         valid_body(TEXT),
@@ -108,7 +120,13 @@ NARROWED: dict[str, dict[str, Any]] = {
     "messages": {"type": "array", "minItems": 1, "maxItems": 4,
                  "items": {"$ref": "#/$defs/ChatMessage"}},
 }
-NARROWED_IN_MESSAGES: dict[str, Any] = {"tool_calls": {"enum": [None, []]}}
+NARROWED_IN_MESSAGES: dict[str, Any] = {
+    # Null content, calls and a missing tool_call_id or name are for some roles only.
+    "tool_calls": {"enum": [None, []]}, "function_call": {"type": "null"},
+    "content": {"type": "string"}, "tool_call_id": {"type": "string", "maxLength": 256},
+    "name": {"type": "string"},
+}
+REQUIRED_IN_MESSAGES = ("content", "tool_call_id", "name")
 
 
 def generation_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -120,6 +138,7 @@ def generation_schema(model: type[BaseModel]) -> dict[str, Any]:
     message = schema.get("$defs", {}).get("ChatMessage")
     if message is not None:
         message["properties"].update(NARROWED_IN_MESSAGES)
+        message["required"] = sorted({*message.get("required", []), *REQUIRED_IN_MESSAGES})
     for definition in [schema, *schema.get("$defs", {}).values()]:
         for name, prop in definition["properties"].items():
             if set(prop) <= {"default", "title"}:

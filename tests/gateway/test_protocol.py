@@ -33,6 +33,8 @@ from gateway.protocol import (
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
 LONG = "Z" * 50_000
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +137,33 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
         "type": "string", "pattern": "[a"}}}), "response_format"),
     (chat(response_format="text"), "response_format"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (chat(tools=[{"type": "function"}]), "tools[0].function"),
+    (chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type"),
+    (chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+     "tools[0].function.parameters"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "colour": 1}}]),
+     "tools[0].function.colour"),
+    (chat(tools=[TOOL_F, TOOL_F]), "tools"),
+    (chat(tools=[TOOL_F], tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice"),
+    (chat(tools=[TOOL_F], tool_choice={"type": "function"}), "tool_choice"),
+    (chat(tools=[TOOL_F], tool_choice="always"), "tool_choice"),
+    (chat(tools=[TOOL_F], functions=[{"name": "f"}]), "functions"),
+    (chat(functions=[{"name": "f"}], tool_choice="auto", function_call={"name": "f"}),
+     "function_call"),
+    (chat(functions=[{"name": "f"}], function_call={"name": "g"}), "function_call"),
+    (chat(functions=[{"name": "f"}], function_call="required"), "function_call"),
+    (chat(tools=[TOOL_F], tool_choice="required", response_format={"type": "json_object"}),
+     "response_format"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string", "pattern": "[a"}}}], tool_choice="required"), "tools"),
+    (chat(messages=[{"role": "tool", "content": "42"}]), "messages[0]"),
+    (chat(messages=[{"role": "user", "content": "hi", "tool_calls": [TOOL_CALL]}]),
+     "messages[0]"),
+    (chat(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
+    (chat(messages=[{"role": "user"}]), "messages[0].content"),
+    (chat(messages=[{"role": "function", "content": "42"}]), "messages[0]"),
     (chat(user=5), "user"),
     (chat(unknown_extension={"anything": [1, 2]}), "unknown_extension"),
     (chat(messages=[{"role": "user", "content": "hi", "colour": "red"}]), "messages[0].colour"),
@@ -144,15 +172,17 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
      "messages[0].content"),
     (chat(metadata={"k": 1}), "metadata.k"),
     (chat(logit_bias={"50": 5}), "logit_bias"),
-    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tool_choice="required"), "tool_choice"),  # no tools to call
+    (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (chat(tool_choice=3), "tool_choice"),
-    (chat(functions=[{"name": "f"}]), "functions"),
     (chat(modalities=["text", "audio"]), "modalities"),
     (chat(audio={"voice": "x", "format": "mp3"}), "audio"),
     (chat(prediction={"type": "content", "content": "x"}), "prediction"),
     (chat(web_search_options={}), "web_search_options"),
     (chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]),
-     "messages[0].tool_calls"),
+     "messages[0].tool_calls[0].type"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {
+        "name": "f", "arguments": {"x": 1}}}]}]), "messages[0].tool_calls[0].function.arguments"),
     (chat(min_tokens=-1), "min_tokens"),
     (chat(min_tokens=1.5), "min_tokens"),
     (chat(min_tokens=9, max_tokens=8), "min_tokens"),

@@ -58,7 +58,10 @@ def has_compiler() -> bool:
 
 
 def _build() -> ModuleType:
-    folder = Path(get_default_build_root()) / f"raging_kernels-torch{torch.__version__}"
+    # torch's get_default_build_root ignores TORCH_EXTENSIONS_DIR, which its builds honour:
+    # without it, checkouts with other source paths would rebuild over each other.
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    folder = Path(root) / f"raging_kernels-torch{torch.__version__}"
     folder.mkdir(parents=True, exist_ok=True)
     with _exclusive(folder / "raging.flock"):
         # torch's own lock file outlives a build that was killed, and then every later
