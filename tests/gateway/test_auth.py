@@ -46,7 +46,8 @@ class RecordingDispatcher:
         self.control = SimpleNamespace(dropped=0)
         self.aborts_sent = self.resumed = 0
 
-    def submit_choices(self, task: GenerationTask, n: int) -> None:
+    def submit_choices(self, task: GenerationTask, n: int, arrived: float | None = None,
+                       traceparent: str = "") -> None:
         self.tasks.append(task)
         raise service_unavailable("recorded")
 
