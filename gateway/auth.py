@@ -32,7 +32,7 @@ from gateway.errors import APIError, error_response, unauthorized
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-OPEN_PATHS = frozenset({"/health"})  # load balancers and launch.sh probe it without a key
+OPEN_PATHS = frozenset({"/health", "/ping"})  # probed without a key (load balancers, launch.sh)
 _STATE_KEY = "tenant"
 _SALT_DOMAIN = b"raging-tenant-cache-salt-v1\0"
 _KEY_PATTERN = re.compile(r"[!-9;-~]+")  # printable ASCII, no space, no ':' (KEY:TENANT)

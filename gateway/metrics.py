@@ -66,6 +66,9 @@ class Metrics:
                              "Requests resumed on other workers after losing one", registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
+        self.ignored_fields = Counter("raging_ignored_fields",
+                                      "Request fields outside the schema, accepted and ignored",
+                                      ["field"], registry=r)
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
                resumed: int = 0, rejected_peers: int = 0) -> bytes:

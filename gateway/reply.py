@@ -23,6 +23,7 @@ from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from gateway.state import GatewayState
 
 Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
+StopReason = str | int | None  # vLLM's: the stop string or stop token id that ended a choice
 
 
 class ChatFormat:
@@ -32,18 +33,22 @@ class ChatFormat:
     chunk_object_name = "chat.completion.chunk"
 
     def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
+                     logprobs: Logprobs = None, stop_reason: StopReason = None
+                     ) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
         shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
     def choice_full(self, index: int, text: str, reason: Ending | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
+                    logprobs: Logprobs = None, stop_reason: StopReason = None
+                    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": text}
         shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
 
 class CompletionFormat:
@@ -53,13 +58,17 @@ class CompletionFormat:
     chunk_object_name = "text_completion"
 
     def choice_delta(self, index: int, text: str, reason: Ending | None, first: bool,
-                     logprobs: Logprobs = None) -> dict[str, Any]:
+                     logprobs: Logprobs = None, stop_reason: StopReason = None
+                     ) -> dict[str, Any]:
         shown = None if logprobs is None else completion_logprobs(logprobs)
-        return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
     def choice_full(self, index: int, text: str, reason: Ending | None,
-                    logprobs: Logprobs = None) -> dict[str, Any]:
-        return self.choice_delta(index, text, reason, first=False, logprobs=logprobs)
+                    logprobs: Logprobs = None, stop_reason: StopReason = None
+                    ) -> dict[str, Any]:
+        return self.choice_delta(index, text, reason, first=False, logprobs=logprobs,
+                                 stop_reason=stop_reason)
 
 
 Format = ChatFormat | CompletionFormat
@@ -72,6 +81,7 @@ class _Whole:
     parts: list[str] = field(default_factory=list)
     finish_reason: Ending | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_reason: StopReason = None
 
 
 _ENDED = object()  # a choice's deltas are over
@@ -79,11 +89,11 @@ _ENDED = object()  # a choice's deltas are over
 
 class Reply:
     """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
-    carries the logprobs of its tokens."""
+    carries the logprobs of its tokens. `model` is the name echoed (the one the request gave)."""
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
-                 ) -> None:
+                 model: str | None = None) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -94,6 +104,7 @@ class Reply:
         self.logprobs = logprobs
         self.choices_per_prompt = choices_per_prompt
         self.created = int(time.time())
+        self.model = model or state.model_name
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
 
     async def _deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
@@ -134,7 +145,8 @@ class Reply:
                 else:
                     logprobs = delta.logprobs if self.logprobs else None
                     yield self._event([self.fmt.choice_delta(
-                        index, delta.text, delta.finish_reason, False, logprobs)])
+                        index, delta.text, delta.finish_reason, False, logprobs,
+                        delta.stop_reason)])
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -158,7 +170,8 @@ class Reply:
                 return JSONResponse(_stream_error(wholes), status_code=503)
             outcome = "ok"
             choices = [self.fmt.choice_full(i, "".join(w.parts), w.finish_reason,
-                                            w.logprobs if self.logprobs else None)
+                                            w.logprobs if self.logprobs else None,
+                                            w.stop_reason)
                        for i, w in enumerate(wholes)]
             return JSONResponse(self._body(choices, usage=self._usage()))
         finally:
@@ -177,6 +190,7 @@ class Reply:
             wholes[index].parts.append(delta.text)
             wholes[index].logprobs.extend(delta.logprobs)
             wholes[index].finish_reason = delta.finish_reason
+            wholes[index].stop_reason = delta.stop_reason
         assert all(w.finish_reason is not None for w in wholes), "each choice ends with one"
         return wholes
 
@@ -201,12 +215,14 @@ class Reply:
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
-                "model": self.state.model_name, "choices": choices, "usage": usage}
+                "model": self.model, "system_fingerprint": self.state.system_fingerprint,
+                "choices": choices, "usage": usage}
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         """One SSE chunk; `usage` only on the last one, when the client asked for it."""
         chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
-                                 "created": self.created, "model": self.state.model_name,
+                                 "created": self.created, "model": self.model,
+                                 "system_fingerprint": self.state.system_fingerprint,
                                  "choices": choices}
         if usage is not None:
             chunk["usage"] = usage
