@@ -220,10 +220,10 @@ def _part_text(index: int, part: object) -> str:
     if not isinstance(part, dict):
         raise _invalid("each content part must be an object")
     kind = part.get("type")
-    if kind in UNREADABLE_PARTS:
+    if isinstance(kind, str) and kind in UNREADABLE_PARTS:
         raise PydanticCustomError(
             "unreadable_part", "{what} input is not supported: this model reads text only",
-            {"what": UNREADABLE_PARTS[str(kind)], "part": index})
+            {"what": UNREADABLE_PARTS[kind], "part": index})
     if kind != "text":
         raise _invalid("only content parts of type 'text' are supported")
     text = part.get("text")

@@ -19,6 +19,7 @@ from gateway.errors import (
     rate_limited,
     service_unavailable,
 )
+from gateway.ignored_fields import unknown_fields
 from gateway.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -31,7 +32,6 @@ from gateway.protocol import (
     render_chat_prompt,
     tokenize_prompt,
 )
-from gateway.ignored_fields import unknown_fields
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
 NEUTRAL = GenerationDefaults(temperature=1.0, top_p=1.0)  # GenerationParams' own defaults
