@@ -73,7 +73,7 @@ SAMPLES: list[Message] = [
 
 
 # presence, frequency, repetition penalty; logprobs; min_p, allowed_token_ids, bad_words
-NEUTRAL_EXTRAS = [0.0, 0.0, 1.0, None, 0.0, None, []]
+NEUTRAL_EXTRAS: list[Any] = [0.0, 0.0, 1.0, None, 0.0, None, []]
 
 
 def raw_task(sampling: list[Any]) -> list[Any]:

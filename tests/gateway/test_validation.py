@@ -476,6 +476,7 @@ def test_strict_fields_gets_the_unknown_field_named(real_model_dir: Path, route:
                                    "code": None}
         with pytest.raises(openai.BadRequestError) as info:
             _create(client, route, {"stream_options": {"continuous_usage_stats": True}})
-        assert info.value.body["param"] == "stream_options.continuous_usage_stats"
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == "stream_options.continuous_usage_stats"
         with pytest.raises(openai.InternalServerError):  # known fields only: on to dispatch
             _create(client, route, {"min_p": 0.1})
