@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -25,6 +26,8 @@ from gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     GenerationParams,
+    TemplateOptions,
+    bad_words_token_ids,
     check_context,
     generation_params,
     parse_chat_request,
@@ -486,6 +489,46 @@ def test_render_chat_prompt_template_errors_are_400() -> None:
 def test_render_chat_prompt_accepts_plain_list_output() -> None:
     messages = parse_chat_request(chat()).messages
     assert render_chat_prompt(_ListTemplate(), messages) == [5, 6, 7]  # type: ignore[arg-type]
+
+
+def test_render_chat_prompt_continues_the_final_message(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    body = chat(messages=[{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "The moon is"}],
+                add_generation_prompt=False, continue_final_message=True)
+    request = parse_chat_request(body)
+    text = decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages,
+                                                     TemplateOptions.of(request)))
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe moon is")
+    closed = TemplateOptions(add_generation_prompt=False)
+    text = decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages, closed))
+    assert text.endswith("The moon is<|im_end|>\n")
+
+
+def test_render_chat_prompt_passes_template_kwargs(real_model_dir: Any) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer.chat_template = ("{% if persona %}[{{ persona }}]{% endif %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    request = parse_chat_request(chat(chat_template_kwargs={"persona": "pirate"}))
+    ids = render_chat_prompt(tokenizer, request.messages, TemplateOptions.of(request))
+    assert decode_text(tokenizer, ids) == "[pirate]Hello!"
+    assert decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages)) == "Hello!"
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tokenizer: PreTrainedTokenizerBase) -> None:
+    words = bad_words_token_ids(tokenizer, ["Paris", " hello world"])
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    assert words == [encode("Paris"), encode(" Paris"), encode("hello world"),
+                     encode(" hello world")]
+    assert bad_words_token_ids(tokenizer, []) == []
+
+
+def test_check_context_caps_a_request_without_max_tokens() -> None:
+    assert check_context(100, None, 8192, 2048) == 2048
+    assert check_context(7000, None, 8192, 2048) == 1192  # what the context leaves
+    assert check_context(100, 4000, 8192, 2048) == 4000  # the request's own value wins
+    assert check_context(100, None, 8192) == 8092
 
 
 def test_tokenize_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
