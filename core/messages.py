@@ -110,6 +110,7 @@ class GenerationTask:
     output_start: int | None = None
     # Structured output: "" for none, JSON_OBJECT, or a JSON schema's text the output must match.
     grammar: str = ""
+    priority: int = 0  # vLLM's: lower is scheduled sooner (before the deadline order)
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:

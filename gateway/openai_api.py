@@ -228,7 +228,7 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
         prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         cache_salt=salt, min_tokens=params.min_tokens, output_start=len(prompt_ids),
-        grammar=params.grammar,
+        grammar=params.grammar, priority=params.priority,
     )
 
 

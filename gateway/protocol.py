@@ -262,7 +262,7 @@ class _SamplingRequest(_Request):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1,
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
-    priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)  # accepted, unused
+    priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
 
     _no_logit_bias = field_validator("logit_bias")(_empty_only)
@@ -535,6 +535,7 @@ class GenerationParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    priority: int = 0  # vLLM's: lower is prefilled sooner
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest,
@@ -568,6 +569,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
         bad_words=tuple(req.bad_words or ()),
+        priority=req.priority or 0,
     )
 
 

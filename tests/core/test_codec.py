@@ -79,7 +79,8 @@ NEUTRAL_EXTRAS: list[Any] = [0.0, 0.0, 1.0, None, 0.0, None, []]
 def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
-    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, ""]
+    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, "",
+            0]
 
 
 def packed(*items: Any) -> bytes:
@@ -409,7 +410,7 @@ def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
 def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
     task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
-            output_start, ""]
+            output_start, "", 0]
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", []))
 
 

@@ -388,7 +388,7 @@ def test_full_chat_request_converts() -> None:
         ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
         ({"allowed_token_ids": [3, 1]}, {"allowed_token_ids": (3, 1)}),
         ({"bad_words": ["no", "never"]}, {"bad_words": ("no", "never")}),
-        ({"priority": -3, "chat_template_kwargs": {"x": 1}}, {}),
+        ({"priority": -3, "chat_template_kwargs": {"x": 1}}, {"priority": -3}),
         ({"min_tokens": 3000}, {"min_tokens": 3000, "default_max_tokens": 3000}),
     ],
 )
