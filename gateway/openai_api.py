@@ -179,7 +179,7 @@ class OpenAIRoutes:
                                   params.skip_special_tokens, params.include_stop_str_in_output)
                        for handle in handles]
         reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
-                      model)
+                      model, params.continuous_usage)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",

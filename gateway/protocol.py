@@ -124,6 +124,7 @@ class StreamOptions(_Request):
 
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # ignored: chunks are never padded
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too
 
 
 class JsonSchemaFormat(_Request):
@@ -522,6 +523,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far on every chunk (with include_usage)
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -556,6 +558,8 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
         include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=stream and bool(req.stream_options and req.stream_options.include_usage
+                                         and req.stream_options.continuous_usage_stats),
         stream=stream,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,

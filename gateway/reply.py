@@ -93,7 +93,7 @@ class Reply:
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
-                 model: str | None = None) -> None:
+                 model: str | None = None, continuous_usage: bool = False) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -101,6 +101,7 @@ class Reply:
         self.generations = generations
         self.state = state
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats
         self.logprobs = logprobs
         self.choices_per_prompt = choices_per_prompt
         self.created = int(time.time())
@@ -146,7 +147,7 @@ class Reply:
                     logprobs = delta.logprobs if self.logprobs else None
                     yield self._event([self.fmt.choice_delta(
                         index, delta.text, delta.finish_reason, False, logprobs,
-                        delta.stop_reason)])
+                        delta.stop_reason)], self._usage() if self.continuous_usage else None)
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -219,7 +220,8 @@ class Reply:
                 "choices": choices, "usage": usage}
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        """One SSE chunk; `usage` only on the last one, when the client asked for it."""
+        """One SSE chunk; `usage` on the last one when the client asked for it (on every one
+        with continuous_usage_stats)."""
         chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
                                  "created": self.created, "model": self.model,
                                  "system_fingerprint": self.state.system_fingerprint,

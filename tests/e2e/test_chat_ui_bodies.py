@@ -187,6 +187,18 @@ def test_special_tokens_and_the_template_options(client: openai.OpenAI) -> None:
     assert "Paris" in (continued.choices[0].message.content or "")
 
 
+def test_continuous_usage_stats_put_usage_on_every_chunk(cluster: Cluster) -> None:
+    body = {"model": SERVED[0], "prompt": "Once upon a time", "max_tokens": 5,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with cluster.client.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [c for c in sse_events(response) if c != "[DONE]"]
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5
+    assert all(chunk["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0
+               for chunk in chunks)
+
+
 def test_tokenize_detokenize_version_ping(cluster: Cluster) -> None:
     http = cluster.client
     text = http.post("/tokenize", json={"model": SERVED[1], "prompt": "Hello world"}).json()

@@ -57,7 +57,7 @@ def test_strict_mode_refuses_the_first_with_openai_wording() -> None:
     strict = IgnoredFields(metrics.ignored_fields, strict=True)
     with pytest.raises(APIError) as info:
         strict.check(parse_chat_request(chat_body(stream=True, stream_options={
-            "include_usage": True, "continuous_usage_stats": True}, zzz=1)))
+            "include_usage": True, "cached_usage_stats": True}, zzz=1)))
     assert info.value.status == 400
     assert info.value.message == "Unrecognized request argument supplied: zzz"
     assert info.value.param == "zzz"

@@ -436,8 +436,8 @@ def test_openai_client_retrieves_the_model_and_no_other(openai_client: openai.Op
 UNKNOWN_FIELDS: dict[str, dict[str, Any]] = {  # route: extra_body, with where the first sits
     CHAT: {"tempreture": 1, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-    TEXT: {"tempreture": 1, "typical_p": 0.9, "stream_options": {"continuous_usage_stats": 1}},
+        "stream_options": {"include_usage": True, "cached_usage_stats": True}},
+    TEXT: {"tempreture": 1, "typical_p": 0.9, "stream_options": {"cached_usage_stats": 1}},
 }
 
 
@@ -458,7 +458,7 @@ def test_openai_client_unknown_fields_are_ignored_and_counted(
     assert info.value.status_code == 503  # it passed every check
     metrics = client.get("/metrics").text
     assert 'raging_ignored_fields_total{field="tempreture"}' in metrics
-    assert 'raging_ignored_fields_total{field="stream_options.continuous_usage_stats"}' in metrics
+    assert 'raging_ignored_fields_total{field="stream_options.cached_usage_stats"}' in metrics
     if route == CHAT:
         assert 'field="messages.content.cache_control"' in metrics
 
@@ -475,8 +475,8 @@ def test_strict_fields_gets_the_unknown_field_named(real_model_dir: Path, route:
                                    "type": "invalid_request_error", "param": "tempreture",
                                    "code": None}
         with pytest.raises(openai.BadRequestError) as info:
-            _create(client, route, {"stream_options": {"continuous_usage_stats": True}})
+            _create(client, route, {"stream_options": {"cached_usage_stats": True}})
         body = info.value.body
-        assert isinstance(body, dict) and body["param"] == "stream_options.continuous_usage_stats"
+        assert isinstance(body, dict) and body["param"] == "stream_options.cached_usage_stats"
         with pytest.raises(openai.InternalServerError):  # known fields only: on to dispatch
             _create(client, route, {"min_p": 0.1})
