@@ -175,7 +175,7 @@ class GenerationDefaults:
     top_p: float = setting(0.9, "nucleus sampling mass (1: off)")
     top_k: int = setting(0, "keep the k most likely tokens (0: off)")
     min_p: float = setting(0.0, "drop tokens below this times the top token's probability")
-    repetition_penalty: float = setting(1.0, "over prompt and output (1: off)")
+    repetition_penalty: float = setting(1.1, "over prompt and output (1: off)")
     max_tokens: int = setting(2048, "the completion's length cap for a request that sets "
                                     "none (/v1/completions: OpenAI's 16, unless this is less)")
 

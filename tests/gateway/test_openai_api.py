@@ -86,7 +86,7 @@ def test_the_model_card_shows_the_generation_defaults(client: TestClient) -> Non
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["root"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN
     assert card["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9, "top_k": 0,
-                                           "min_p": 0.0, "repetition_penalty": 1.0,
+                                           "min_p": 0.0, "repetition_penalty": 1.1,
                                            "max_tokens": 2048}
 
 

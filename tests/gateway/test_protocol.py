@@ -37,7 +37,8 @@ from gateway.protocol import (
 )
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
-NEUTRAL = GenerationDefaults(temperature=1.0, top_p=1.0)  # GenerationParams' own defaults
+# GenerationParams' own defaults
+NEUTRAL = GenerationDefaults(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 LONG = "Z" * 50_000
 
 
@@ -325,7 +326,7 @@ def test_minimal_chat_request_defaults() -> None:
     assert generation_params(req) == GenerationParams(
         max_tokens=None, default_max_tokens=2048, temperature=0.2, top_p=0.9, top_k=0,
         seed=None, stop=(), stop_token_ids=(), ignore_eos=False, include_usage=False,
-        stream=False,
+        stream=False, repetition_penalty=1.1,
     )  # fmt: skip
 
 
