@@ -31,7 +31,8 @@ ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "served_model_name": SERVED}}
     del config["generation_defaults"]  # the shipped ones
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=config) as running:
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=config,
+                timeout_s=900) as running:  # a kernel build elsewhere may hold the lock
         yield running
 
 
