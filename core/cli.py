@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from typing import Any
 
 from core.codec import literal_values
@@ -41,6 +42,8 @@ class ConfigParser(argparse.ArgumentParser):
             options["type"] = hint
         elif hint is bool:
             options["type"] = _boolean
+        elif typing.get_origin(hint) is tuple:
+            options["nargs"] = "+"  # a list of values
         self.add_argument(flag, **options)
         self._keys[dest] = dotted
 

@@ -85,6 +85,10 @@ class GatewayConfig:
     max_parallel_tool_calls: int = setting(4, "calls a forced tool_choice ('required') may "
                                               "make at most, so that a small model that "
                                               "repeats its call ends (0: no bound)")
+    strict_fields: bool = setting(False, "refuse (400) request fields outside the schema; "
+                                         "off: they are ignored, logged once and counted")
+    served_model_name: tuple[str, ...] = setting((), "names the model answers to (each "
+                                                     "accepted in `model`); empty: its own")
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,31 @@ class TracingConfig:
 
 
 @dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that does not say gets. With `from_model`, the model folder's
+    generation_config.json overrides the sampling values it has (as vLLM's
+    `--generation-config auto`); a request's own values always win."""
+
+    from_model: bool = setting(True, "take sampling defaults from the model's "
+                                     "generation_config.json where it has them")
+    temperature: float = setting(0.2, "sampling temperature (0: greedy)")
+    top_p: float = setting(0.9, "nucleus sampling mass (1: off)")
+    top_k: int = setting(0, "keep the k most likely tokens (0: off)")
+    min_p: float = setting(0.0, "drop tokens below this times the top token's probability")
+    repetition_penalty: float = setting(1.1, "over prompt and output (1: off)")
+    max_tokens: int = setting(2048, "the completion's length cap for a request that sets "
+                                    "none (/v1/completions: OpenAI's 16, unless this is less)")
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.temperature <= 2 and 0 < self.top_p <= 1 and self.top_k >= 0
+                and 0 <= self.min_p <= 1 and self.repetition_penalty > 0
+                and self.max_tokens >= 1):
+            raise ValueError("generation_defaults: temperature in [0, 2], top_p in (0, 1], "
+                             "top_k >= 0, min_p in [0, 1], repetition_penalty > 0, "
+                             "max_tokens >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -192,6 +221,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     internal: InternalConfig = field(default_factory=InternalConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def pool(self, role: Role) -> PrefillConfig | DecodeConfig:
         """The section of the workers of `role`."""

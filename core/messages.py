@@ -54,6 +54,10 @@ class Sampling:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # vLLM/HF's, over prompt + output: > 1 penalizes
     logprobs: int | None = None  # None: none; k: the drawn token's logprob and the k best
+    min_p: float = 0.0  # drop tokens less likely than this times the most likely one's
+    allowed_token_ids: list[int] | None = None  # None: any; else only these can be drawn
+    # vLLM's bad_words, tokenized: a word's last token is banned after the ones before it.
+    bad_words: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -65,6 +69,12 @@ class Sampling:
         self._check_penalties()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if any(not word for word in self.bad_words):
+            raise ValueError("a bad word must have tokens")
 
     def _check_penalties(self) -> None:
         if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):
@@ -103,6 +113,7 @@ class GenerationTask:
     output_start: int | None = None
     # Structured output: "" for none, JSON_OBJECT, or a JSON schema's text the output must match.
     grammar: str = ""
+    priority: int = 0  # vLLM's: lower is scheduled sooner (before the deadline order)
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:

@@ -92,7 +92,7 @@ class DecodeScheduler:
         Returns those with something to compute, in batch order."""
         budget = float(self.chunk_tokens)
         first = True
-        for sequence in sorted(batch, key=lambda s: s.deadline):
+        for sequence in sorted(batch, key=lambda s: (s.request.task.priority, s.deadline)):
             pending = len(sequence.tokens) - sequence.num_cached
             assert pending > 0, "a running sequence always has its last token to feed"
             if pending == 1:

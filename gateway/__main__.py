@@ -19,6 +19,7 @@ from engine.weights.spec import kv_fingerprint, load_spec
 from engine.weights.tokenizer import load_tokenizer
 from gateway.app import build_app
 from gateway.auth import KeysError, with_keys
+from gateway.defaults import resolve_defaults
 from gateway.metrics import Metrics
 from gateway.registry import LocalPrefill, Registry
 from gateway.state import GatewayState
@@ -41,13 +42,16 @@ def gateway_app(config: Config) -> Starlette:
     metrics = Metrics(spec.name, max_len)  # vLLM's series are labelled with the served name
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
                          tokenizer=load_tokenizer(folder), registry=registry, metrics=metrics,
-                         tracer=make_tracer(config.tracing, "raging-gateway", "gateway"))
+                         tracer=make_tracer(config.tracing, "raging-gateway", "gateway"),
+                         generation_defaults=resolve_defaults(config.generation_defaults,
+                                                              folder))
     return build_app(state)
 
 
 def main() -> None:
     parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
-    for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser"):
+    for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser",
+                "strict_fields", "served_model_name"):
         parser.config_flag(f"gateway.{key}")
     parser.config_flag("auth.keys_file", "--api-key-file")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",

@@ -22,7 +22,7 @@ from gateway.dispatch import Dispatcher
 from gateway.errors import APIError, error_response, method_not_allowed, not_found, server_error
 from gateway.openai_api import OpenAIRoutes
 from gateway.page import page_routes
-from gateway.state import GatewayState
+from gateway.state import GatewayState, server_version
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,13 @@ def build_app(state: GatewayState) -> Starlette:
                                     dispatcher.aborts_sent, dispatcher.resumed,
                                     rejected_peers=dispatcher.control.rejected_peers)
         return Response(text, media_type="text/plain; version=0.0.4")
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": server_version()})
+
+    async def ping(request: Request) -> Response:
+        """vLLM's (and SageMaker's) liveness probe: 200 while /health would be."""
+        return await health(request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -78,6 +85,10 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
+            Route("/ping", ping, methods=["GET", "POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cluster", cluster_route(state), methods=["GET"]),

@@ -33,8 +33,9 @@ from gateway.page import PAGE_PATHS
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-# /health: load balancers and launch.sh probe it without a key; the web page's files hold no data.
-OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS
+# /health, /ping: load balancers and launch.sh probe them without a key; the web page's files
+# hold no data.
+OPEN_PATHS = frozenset({"/health", "/ping"}) | PAGE_PATHS
 _STATE_KEY = "tenant"
 _SALT_DOMAIN = b"raging-tenant-cache-salt-v1\0"
 _KEY_PATTERN = re.compile(r"[!-9;-~]+")  # printable ASCII, no space, no ':' (KEY:TENANT)

@@ -79,14 +79,18 @@ class StopStringMatcher:
 
     When several stop strings occur, the one that is complete first in the stream wins (on a
     tie, the longer one), which makes the result independent of how the text is chunked.
+    `include_stop` keeps that stop string in the text (vLLM's include_stop_str_in_output);
+    `hit` names it.
     """
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False) -> None:
         if any(not stop for stop in stops):
             raise ValueError("stop strings must not be empty")
         self._stops = stops
+        self._include_stop = include_stop
         self._pending = ""
         self._stopped = False
+        self.hit: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -98,10 +102,12 @@ class StopStringMatcher:
         if self._stopped:
             return "", True
         pending = self._pending + text
-        hit = _first_stop(pending, self._stops)
-        if hit is not None:
+        found = _first_stop(pending, self._stops)
+        if found is not None:
+            start, self.hit = found
             self._stopped, self._pending = True, ""
-            return pending[:hit], True
+            end = start + len(self.hit) if self._include_stop else start
+            return pending[:end], True
         safe = len(pending) - _held_length(pending, self._stops)
         self._pending = pending[safe:]
         return pending[:safe], False
@@ -112,14 +118,14 @@ class StopStringMatcher:
         return "" if self._stopped else text
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Start of the stop-string occurrence in `text` that ends first, or None."""
-    best: tuple[int, int] | None = None
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Start of the stop-string occurrence in `text` that ends first, and that stop; or None."""
+    best: tuple[int, int, str] | None = None
     for stop in stops:
         start = text.find(stop)
-        if start != -1 and (best is None or (start + len(stop), start) < best):
-            best = (start + len(stop), start)
-    return None if best is None else best[1]
+        if start != -1 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
+    return None if best is None else (best[1], best[2])
 
 
 def _held_length(text: str, stops: tuple[str, ...]) -> int:

@@ -21,6 +21,7 @@ class Delta:
     finish_reason: Ending | None = None  # "error": then `error` says why
     error: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last delta, when asked
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
@@ -29,16 +30,20 @@ KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
 class Generation:
     """One request's text deltas; `abort` stops the request on its workers (the dispatcher's);
     `pieces` (given when the request asked for logprobs) turns the tokens' logprobs into
-    `TokenLogprob`s that ride on the deltas."""
+    `TokenLogprob`s that ride on the deltas. `skip_special_tokens` and `include_stop` are
+    vLLM's skip_special_tokens and include_stop_str_in_output."""
 
     def __init__(self, handle: RequestHandle, abort: Callable[[RequestHandle], None],
                  metrics: Metrics, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
-                 pieces: TokenPieces | None = None) -> None:
+                 pieces: TokenPieces | None = None, skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self.handle = handle
         self._abort = abort
         self.metrics = metrics
-        self.detokenizer = IncrementalDetokenizer(tokenizer, handle.task.prompt_ids)
-        self.stops = StopStringMatcher(stops)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, handle.task.prompt_ids,
+                                                  skip_special_tokens)
+        self.stops = StopStringMatcher(stops, include_stop)
+        self.include_stop = include_stop
         self.started = time.monotonic()
         self.last_token_at: float | None = None
         self.first_token_at: float | None = None
@@ -108,14 +113,24 @@ class Generation:
         emit, hit = self._match_stops(text)
         if hit:
             self.abort()
-            return self._finished(emit, "stop")
+            return self._finished(emit, "stop", self.stops.hit)
         if event.finish_reason is not None:
-            return self._finished(emit + self.stops.flush(), event.finish_reason)
+            return self._finished(emit + self.stops.flush(), event.finish_reason,
+                                  self._stop_token(event))
         return Delta(emit)
 
+    def _stop_token(self, event: Event) -> int | None:
+        """The stop token id that ended the sequence, if one did (EOS is none: vLLM's)."""
+        stop_ids = self.handle.task.stop_token_ids
+        if event.finish_reason == "stop" and event.token_id in stop_ids:
+            return event.token_id
+        return None
+
     def _token_text(self, token_id: int, finish_reason: Ending | None) -> str:
-        # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the text.
-        text = "" if finish_reason == "stop" else self.detokenizer.add(token_id)
+        # A token that ended the sequence as "stop" is EOS or a stop token id: not part of the
+        # text, unless the request includes stops in the output.
+        stopped = finish_reason == "stop" and not self.include_stop
+        text = "" if stopped else self.detokenizer.add(token_id)
         if finish_reason is not None:
             text += self.detokenizer.flush()
         return text
@@ -142,9 +157,10 @@ class Generation:
         delta, self.pending = replace(delta, logprobs=tuple(self.pending)), []
         return delta
 
-    def _finished(self, text: str, reason: Ending) -> Delta:
+    def _finished(self, text: str, reason: Ending, stop_reason: str | int | None = None
+                  ) -> Delta:
         self.metrics.e2e.observe(time.monotonic() - self.started)
-        return Delta(text, reason)
+        return Delta(text, reason, stop_reason=stop_reason)
 
     def _count_token(self) -> None:
         now = time.monotonic()

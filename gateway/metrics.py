@@ -99,6 +99,9 @@ class Metrics:
                              ["worker"], registry=r)
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
+        self.ignored_fields = Counter("raging_ignored_fields",
+                                      "Request fields outside the schema, accepted and ignored",
+                                      ["field"], registry=r)
         self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
         self.stage = Histogram("raging_stage_seconds",
                                "Time in each stage on the way to the first tokens, measured "

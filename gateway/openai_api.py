@@ -1,4 +1,5 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions (streaming and not), /v1/models."""
+"""The OpenAI routes: /v1/chat/completions, /v1/completions (streaming and not), /v1/models;
+and vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Sampling
+from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.errors import (
     APIError,
@@ -25,13 +28,19 @@ from gateway.errors import (
 )
 from gateway.generation import Generation
 from gateway.handle import RequestHandle
+from gateway.ignored_fields import IgnoredFields
 from gateway.logprobs import TokenPieces
 from gateway.protocol import (
     GenerationParams,
+    TemplateOptions,
+    TokenizeRequest,
+    bad_words_token_ids,
     check_context,
     generation_params,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     render_chat_prompt,
     tokenize_prompt,
 )
@@ -43,36 +52,79 @@ from gateway.tools import ToolPlan, tool_plan
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+_Result = TypeVar("_Result")
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a request is answered beside its parameters: the `model` name it gave (echoed), when
+    it `arrived` (where its gateway_queue stage starts), and its tool calling, if any."""
+
+    model: str
+    arrived: float
+    tools: ToolPlan | None = None
+
 
 class OpenAIRoutes:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.pieces = TokenPieces(state.tokenizer)
+        self.ignored = IgnoredFields(state.metrics.ignored_fields,
+                                     state.config.gateway.strict_fields)
 
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         body = parse_chat_request(await self._read_body(request))
+        self.ignored.check(body)
         self._check_model(body.model)
         gateway = self.state.config.gateway
         tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
-        prompt_ids = await self._tokenize(functools.partial(render_chat_prompt, tools=tools),
-                                          body.messages)
-        params = generation_params(body)
+        render = functools.partial(render_chat_prompt, tools=tools,
+                                   options=TemplateOptions.of(body))
+        prompt_ids = await self._tokenize(render, body.messages)
+        params = generation_params(body, self.state.generation_defaults)
         if tools is not None and tools.grammar:
             params = dataclasses.replace(params, grammar=tools.grammar)
-        return await self._serve(request, ChatFormat(), [prompt_ids], params, arrived,
-                                 tools)
+        return await self._serve(request, ChatFormat(), [prompt_ids], params,
+                                 Served(body.model, arrived, tools))
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         body = parse_completion_request(await self._read_body(request))
+        self.ignored.check(body)
         self._check_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
-        return await self._serve(request, CompletionFormat(), prompts, generation_params(body),
-                                 arrived)
+        params = generation_params(body, self.state.generation_defaults)
+        return await self._serve(request, CompletionFormat(), prompts, params,
+                                 Served(body.model, arrived))
 
-    async def _tokenize(self, function: Callable[[Any, Any], list[int]], text: Any) -> list[int]:
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `POST /tokenize`: a prompt's or messages' token ids."""
+        body = parse_tokenize_request(await self._read_body(request))
+        self.ignored.check(body)
+        if body.model is not None:
+            self._check_model(body.model)
+        tokens = await self._tokenize(_tokenize_body, body)
+        reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.state.max_model_len,
+                                 "tokens": tokens}
+        if body.return_token_strs:
+            reply["token_strs"] = self.state.tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's `POST /detokenize`: the text of token ids."""
+        body = parse_detokenize_request(await self._read_body(request))
+        self.ignored.check(body)
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = len(self.state.tokenizer)
+        if any(token >= vocab for token in body.tokens):
+            raise bad_request(f"tokens must be below {vocab}", param="tokens")
+        text = await self._tokenize(decode_text, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    async def _tokenize(self, function: Callable[[Any, Any], _Result], text: Any) -> _Result:
         """Off the event loop (a huge prompt must not stall /health), on the one tokenizer thread:
         a Hugging Face fast tokenizer must not be used by two threads at once."""
         loop = asyncio.get_running_loop()
@@ -80,16 +132,22 @@ class OpenAIRoutes:
                                           text)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(name) for name in self.state.served_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404."""
-        self._check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        name = request.path_params["model"]
+        self._check_model(name)
+        return JSONResponse(self._model_card(name))
 
-    def _model_card(self) -> dict[str, object]:
-        return {"id": self.state.model_name, "object": "model", "created": self.state.started,
-                "owned_by": "raging", "max_model_len": self.state.max_model_len}
+    def _model_card(self, name: str) -> dict[str, object]:
+        """As vLLM's, with `root` the model itself and the defaults a request gets."""
+        defaults = dataclasses.asdict(self.state.generation_defaults)
+        del defaults["from_model"]
+        return {"id": name, "object": "model", "created": self.state.started,
+                "owned_by": "raging", "root": self.state.model_name,
+                "max_model_len": self.state.max_model_len, "generation_defaults": defaults}
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""
@@ -107,9 +165,11 @@ class OpenAIRoutes:
         return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
-        if model != self.state.model_name:
+        names = self.state.served_names
+        if model not in names:
+            served = ", ".join(f"'{name}'" for name in names)
             raise not_found(f"The model '{model[:100]}' does not exist; this server serves "
-                            f"'{self.state.model_name}'.", param="model", code="model_not_found")
+                            f"{served}.", param="model", code="model_not_found")
 
     def _admit(self, prompt_tokens: int) -> None:
         """429 at once when the queue is full, in requests or in prompt tokens waiting for
@@ -123,31 +183,32 @@ class OpenAIRoutes:
                                "retry shortly", retry_after=1.0)
 
     async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
-                     params: GenerationParams, arrived: float,
-                     tools: ToolPlan | None = None) -> Response:
-        """`arrived`: when the request came in, where its gateway_queue stage starts."""
+                     params: GenerationParams, served: Served) -> Response:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
-        max_tokens = [check_context(len(ids), params.max_tokens, limit) for ids in prompts]
-        vocab = len(self.state.tokenizer)
-        if any(token >= vocab for token in params.stop_token_ids):
-            raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
+        max_tokens = [check_context(len(ids), params.max_tokens, limit, params.default_max_tokens)
+                      for ids in prompts]
+        self._check_token_ids(params)
+        bad_words = await self._tokenize(bad_words_token_ids, params.bad_words)
         if not self.state.control_plane_up():
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         prompt_tokens = sum(len(ids) for ids in prompts)
         self._admit(prompt_tokens)
-        tasks = [generation_task(params, ids, most, cache_salt(request))
+        tasks = [generation_task(params, ids, most, cache_salt(request), bad_words)
                  for ids, most in zip(prompts, max_tokens, strict=True)]
-        span = self._open_span(request, arrived, prompt_tokens, params.n)
-        handles = self._submit(tasks, params.n, arrived, span)
+        span = self._open_span(request, served.arrived, prompt_tokens, params.n)
+        handles = self._submit(tasks, params.n, served.arrived, span)
         self.state.metrics.prompt_tokens.inc(prompt_tokens)
         logprobs = params.logprobs is not None
         generations = [Generation(handle, self.state.dispatcher.abort, self.state.metrics,
                                   self.state.tokenizer, params.stop,
-                                  self.pieces if logprobs else None) for handle in handles]
+                                  self.pieces if logprobs else None,
+                                  params.skip_special_tokens, params.include_stop_str_in_output)
+                       for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
         reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
-                      timing, span, tools)
+                      model=served.model, continuous_usage=params.continuous_usage,
+                      timing=timing, span=span, tools=served.tools)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -166,6 +227,15 @@ class OpenAIRoutes:
         return tracer.open(f"{request.method} {request.url.path}",
                            request.headers.get("traceparent"), arrived,
                            {"raging.prompt_tokens": prompt_tokens, "raging.choices": n})
+
+    def _check_token_ids(self, params: GenerationParams) -> None:
+        """400 for stop_token_ids or allowed_token_ids outside the vocabulary."""
+        vocab = len(self.state.tokenizer)
+        if any(token >= vocab for token in params.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
+        if any(token >= vocab for token in params.allowed_token_ids or ()):
+            raise bad_request(f"allowed_token_ids must be below {vocab}",
+                              param="allowed_token_ids")
 
     def _submit(self, tasks: list[GenerationTask], n: int, arrived: float,
                 span: Span | None) -> list[RequestHandle]:
@@ -188,19 +258,22 @@ class OpenAIRoutes:
 
 
 def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens: int,
-                    salt: str) -> GenerationTask:
-    """What the workers get for a request."""
+                    salt: str, bad_words: list[list[int]] | None = None) -> GenerationTask:
+    """What the workers get for a request; `bad_words` tokenized (bad_words_token_ids)."""
+    allowed = params.allowed_token_ids
     sampling = Sampling(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         seed=params.seed, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
+        min_p=params.min_p, allowed_token_ids=None if allowed is None else list(allowed),
+        bad_words=bad_words or [],
     )
     return GenerationTask(
         prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         cache_salt=salt, min_tokens=params.min_tokens, output_start=len(prompt_ids),
-        grammar=params.grammar,
+        grammar=params.grammar, priority=params.priority,
     )
 
 
@@ -213,3 +286,12 @@ def client_request_id(request: Request) -> dict[str, str]:
     return {}
 
 
+
+
+def _tokenize_body(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+    """/tokenize's token ids: the prompt's, or the messages' under the chat template."""
+    if body.messages is not None:  # the template writes the special tokens it wants
+        return render_chat_prompt(tokenizer, body.messages, options=body.template)
+    assert body.prompt is not None
+    return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
+                                 is not False))

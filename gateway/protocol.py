@@ -2,11 +2,14 @@
 
 Request bodies are parsed into pydantic models (`parse_chat_request`, `parse_completion_request`),
 any malformed body becoming a 400 `APIError`, then reduced to the internal, frozen
-`GenerationParams`. Unknown fields and duplicate keys are refused; every field the official
-OpenAI client sends is known: used, accepted and ignored (hints with no effect here), or refused
-as "not supported yet" unless it asks for nothing (null, empty, the default). Prompts are turned
-into token ids with `render_chat_prompt` or `tokenize_prompt`, and `check_context` fits prompt and
-completion into the model's context.
+`GenerationParams`, the fields a request leaves out taken from the `GenerationDefaults`.
+Duplicate keys are refused; fields outside the schema are kept aside for gateway/ignored_fields.py
+(ignored, or refused in strict mode); every field the official OpenAI client sends is known:
+used, accepted and ignored (hints with no effect here), or refused as "not supported yet" unless
+it asks for nothing (null, empty, the default). vLLM's cheap extensions (min_p, bad_words,
+allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented. Prompts are
+turned into token ids with `render_chat_prompt` or `tokenize_prompt`, and `check_context` fits
+prompt and completion into the model's context.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from core.config import GenerationDefaults
 from core.messages import JSON_OBJECT, MAX_LOGPROBS
 from gateway.errors import APIError, bad_request
 from gateway.tools import ToolPlan, template_uses_tools, tool_plan, with_tools
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary here; the body limit bounds it too
 MAX_CHOICES = 16  # n: the most choices one request may ask for
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI allows
@@ -52,6 +60,15 @@ _MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
 _MAX_SCHEMA_ERROR_CHARS = 300
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[17:40:21] /path/file.cc:94: "
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
+# Content parts this text-only model cannot read, by type: what the 400 calls them.
+UNREADABLE_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+                    "input_audio": "audio", "audio_url": "audio", "audio": "audio",
+                    "video_url": "video", "video": "video", "file": "file", "input_file": "file"}
+# apply_chat_template's own arguments: set by the request's fields, never by chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -82,14 +99,25 @@ def _empty_only(value: Sequence[object] | Mapping[str, object] | None,
     return value
 
 
+def _unreserved(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs: template variables, none of apply_chat_template's own arguments."""
+    reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise PydanticCustomError(
+            "invalid_value", "'{name}' is set by the request's own fields, not here",
+            {"name": reserved[0]})
+    return value
+
+
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Request(BaseModel):
-    # strict: no "1" -> 1 or true -> 1 coercions. forbid: a misspelt field is an error, not a
-    # silently ignored setting; OpenAI client fields that do not apply are declared and ignored.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    # strict: no "1" -> 1 or true -> 1 coercions. allow: a field outside the schema is kept in
+    # model_extra, for gateway/ignored_fields.py to ignore (logged, counted) or refuse (strict
+    # mode); OpenAI client fields that do not apply are declared and ignored.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
 
 
 class StreamOptions(_Request):
@@ -97,6 +125,7 @@ class StreamOptions(_Request):
 
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # ignored: chunks are never padded
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too
 
 
 class RagingOptions(_Request):
@@ -212,6 +241,20 @@ class ChatMessage(_Request):
     content: str | None = Field(default=None, validate_default=True)
 
     _no_audio = field_validator("audio")(_none_only)
+    _unknown_parts: tuple[str, ...] = PrivateAttr(default=())  # as `content[1].cache_control`
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown_part_fields(cls, data: object,
+                                  handler: ValidatorFunctionWrapHandler) -> ChatMessage:
+        message = handler(data)
+        assert isinstance(message, ChatMessage)
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):  # valid, else the handler raised: each a text part
+            message._unknown_parts = tuple(
+                f"content[{i}].{name[:_MAX_NAME_CHARS]}"
+                for i, part in enumerate(parts) for name in part if name not in TEXT_PART_FIELDS)
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -222,7 +265,7 @@ class ChatMessage(_Request):
                 return None
             raise _invalid("content must be a string or a list of text parts")
         if isinstance(value, list):
-            return "\n".join(_part_text(part) for part in value)
+            return "\n".join(_part_text(index, part) for index, part in enumerate(value))
         return value
 
     @model_validator(mode="after")
@@ -240,20 +283,20 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-def _part_text(part: object) -> str:
+def _part_text(index: int, part: object) -> str:
+    """A text part's text; its fields outside TEXT_PART_FIELDS are unknown fields."""
     if not isinstance(part, dict):
         raise _invalid("each content part must be an object")
-    if part.get("type") != "text":
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in UNREADABLE_PARTS:
+        raise PydanticCustomError(
+            "unreadable_part", "{what} input is not supported: this model reads text only",
+            {"what": UNREADABLE_PARTS[kind], "part": index})
+    if kind != "text":
         raise _invalid("only content parts of type 'text' are supported")
     text = part.get("text")
     if not isinstance(text, str):
         raise _invalid("a text content part needs a string 'text' field")
-    unknown = sorted(set(part) - TEXT_PART_FIELDS)
-    if unknown:
-        name = unknown[0][:_MAX_NAME_CHARS]
-        raise PydanticCustomError(
-            "invalid_value", "unknown field '{name}' in a content part", {"name": name}
-        )
     return text
 
 
@@ -280,10 +323,33 @@ class _SamplingRequest(_Request):
     # vLLM's extensions.
     min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0)  # llama.cpp's name for it
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1,
+                                                    max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     raging: RagingOptions | None = None
 
     _no_logit_bias = field_validator("logit_bias")(_empty_only)
+
+    @model_validator(mode="after")
+    def _one_repetition_penalty(self) -> _SamplingRequest:
+        if None not in (self.repeat_penalty, self.repetition_penalty) and (
+                self.repeat_penalty != self.repetition_penalty):
+            raise _invalid("repeat_penalty is another name for repetition_penalty: "
+                           "send one, or the same value in both")
+        return self
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not word.strip() or len(word) > MAX_STOP_CHARS for word in value):
+            raise _invalid(f"each bad word must have text, at most {MAX_STOP_CHARS} characters")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -350,6 +416,23 @@ class ChatCompletionRequest(_SamplingRequest):
     service_tier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    # vLLM's chat template options.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(_unreserved)
+
+    @model_validator(mode="after")
+    def _continue_or_cue(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _invalid("continue_final_message and add_generation_prompt cannot both be "
+                           "true: set add_generation_prompt to false to continue the last "
+                           "message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise _invalid("continue_final_message needs the last message to be the "
+                           "assistant's")
+        return self
 
     _missing_features = field_validator("audio", "prediction", "web_search_options",
                                         "moderation")(_none_only)
@@ -430,6 +513,42 @@ class CompletionRequest(_SamplingRequest):
         return value
 
 
+class TokenizeRequest(_Request):
+    """The body of POST /tokenize (vLLM's): a prompt, or messages under the chat template."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(_unreserved)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _invalid("give either prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _invalid("continue_final_message and add_generation_prompt cannot both be "
+                           "true")
+        return self
+
+    @property
+    def template(self) -> TemplateOptions:
+        return TemplateOptions(self.add_generation_prompt is not False,
+                               bool(self.continue_final_message), self.chat_template_kwargs)
+
+
+class DetokenizeRequest(_Request):
+    """The body of POST /detokenize (vLLM's)."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    tokens: list[TokenId]
+
+
 _PROMPT_FORMS = "prompt must be a string, a list of token ids, or a list of either"
 
 
@@ -456,12 +575,14 @@ def _is_token_list(value: object) -> bool:
 class GenerationParams:
     """What to generate, independent of the API the request came through.
 
-    `max_tokens` None means "up to the context limit"; `top_k` 0 disables top-k;
-    `include_usage` asks for a final usage chunk when streaming; `logprobs` None asks for no
-    logprobs, k for each token's and the k most likely tokens'.
+    `max_tokens` None means "the request set none": `default_max_tokens` or the context
+    limit, whichever is less; `top_k` 0 disables top-k; `include_usage` asks for a final usage
+    chunk when streaming; `logprobs` None asks for no logprobs, k for each token's and the k
+    most likely tokens'.
     """
 
     max_tokens: int | None = None
+    default_max_tokens: int | None = None  # None: up to the context limit
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -470,6 +591,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far on every chunk (with include_usage)
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -479,39 +601,73 @@ class GenerationParams:
     grammar: str = ""  # structured output, as GenerationTask.grammar
     n: int = 1  # choices: the prompt is prefilled once, each choice samples on its own
     timing: bool = False  # the response carries the latency breakdown (gateway.timing)
+    min_p: float = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    priority: int = 0  # vLLM's: lower is prefilled sooner
 
 
-def generation_params(req: ChatCompletionRequest | CompletionRequest) -> GenerationParams:
-    """The internal generation parameters of a validated request."""
+def generation_params(req: ChatCompletionRequest | CompletionRequest,
+                      defaults: GenerationDefaults | None = None) -> GenerationParams:
+    """The internal generation parameters of a validated request; what it leaves out comes
+    from `defaults` (sampling values, the max_tokens cap)."""
+    defaults = defaults or GenerationDefaults()
     stream = bool(req.stream)
     return GenerationParams(
-        max_tokens=_max_tokens(req),
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
+        max_tokens=_max_tokens(req, defaults.max_tokens),
+        default_max_tokens=_default_max_tokens(req, defaults.max_tokens),
+        temperature=_given(req.temperature, defaults.temperature),
+        top_p=_given(req.top_p, defaults.top_p),
+        top_k=max(_given(req.top_k, defaults.top_k), 0),
+        min_p=_given(req.min_p, defaults.min_p),
         seed=req.seed,
         stop=tuple(req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
         include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=stream and bool(req.stream_options and req.stream_options.include_usage
+                                         and req.stream_options.continuous_usage_stats),
         stream=stream,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_given(_given(req.repetition_penalty, req.repeat_penalty),
+                                  defaults.repetition_penalty),
         min_tokens=req.min_tokens or 0,
         logprobs=_logprobs(req),
         grammar=req.response_format.grammar if req.response_format else "",
         n=req.n or 1,
         timing=bool(req.raging and req.raging.timing),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        bad_words=tuple(req.bad_words or ()),
+        priority=req.priority or 0,
     )
 
 
-def _max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+_T = TypeVar("_T")
+
+
+def _given(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _default_max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int) -> int:
+    """The cap for a request that sets no max_tokens; never below its min_tokens."""
+    return max(cap, req.min_tokens or 0)
+
+
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int) -> int | None:
     """The completion's length limit, if the request sets one (chat's max_completion_tokens
-    wins); a 400 when min_tokens exceeds it."""
+    wins; /v1/completions' absent max_tokens is OpenAI's 16, or the cap when it is less);
+    a 400 when min_tokens exceeds it."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+    if isinstance(req, CompletionRequest) and "max_tokens" not in req.model_fields_set:
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, cap)
     if max_tokens is not None and (req.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens must be at most max_tokens ({max_tokens})",
                           param="min_tokens")
@@ -551,6 +707,14 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
         param = "functions" if plan.legacy else "tools"
         raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "
                           f"schema: {problem}", param=param)
+def parse_tokenize_request(body: bytes) -> TokenizeRequest:
+    """Parse a /tokenize body; any invalid body raises a 400 `APIError`."""
+    return _parse(TokenizeRequest, body)
+
+
+def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Parse a /detokenize body; any invalid body raises a 400 `APIError`."""
+    return _parse(DetokenizeRequest, body)
 
 
 def _parse(model: type[_Model], body: bytes) -> _Model:
@@ -586,11 +750,12 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def validation_error(exc: ValidationError) -> APIError:
     """A 400 naming the first invalid field; the offending input value is never included."""
-    first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
-    param = _format_loc(first["loc"])
+    first = exc.errors(include_url=False, include_input=False)[0]
+    loc = first["loc"]
+    if first["type"] == "unreadable_part":  # name the part, not only its message's content
+        loc = (*loc, first.get("ctx", {})["part"])
+    param = _format_loc(loc)
     message = first["msg"]
-    if first["type"] == "extra_forbidden":  # OpenAI's wording
-        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
     if param is not None:
         return bad_request(f"Invalid '{param}': {message}", param=param)
     if first["type"] == "json_invalid":
@@ -610,21 +775,38 @@ def _format_loc(loc: tuple[int | str, ...]) -> str | None:
     return text or None
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat request's messages go through the template (vLLM's fields)."""
+
+    add_generation_prompt: bool = True  # end with the assistant's cue
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    kwargs: Mapping[str, Any] | None = None  # more variables for the template
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> TemplateOptions:
+        return cls(req.add_generation_prompt is not False, bool(req.continue_final_message),
+                   req.chat_template_kwargs)
+
+
 def render_chat_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
-    tools: ToolPlan | None = None,
+    *, tools: ToolPlan | None = None, options: TemplateOptions = TemplateOptions(),
 ) -> list[int]:
-    """Token ids of `messages` under the model's chat template, ending in the assistant cue;
-    offered `tools`, earlier calls and tool results as gateway/tools.py renders them."""
+    """Token ids of `messages` under the model's chat template, by default ending in the
+    assistant cue; offered `tools`, earlier calls and tool results as gateway/tools.py renders
+    them."""
     conversation, shown = with_tools([_template_message(message) for message in messages],
                                      messages, tools, _uses_tools(tokenizer))
     template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
         None if shown is None else list(shown))
     try:
         encoded = tokenizer.apply_chat_template(
-            conversation, tools=template_tools, add_generation_prompt=True, tokenize=True
+            conversation, tools=template_tools, add_generation_prompt=options.add_generation_prompt,
+            tokenize=True, continue_final_message=options.continue_final_message,
+            **(options.kwargs or {}),
         )
-    except TemplateError as exc:
+    except (TemplateError, ValueError) as exc:  # ValueError: a final message to continue
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
     return _token_ids(encoded)
 
@@ -663,8 +845,24 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int])
     return list(prompt)
 
 
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The effective max_tokens for a prompt, or a 400 when it cannot fit the context."""
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase,
+                        words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word as it is, and with a leading space (how
+    it reads mid-text) where that makes other tokens of the same count."""
+    banned: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        banned.append(plain)
+        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            banned.append(spaced)
+    return [ids for ids in banned if ids]
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                  default_max_tokens: int | None = None) -> int:
+    """The effective max_tokens for a prompt, or a 400 when it cannot fit the context; a
+    request with no max_tokens gets `default_max_tokens` or what the context leaves, the less."""
     if prompt_len <= 0:
         raise bad_request("The prompt is empty: it must contain at least one token.")
     if max_tokens is None:
@@ -675,7 +873,7 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
                 "Please reduce the length of the prompt.",
                 code="context_length_exceeded",
             )
-        return max_model_len - prompt_len
+        return min(max_model_len - prompt_len, default_max_tokens or max_model_len)
     if prompt_len + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

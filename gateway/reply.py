@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Logprobs = Sequence[TokenLogprob] | None  # None: the request did not ask for logprobs
 CallFields = dict[str, Any] | None  # a chat message's or delta's tool_calls / function_call
+StopReason = str | int | None  # vLLM's: the stop string or stop token id that ended a choice
 
 
 class ChatFormat:
@@ -37,20 +38,24 @@ class ChatFormat:
     chunk_object_name = "chat.completion.chunk"
 
     def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
-                     logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+                     logprobs: Logprobs = None, stop_reason: StopReason = None,
+                     calls: CallFields = None) -> dict[str, Any]:
         """`calls`: the delta's `tool_calls` (or legacy `function_call`), if any."""
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
         delta.update(calls or {})
         shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
     def choice_full(self, index: int, text: str | None, reason: Reason | None,
-                    logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+                    logprobs: Logprobs = None, stop_reason: StopReason = None,
+                    calls: CallFields = None) -> dict[str, Any]:
         message = {"role": "assistant", "content": text, **(calls or {})}
         shown = None if logprobs is None else chat_logprobs(logprobs)
-        return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
 
 class CompletionFormat:
@@ -60,15 +65,19 @@ class CompletionFormat:
     chunk_object_name = "text_completion"
 
     def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
-                     logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+                     logprobs: Logprobs = None, stop_reason: StopReason = None,
+                     calls: CallFields = None) -> dict[str, Any]:
         assert calls is None, "no tools on /v1/completions"
         shown = None if logprobs is None else completion_logprobs(logprobs)
-        return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason,
+                "stop_reason": stop_reason}
 
     def choice_full(self, index: int, text: str | None, reason: Reason | None,
-                    logprobs: Logprobs = None, calls: CallFields = None) -> dict[str, Any]:
+                    logprobs: Logprobs = None, stop_reason: StopReason = None,
+                    calls: CallFields = None) -> dict[str, Any]:
         assert text is not None
-        return self.choice_delta(index, text, reason, first=False, logprobs=logprobs)
+        return self.choice_delta(index, text, reason, first=False, logprobs=logprobs,
+                                 stop_reason=stop_reason)
 
 
 Format = ChatFormat | CompletionFormat
@@ -81,6 +90,7 @@ class _Whole:
     parts: list[str] = field(default_factory=list)
     finish_reason: Ending | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_reason: StopReason = None
 
 
 _ENDED = object()  # a choice's deltas are over
@@ -89,11 +99,13 @@ _ENDED = object()  # a choice's deltas are over
 class Reply:
     """One response, streamed as SSE chunks or returned whole; with `logprobs`, each choice
     carries the logprobs of its tokens; with `timing`, its latency breakdown (the chunk that
-    ends a choice carries that choice's; a whole response, its first choice's). `span`: the
-    request's trace span, ended with the response."""
+    ends a choice carries that choice's; a whole response, its first choice's). `model` is the
+    name echoed (the one the request gave); `span`: the request's trace span, ended with the
+    response."""
 
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
-                 include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1,
+                 include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1, *,
+                 model: str | None = None, continuous_usage: bool = False,
                  timing: bool = False, span: Span | None = None,
                  tools: ToolPlan | None = None) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
@@ -103,11 +115,13 @@ class Reply:
         self.generations = generations
         self.state = state
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats
         self.logprobs = logprobs
         self.choices_per_prompt = choices_per_prompt
         self.timing = timing
         self.span = span
         self.created = int(time.time())
+        self.model = model or state.model_name
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
         # One per choice when its output may hold tool calls (gateway/tools.py).
         self.tool_streams = [tools.stream() for _ in generations] if tools else []
@@ -150,8 +164,9 @@ class Reply:
                 else:
                     choice = self._streamed_choice(index, delta)
                     if choice is not None:
-                        yield self._event([choice], raging=self._raging(index)
-                                          if delta.finish_reason else None)
+                        yield self._event([choice],
+                                          self._usage() if self.continuous_usage else None,
+                                          self._raging(index) if delta.finish_reason else None)
             outcome = "ok"
             if self.include_usage:
                 yield self._event([], usage=self._usage())
@@ -193,7 +208,7 @@ class Reply:
         tools = self._tool_stream(index)
         if tools is None:
             return self.fmt.choice_delta(index, delta.text, delta.finish_reason, False,
-                                         logprobs)
+                                         logprobs, delta.stop_reason)
         output = tools.feed(delta.text)
         reason: Reason | None = None
         if delta.finish_reason is not None:
@@ -202,16 +217,17 @@ class Reply:
         if not (output.content or output.calls or reason or logprobs):
             return None
         return self.fmt.choice_delta(index, output.content, reason, False, logprobs,
-                                     tools.message_fields(output))
+                                     delta.stop_reason, tools.message_fields(output))
 
     def _whole_choice(self, index: int, whole: _Whole) -> dict[str, Any]:
         logprobs = whole.logprobs if self.logprobs else None
         text = "".join(whole.parts)
         tools = self._tool_stream(index)
         if tools is None or whole.finish_reason is None:
-            return self.fmt.choice_full(index, text, whole.finish_reason, logprobs)
+            return self.fmt.choice_full(index, text, whole.finish_reason, logprobs,
+                                        whole.stop_reason)
         content, calls, reason = tools.whole(text, whole.finish_reason)
-        return self.fmt.choice_full(index, content, reason, logprobs, calls)
+        return self.fmt.choice_full(index, content, reason, logprobs, whole.stop_reason, calls)
 
     async def _collect(self) -> list[_Whole] | str:
         """Every choice, once all have ended; or the error that ended one."""
@@ -224,6 +240,7 @@ class Reply:
             wholes[index].parts.append(delta.text)
             wholes[index].logprobs.extend(delta.logprobs)
             wholes[index].finish_reason = delta.finish_reason
+            wholes[index].stop_reason = delta.stop_reason
         assert all(w.finish_reason is not None for w in wholes), "each choice ends with one"
         return wholes
 
@@ -272,14 +289,16 @@ class Reply:
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,
-                "model": self.state.model_name, "choices": choices, "usage": usage}
+                "model": self.model, "system_fingerprint": self.state.system_fingerprint,
+                "choices": choices, "usage": usage}
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                raging: dict[str, Any] | None = None) -> str:
         """One SSE chunk; `usage` only on the last one, when the client asked for it; `raging`
         on the one that ends a choice, when the client asked for its timing."""
         chunk: dict[str, Any] = {"id": self.id, "object": self.fmt.chunk_object_name,
-                                 "created": self.created, "model": self.state.model_name,
+                                 "created": self.created, "model": self.model,
+                                 "system_fingerprint": self.state.system_fingerprint,
                                  "choices": choices}
         if usage is not None:
             chunk["usage"] = usage

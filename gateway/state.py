@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
+import importlib.metadata
 import time
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from core.config import Config
+from core.config import Config, GenerationDefaults
 from core.tracing import Tracer
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
@@ -27,7 +30,26 @@ class GatewayState:
     started: int = field(default_factory=lambda: int(time.time()))
     control_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     tracer: Tracer | None = None  # None: tracing off
+    # What a request that leaves a field out gets (config, or the model's generation_config).
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request's `model` may give: gateway.served_model_name, else its own."""
+        return self.config.gateway.served_model_name or (self.model_name,)
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: changes with the version and the model's KV layout
+        (model, dtype), which is what changes the outputs of a seeded request."""
+        seen = f"{server_version()} {self.registry.fingerprint}".encode()
+        return "fp_" + hashlib.sha256(seen).hexdigest()[:10]
 
     def control_plane_up(self) -> bool:
         """False once a control-plane task has stopped: nothing would reach the workers."""
         return all(not task.done() for task in self.control_tasks)
+
+
+def server_version() -> str:
+    """The installed raging package's version."""
+    return importlib.metadata.version("raging")

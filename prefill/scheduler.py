@@ -120,7 +120,8 @@ class PrefillScheduler:
         budget = float(self.max_batch_tokens)
         blocks = 0
         admitting = True
-        for prompt in sorted([*self.running, *self.waiting], key=lambda p: p.deadline):
+        for prompt in sorted([*self.running, *self.waiting],
+                             key=lambda p: (p.request.task.priority, p.deadline)):
             finishing = any(chunk.is_last for chunk in chunks)
             if chunks and self._size(prompt, budget, False, finishing) == 0:
                 continue

@@ -1,8 +1,9 @@
-"""Token sampling: penalties, greedy, temperature, top-k and top-p, and logprobs; reproducible
-per request."""
+"""Token sampling: penalties, allowed and bad tokens, greedy, temperature, min-p, top-k and
+top-p, and logprobs; reproducible per request."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,8 +59,9 @@ def draw(
     """One token per row of `logits` `[B, V]`; a row's draw depends only on its own logits,
     params, history (none: no penalty applies) and generator, never on the other rows.
 
-    Penalties, the grammar's mask and the min_tokens ban change the logits first, before
-    greedy argmax as before temperature, top-k and top-p. Logprobs are the log-softmax of
+    Penalties, allowed_token_ids and bad_words, the grammar's mask and the min_tokens ban
+    change the logits first, before greedy argmax as before temperature, min-p, top-k and
+    top-p. Logprobs are the log-softmax of
     those penalized logits: before temperature, top-k and top-p, so a greedy request gets the
     model's own numbers."""
     rows = histories if histories is not None else [NO_HISTORY] * len(params)
@@ -84,6 +86,8 @@ def _race(logits: torch.Tensor, params: Sampling, generator: torch.Generator) ->
     only changes the pick when two tokens are that close, never by reordering near-ties."""
     logits = logits / params.temperature
     keep = _kept(logits, params.top_k, params.top_p)
+    if params.min_p > 0:  # p >= min_p * max p, in logits
+        keep &= logits >= logits.max() + math.log(params.min_p)
     probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
@@ -91,8 +95,9 @@ def _race(logits: torch.Tensor, params: Sampling, generator: torch.Generator) ->
 
 def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torch.Tensor:
     """The logits after the repetition, frequency and presence penalties (vLLM's order), the
-    grammar's mask and the ban; the same tensor when none applies. Ids outside the vocabulary
-    are skipped."""
+    request's allowed and bad tokens, the grammar's mask and the ban; the same tensor when
+    none applies. Ids outside the vocabulary are skipped. The request's restrictions yield
+    when, with the grammar's, they would leave no token."""
     vocab = logits.shape[0]
     if params.repetition_penalty != 1:
         seen = _ids(history.tokens, vocab).unique()
@@ -100,9 +105,42 @@ def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torc
     if params.frequency_penalty or params.presence_penalty:
         output = _ids(history.tokens[history.output_start:], vocab)
         logits = _frequency_presence(logits, output, params)
-    if history.allowed is not None:
-        logits = logits.masked_fill(~history.allowed, float("-inf"))
-    return _banned(logits, history)
+    restricted = _restricted(logits, params, history)
+    masked = _grammar_masked(restricted, history)
+    if restricted is not logits and not bool(masked.isfinite().any()):
+        masked = _grammar_masked(logits, history)
+    return _banned(masked, history)
+
+
+def _grammar_masked(logits: torch.Tensor, history: History) -> torch.Tensor:
+    if history.allowed is None:
+        return logits
+    return logits.masked_fill(~history.allowed, float("-inf"))
+
+
+def _restricted(logits: torch.Tensor, params: Sampling, history: History) -> torch.Tensor:
+    """Only allowed_token_ids may be drawn; nor a bad word's last token after the rest."""
+    vocab = logits.shape[0]
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[_ids(params.allowed_token_ids, vocab)] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    bad = _bad_word_ends(params.bad_words, history)
+    if bad:
+        logits = logits.index_fill(0, _ids(bad, vocab), float("-inf"))
+    return logits
+
+
+def _bad_word_ends(bad_words: Sequence[Sequence[int]], history: History) -> list[int]:
+    """vLLM's bad_words: a word's last token, where the output so far ends with the others."""
+    tokens, start = history.tokens, history.output_start
+    ends = []
+    for word in bad_words:
+        before = len(word) - 1
+        if before == 0 or (len(tokens) - start >= before
+                           and list(tokens[len(tokens) - before:]) == list(word[:-1])):
+            ends.append(word[-1])
+    return ends
 
 
 def _banned(logits: torch.Tensor, history: History) -> torch.Tensor:

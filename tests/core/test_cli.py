@@ -68,3 +68,12 @@ def test_a_boolean_flag_reads_true_and_false() -> None:
 def test_a_flag_for_no_such_key_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="no config key"):
         ConfigParser("test", "a test").config_flag("gateway.nosuchkey")
+
+
+def test_a_list_setting_takes_several_values() -> None:
+    parser, args = parsed(["--served-model-name", "a", "b/c", "--strict-fields", "true"],
+                          "gateway.served_model_name", "gateway.strict_fields")
+    config = parser.config(args)
+    assert config.gateway.served_model_name == ("a", "b/c") and config.gateway.strict_fields
+    parser, args = parsed([], "gateway.served_model_name")
+    assert parser.config(args).gateway.served_model_name == ()

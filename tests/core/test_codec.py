@@ -81,13 +81,15 @@ SAMPLES: list[Message] = [
 ]
 
 
-NEUTRAL_EXTRAS = [0.0, 0.0, 1.0, None]  # presence, frequency, repetition penalty; logprobs
+# presence, frequency, repetition penalty; logprobs; min_p, allowed_token_ids, bad_words
+NEUTRAL_EXTRAS: list[Any] = [0.0, 0.0, 1.0, None, 0.0, None, []]
 
 
 def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
-    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, ""]
+    return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, "",
+            0]
 
 
 def packed(*items: Any) -> bytes:
@@ -381,6 +383,10 @@ BAD_SAMPLINGS = [
     [1.0, 1.0, 0, None, 0.0, 0.0, float("inf"), None],  # and finite
     [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, -1],  # logprobs in [0, 20]
     [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, 21],
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, -0.1, None, []],  # min_p in [0, 1]
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 1.5, None, []],
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 0.0, [], []],  # allowed ids: None or some
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 0.0, None, [[]]],  # a bad word has tokens
 ]
 
 
@@ -402,6 +408,7 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.7976931348623157e308, 1.0, 0, None],  # the largest finite temperature
     [1.0, 1.0, 0, None, -2, 2, 3, 0],  # ints where floats are expected, penalties too
     [1.0, 1.0, 0, None, 1e300, -1e300, 1e-300, 20],
+    [1.0, 1.0, 0, None, 0, 0, 1, None, 1, [0, 5], [[3], [4, 5]]],  # min_p, allowed, bad words
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
     back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], ""))
@@ -414,7 +421,7 @@ def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
 def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
     task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
-            output_start, ""]
+            output_start, "", 0]
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", [], ""))
 
 

@@ -28,6 +28,9 @@ TEST_CONFIG: dict[str, Any] = {
                 "prefill_saturated_tokens": 0},
     "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
     "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1},
+    # OpenAI's neutral sampling defaults, which the tests' expectations (greedy output equal to
+    # transformers', seeded draws) assume; tests/e2e/test_chat_ui_bodies.py runs the shipped ones.
+    "generation_defaults": {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0},
 }
 
 

@@ -31,10 +31,11 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 @contextmanager
-def serve_without_workers(tokenizer_dir: Path) -> Iterator[TestClient]:
-    """A client of the gateway app with its lifespan running and no worker registered."""
+def serve_without_workers(tokenizer_dir: Path, **overrides: object) -> Iterator[TestClient]:
+    """A client of the gateway app with its lifespan running and no worker registered;
+    `overrides` are config settings, as `{"gateway.strict_fields": True}`."""
     control = f"inproc://gateway-validation-{uuid.uuid4().hex}"
-    config = load_config(overrides={"gateway.control_address": control})
+    config = load_config(overrides={"gateway.control_address": control, **overrides})
     state = GatewayState(
         config=config, model_name=MODEL, max_model_len=MAX_MODEL_LEN,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),

@@ -239,3 +239,13 @@ def test_no_stops_passes_everything_through() -> None:
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher(("ok", ""))
+
+
+def test_include_stop_keeps_the_stop_string_and_hit_names_it() -> None:
+    matcher = StopStringMatcher(("END", "STOP"), include_stop=True)
+    assert matcher.feed("abcEN") == ("abc", False)
+    assert matcher.feed("Dxyz") == ("END", True)
+    assert matcher.hit == "END"
+    plain = StopStringMatcher(("END", "STOP"))
+    assert plain.feed("a STOP b END") == ("a ", True) and plain.hit == "STOP"
+    assert StopStringMatcher(("x",)).hit is None

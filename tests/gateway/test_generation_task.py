@@ -13,9 +13,10 @@ def test_every_control_reaches_the_task() -> None:
     params = GenerationParams(
         temperature=0.5, top_p=0.9, top_k=7, seed=3, stop_token_ids=(4, 5), ignore_eos=True,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_tokens=2,
-        logprobs=4)
-    task = generation_task(params, [10, 11, 12], 20, "salt")
-    assert task.sampling == Sampling(0.5, 0.9, 7, 3, 0.5, -0.5, 1.3, 4)
+        logprobs=4, min_p=0.1, allowed_token_ids=(3, 4), priority=-2)
+    task = generation_task(params, [10, 11, 12], 20, "salt", [[7], [8, 9]])
+    assert task.sampling == Sampling(0.5, 0.9, 7, 3, 0.5, -0.5, 1.3, 4, 0.1, [3, 4], [[7], [8, 9]])
+    assert task.priority == -2
     assert (task.prompt_ids, task.max_tokens, task.stop_token_ids, task.ignore_eos) == (
         [10, 11, 12], 20, [4, 5], True)
     assert (task.cache_salt, task.min_tokens, task.prompt_len, task.output_before) == (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from core.config import GenerationDefaults
 from engine.weights.folder import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.errors import (
@@ -18,11 +20,14 @@ from gateway.errors import (
     rate_limited,
     service_unavailable,
 )
+from gateway.ignored_fields import unknown_fields
 from gateway.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     ChatMessage,
     GenerationParams,
+    TemplateOptions,
+    bad_words_token_ids,
     check_context,
     generation_params,
     parse_chat_request,
@@ -32,6 +37,8 @@ from gateway.protocol import (
 )
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
+# GenerationParams' own defaults
+NEUTRAL = GenerationDefaults(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 LONG = "Z" * 50_000
 TOOL_F = {"type": "function", "function": {"name": "f"}}
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -88,7 +95,14 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(messages=[{"role": "user"}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": None}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     "messages[0].content[0]"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                 {"type": "input_audio"}]}]),
+     "messages[0].content[1]"),
+    (chat(messages=[{"role": "user", "content": [{"type": "file", "file": {}}]}]),
+     "messages[0].content[0]"),
+    (chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": ["text"]}]), "messages[0].content"),
     (chat(messages=[MESSAGES[0], {"role": "user", "content": 1}]), "messages[1].content"),
@@ -165,11 +179,6 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(messages=[{"role": "user"}]), "messages[0].content"),
     (chat(messages=[{"role": "function", "content": "42"}]), "messages[0]"),
     (chat(user=5), "user"),
-    (chat(unknown_extension={"anything": [1, 2]}), "unknown_extension"),
-    (chat(messages=[{"role": "user", "content": "hi", "colour": "red"}]), "messages[0].colour"),
-    (chat(stream=True, stream_options={"include_usage": True, "x": 1}), "stream_options.x"),
-    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
-     "messages[0].content"),
     (chat(metadata={"k": 1}), "metadata.k"),
     (chat(logit_bias={"50": 5}), "logit_bias"),
     (chat(tool_choice="required"), "tool_choice"),  # no tools to call
@@ -191,6 +200,28 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(repetition_penalty=-1.2), "repetition_penalty"),
     (chat(repetition_penalty="1.2"), "repetition_penalty"),
     (chat(top_k=2**31), "top_k"),
+    # vLLM's extensions
+    (chat(min_p=-0.1), "min_p"),
+    (chat(min_p=1.5), "min_p"),
+    (chat(min_p="0.1"), "min_p"),
+    (chat(repeat_penalty=0), "repeat_penalty"),
+    (chat(repeat_penalty=1.1, repetition_penalty=1.2), None),
+    (chat(skip_special_tokens="no"), "skip_special_tokens"),
+    (chat(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (chat(allowed_token_ids=[]), "allowed_token_ids"),
+    (chat(allowed_token_ids=[1, -2]), "allowed_token_ids[1]"),
+    (chat(allowed_token_ids="1"), "allowed_token_ids"),
+    (chat(bad_words="bad"), "bad_words"),
+    (chat(bad_words=[" "]), "bad_words"),
+    (chat(bad_words=["w"] * 65), "bad_words"),
+    (chat(bad_words=["x" * 1001]), "bad_words"),
+    (chat(priority=1.5), "priority"),
+    (chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
+    (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    (chat(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+    (chat(add_generation_prompt="yes"), "add_generation_prompt"),
+    (chat(continue_final_message=True), None),  # add_generation_prompt is true by default
+    (chat(continue_final_message=True, add_generation_prompt=False), None),  # last is the user's
     (b'{"model": "m", "model": "m", "messages": [{"role": "user", "content": "hi"}]}', "model"),
     (b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}', "role"),
 ]
@@ -218,7 +249,6 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(min_tokens=17), "min_tokens"),  # over the default max_tokens, 16
     (completion(n=17), "n"),
     (completion(temperature=3), "temperature"),
-    (completion(messages=MESSAGES), "messages"),
     (completion(logit_bias={"1": -100}), "logit_bias"),
 ]
 
@@ -259,9 +289,7 @@ def test_errors_never_echo_large_input(body: bytes) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        chat(**{LONG: 1}),
         chat(metadata={LONG: 1}),
-        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "", LONG: 1}]}]),
         chat().replace(b'{', b'{"' + LONG.encode() + b'": 1, "' + LONG.encode() + b'": 2, ', 1),
     ],
 )
@@ -282,10 +310,38 @@ def test_unsupported_features_say_so() -> None:
     assert "prompts times n must be at most 16" in err.message
 
 
-def test_unknown_fields_use_openai_wording() -> None:
-    err = raises_400(parse_chat_request, chat(temprature=0.5))
-    assert err.message == "Unrecognized request argument supplied: temprature"
-    assert err.param == "temprature"
+@pytest.mark.parametrize(("fields", "known", "where"), [
+    ({"temprature": 0.5}, {}, "temprature"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]},
+     {"messages": [{"role": "user", "content": "hi"}]}, "messages[0].colour"),
+    ({"stream": True, "stream_options": {"include_usage": True, "cached_usage_stats": True}},
+     {"stream": True, "stream_options": {"include_usage": True}},
+     "stream_options.cached_usage_stats"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "text", "text": "b", "x": 1}]}]},
+     {"messages": [{"role": "user", "content": "a\nb"}]}, "messages[0].content[1].x"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "extra": 1}}},
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
+     "response_format.json_schema.extra"),
+])
+def test_unknown_fields_are_accepted_and_found(fields: dict[str, Any], known: dict[str, Any],
+                                               where: str) -> None:
+    req, plain = parse_chat_request(chat(**fields)), parse_chat_request(chat(**known))
+    assert unknown_fields(req) == [where]
+    assert unknown_fields(plain) == []
+    assert generation_params(req) == generation_params(plain)
+    assert [m.content for m in req.messages] == [m.content for m in plain.messages]
+
+
+def test_unknown_field_names_are_truncated() -> None:
+    req = parse_chat_request(chat(**{LONG: 1}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "", LONG: 1}]}]))
+    assert unknown_fields(req) == ["Z" * 64, "messages[0].content[0]." + "Z" * 64]
+
+
+def test_unknown_fields_of_completions_are_found() -> None:
+    req = parse_completion_request(completion(messages=MESSAGES, typical_p=0.9))
+    assert unknown_fields(req) == ["messages", "typical_p"]
 
 
 def test_duplicate_keys_are_named() -> None:
@@ -298,8 +354,9 @@ def test_minimal_chat_request_defaults() -> None:
     req = parse_chat_request(chat())
     assert req.messages == [ChatMessage(role="user", content="Hello!")]
     assert generation_params(req) == GenerationParams(
-        max_tokens=None, temperature=1.0, top_p=1.0, top_k=0, seed=None, stop=(),
-        stop_token_ids=(), ignore_eos=False, include_usage=False, stream=False,
+        max_tokens=None, default_max_tokens=2048, temperature=0.2, top_p=0.9, top_k=0,
+        seed=None, stop=(), stop_token_ids=(), ignore_eos=False, include_usage=False,
+        stream=False, repetition_penalty=1.1,
     )  # fmt: skip
 
 
@@ -320,7 +377,7 @@ def test_full_chat_request_converts() -> None:
         max_tokens=20, temperature=0.0, top_p=0.9, top_k=40, seed=1234, stop=("END",),
         stop_token_ids=(7, 9), ignore_eos=True, include_usage=True, stream=True,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_tokens=20,
-        logprobs=5,
+        logprobs=5, default_max_tokens=2048,
     )  # fmt: skip
 
 
@@ -335,6 +392,11 @@ def test_full_chat_request_converts() -> None:
         ({"stream": True}, {"stream": True}),
         ({"stream": True, "stream_options": {}}, {"stream": True}),
         ({"stream": True, "stream_options": {"include_usage": False}}, {"stream": True}),
+        ({"stream": True, "stream_options": {"include_usage": True,
+                                             "continuous_usage_stats": True}},
+         {"stream": True, "include_usage": True, "continuous_usage": True}),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+         {"stream": True}),  # as vLLM: only with include_usage
         ({"max_tokens": 7}, {"max_tokens": 7}),
         ({"seed": -(2**63)}, {"seed": -(2**63)}),
         ({"temperature": 2}, {"temperature": 2.0}),
@@ -355,11 +417,20 @@ def test_full_chat_request_converts() -> None:
          {"grammar": '{"type": "object", "properties": {"b": {}, "a": {}}}'}),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
          {"grammar": "json_object"}),
+        ({"min_p": 0.05}, {"min_p": 0.05}),
+        ({"repeat_penalty": 1.1}, {"repetition_penalty": 1.1}),
+        ({"repeat_penalty": 1.1, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
+        ({"skip_special_tokens": False}, {"skip_special_tokens": False}),
+        ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
+        ({"allowed_token_ids": [3, 1]}, {"allowed_token_ids": (3, 1)}),
+        ({"bad_words": ["no", "never"]}, {"bad_words": ("no", "never")}),
+        ({"priority": -3, "chat_template_kwargs": {"x": 1}}, {"priority": -3}),
+        ({"min_tokens": 3000}, {"min_tokens": 3000, "default_max_tokens": 3000}),
     ],
 )
 def test_chat_params(fields: dict[str, Any], expected: dict[str, Any]) -> None:
-    params = generation_params(parse_chat_request(chat(**fields)))
-    assert params == GenerationParams(**expected)
+    params = generation_params(parse_chat_request(chat(**fields)), NEUTRAL)
+    assert params == GenerationParams(**{"default_max_tokens": NEUTRAL.max_tokens, **expected})
 
 
 @pytest.mark.parametrize(
@@ -454,6 +525,48 @@ def test_render_chat_prompt_template_errors_are_400() -> None:
 def test_render_chat_prompt_accepts_plain_list_output() -> None:
     messages = parse_chat_request(chat()).messages
     assert render_chat_prompt(_ListTemplate(), messages) == [5, 6, 7]  # type: ignore[arg-type]
+
+
+def test_render_chat_prompt_continues_the_final_message(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    body = chat(messages=[{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "The moon is"}],
+                add_generation_prompt=False, continue_final_message=True)
+    request = parse_chat_request(body)
+    options = TemplateOptions.of(request)
+    text = decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages,
+                                                     options=options))
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe moon is")
+    closed = TemplateOptions(add_generation_prompt=False)
+    text = decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages, options=closed))
+    assert text.endswith("The moon is<|im_end|>\n")
+
+
+def test_render_chat_prompt_passes_template_kwargs(real_model_dir: Any) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer.chat_template = ("{% if persona %}[{{ persona }}]{% endif %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    request = parse_chat_request(chat(chat_template_kwargs={"persona": "pirate"}))
+    ids = render_chat_prompt(tokenizer, request.messages,
+                             options=TemplateOptions.of(request))
+    assert decode_text(tokenizer, ids) == "[pirate]Hello!"
+    assert decode_text(tokenizer, render_chat_prompt(tokenizer, request.messages)) == "Hello!"
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tokenizer: PreTrainedTokenizerBase) -> None:
+    words = bad_words_token_ids(tokenizer, ["Paris", " hello world"])
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    assert words == [encode("Paris"), encode(" Paris"), encode("hello world"),
+                     encode(" hello world")]
+    assert bad_words_token_ids(tokenizer, []) == []
+
+
+def test_check_context_caps_a_request_without_max_tokens() -> None:
+    assert check_context(100, None, 8192, 2048) == 2048
+    assert check_context(7000, None, 8192, 2048) == 1192  # what the context leaves
+    assert check_context(100, 4000, 8192, 2048) == 4000  # the request's own value wins
+    assert check_context(100, None, 8192) == 8092
 
 
 def test_tokenize_prompt(tokenizer: PreTrainedTokenizerBase) -> None:

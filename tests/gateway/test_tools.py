@@ -174,7 +174,7 @@ def test_a_forced_call_of_an_uncompilable_schema_is_400() -> None:
 def rendered(tokenizer: PreTrainedTokenizerBase, **fields: Any) -> str:
     parsed = request(**fields)
     made = tool_plan(parsed)
-    return decode_text(tokenizer, render_chat_prompt(tokenizer, parsed.messages, made))
+    return decode_text(tokenizer, render_chat_prompt(tokenizer, parsed.messages, tools=made))
 
 
 def test_the_fallback_lists_the_tools_in_a_system_block(

@@ -327,3 +327,12 @@ def test_a_short_prompt_behind_a_deep_chunk_goes_whole_in_a_step_of_its_own() ->
     assert (short.prompt.request.request_id, short.start, short.end) == ("short", 0, 277)
     (deep,) = step(scheduler, free_blocks=2000)
     assert deep.prompt.request.request_id == "long" and deep.end - deep.start == 128
+
+
+def test_priority_comes_before_the_deadline_lower_first() -> None:
+    scheduler = PrefillScheduler(max_batch_tokens=10, block_size=BLOCK)
+    for name, priority in (("normal", 0), ("urgent", -5), ("later", 3), ("also", 0)):
+        task = GenerationTask(list(range(5)), Sampling(), 8, [], False, priority=priority)
+        scheduler.add(PrefillRequest(name, 0, task, "d1", "tcp://127.0.0.1:1"))
+    assert ids(step(scheduler)) == ["urgent", "normal"]
+    assert ids(step(scheduler)) == ["also", "later"]

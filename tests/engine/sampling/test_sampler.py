@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.messages import Sampling
-from engine.sampling.sampler import make_generator, sample
+from engine.sampling.sampler import History, draw, make_generator, sample
 
 VOCAB = 1000
 
@@ -115,3 +115,59 @@ def test_nan_logits_do_not_raise() -> None:
     logits = torch.full((1, VOCAB), float("nan"))
     token = sample(logits, [Sampling(temperature=0.7, top_p=0.9)], [make_generator(0)])[0]
     assert 0 <= token < VOCAB
+
+
+def _logits(*values: float) -> torch.Tensor:
+    return torch.tensor([list(values)])
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one() -> None:
+    # probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1: min_p 0.5 keeps the first two.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = {sample(logits, [Sampling(min_p=0.5)], [make_generator(s)])[0] for s in range(200)}
+    assert kept == {0, 1}
+    anything = {sample(logits, [Sampling()], [make_generator(s)])[0] for s in range(200)}
+    assert anything == {0, 1, 2, 3}
+
+
+def test_min_p_one_is_greedy_and_zero_is_off() -> None:
+    logits = random_logits(4, seed=9)
+    argmax = logits.argmax(dim=-1).tolist()
+    generators = [make_generator(i) for i in range(4)]
+    assert sample(logits, [Sampling(temperature=2.0, min_p=1.0)] * 4, generators) == argmax
+    for seed in range(20):  # min_p 0: the same draws as without it
+        assert (sample(logits, [Sampling(min_p=0.0)] * 4, [make_generator(seed)] * 4)
+                == sample(logits, [Sampling()] * 4, [make_generator(seed)] * 4))
+
+
+def test_allowed_token_ids_are_the_only_ones_drawn_greedy_or_not() -> None:
+    logits = random_logits(1, seed=4)
+    allowed = [3, 17, 512]
+    best = max(allowed, key=lambda token: float(logits[0, token]))
+    assert sample(logits, [Sampling(temperature=0, allowed_token_ids=allowed)],
+                  [make_generator(0)]) == [best]
+    drawn = {sample(logits, [Sampling(temperature=5.0, allowed_token_ids=allowed)],
+                    [make_generator(s)])[0] for s in range(100)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+
+
+def test_a_bad_words_last_token_is_banned_only_after_the_rest() -> None:
+    logits = _logits(0.0, 0.0, 5.0, 1.0)  # greedy picks 2
+    word = Sampling(temperature=0, bad_words=[[1, 2]])
+    after = History(tokens=[0, 0, 1], output_start=2)  # the output so far ends in 1
+    before = History(tokens=[0, 1, 0], output_start=2)  # 1 is in the prompt, then 0
+    prompt_only = History(tokens=[0, 1], output_start=2)  # 1 ends the prompt, not the output
+    assert draw(logits, [word], [make_generator(0)], [after])[0].token_id == 3
+    for history in (before, prompt_only):
+        assert draw(logits, [word], [make_generator(0)], [history])[0].token_id == 2
+    single = Sampling(temperature=0, bad_words=[[2]])  # one token: always banned
+    assert sample(logits, [single], [make_generator(0)]) == [3]
+
+
+def test_restrictions_that_leave_nothing_yield() -> None:
+    logits = _logits(0.0, 4.0, 1.0)
+    nothing = Sampling(temperature=0, allowed_token_ids=[1], bad_words=[[1]])
+    assert sample(logits, [nothing], [make_generator(0)]) == [1]
+    grammar = History(allowed=torch.tensor([True, False, False]))
+    disjoint = Sampling(temperature=0, allowed_token_ids=[1])
+    assert draw(logits, [disjoint], [make_generator(0)], [grammar])[0].token_id == 0

@@ -1,0 +1,101 @@
+"""vLLM's routes and extras on the in-process gateway (real tokenizer, no workers):
+/tokenize, /detokenize, /version, /ping, served model names and the model card."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.state import server_version
+from tests.gateway.served_app import (
+    MAX_MODEL_LEN,
+    MODEL,
+    error_of,
+    is_no_worker,
+    serve_without_workers,
+    valid_body,
+)
+
+
+@pytest.fixture(scope="module")
+def client(real_model_dir: Path) -> Iterator[TestClient]:
+    with serve_without_workers(real_model_dir) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def named(real_model_dir: Path) -> Iterator[TestClient]:
+    with serve_without_workers(real_model_dir, **{
+            "gateway.served_model_name": ["alpha", "beta"]}) as client:
+        yield client
+
+
+def test_tokenize_a_prompt_and_detokenize_it_back(client: TestClient) -> None:
+    reply = client.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
+    assert reply.json() == {"count": 2, "max_model_len": MAX_MODEL_LEN, "tokens": [28120, 905]}
+    back = client.post("/detokenize", json={"model": MODEL, "tokens": [28120, 905]})
+    assert back.json() == {"prompt": "hello world"}
+    strs = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert strs.json()["token_strs"] == ["hello", "Ġworld"]
+
+
+def test_tokenize_messages_under_the_template(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    cued = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    bare = client.post("/tokenize", json={"messages": messages,
+                                          "add_generation_prompt": False}).json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": cued}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert cued[:len(bare)] == bare and len(cued) > len(bare)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/tokenize", {}, None),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_bad_tokenize_bodies_are_400(client: TestClient, route: str, body: dict[str, object],
+                                     param: str | None) -> None:
+    reply = client.post(route, json=body)
+    assert reply.status_code == 400
+    assert error_of(reply)["param"] == param
+
+
+def test_tokenize_names_an_unknown_model(client: TestClient) -> None:
+    reply = client.post("/tokenize", json={"model": "gpt-4o", "prompt": "x"})
+    assert reply.status_code == 404 and error_of(reply)["code"] == "model_not_found"
+
+
+def test_version_and_ping(client: TestClient) -> None:
+    assert client.get("/version").json() == {"version": server_version()}
+    for method in ("GET", "POST"):
+        reply = client.request(method, "/ping")
+        assert reply.status_code == 503  # no worker yet: as /health says
+        assert reply.json() == client.get("/health").json()
+
+
+def test_the_model_card_shows_the_generation_defaults(client: TestClient) -> None:
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert card["root"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN
+    assert card["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9, "top_k": 0,
+                                           "min_p": 0.0, "repetition_penalty": 1.1,
+                                           "max_tokens": 2048}
+
+
+def test_every_served_name_is_listed_and_accepted(named: TestClient) -> None:
+    assert [card["id"] for card in named.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+    assert named.get("/v1/models/beta").json()["root"] == MODEL
+    for name in ("alpha", "beta"):
+        for route in ("/v1/chat/completions", "/v1/completions"):
+            assert is_no_worker(named.post(route, json={**valid_body(route), "model": name}))
+    reply = named.post("/v1/completions", json=valid_body("/v1/completions"))  # its own name
+    assert reply.status_code == 404
+    assert "'alpha', 'beta'" in error_of(reply)["message"]
