@@ -5,8 +5,6 @@ any other."""
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from typing import Any
 
 from core.codec import literal_values
@@ -15,7 +13,7 @@ from core.config import Config, config_field, load_config
 
 class ConfigParser(argparse.ArgumentParser):
     """`--config FILE`, `--set` and the flags every process shares (`--model`,
-    `--control-address`, `--kv-backend`); `config_flag` adds more."""
+    `--control-address`, `--kv-backend`, `--log-format`); `config_flag` adds more."""
 
     def __init__(self, prog: str, description: str) -> None:
         super().__init__(prog=prog, description=description)
@@ -26,6 +24,7 @@ class ConfigParser(argparse.ArgumentParser):
         self.config_flag("model.name", "--model")
         self.config_flag("gateway.control_address")
         self.config_flag("kv_transfer.backend", "--kv-backend")
+        self.config_flag("logging.format", "--log-format")
 
     def config_flag(self, dotted: str, flag: str | None = None) -> None:
         """A flag for the config key `section.key` (default name: `--key`, dashed)."""
@@ -68,10 +67,3 @@ def _boolean(text: str) -> bool:
     if text.lower() in ("false", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
-
-
-def setup_logging(name: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )

@@ -43,13 +43,14 @@ class OpenAIRoutes:
         self.pieces = TokenPieces(state.tokenizer)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_chat_request(await self._read_body(request))
+        # Off the loop: a response_format's schema is checked with xgrammar, slow the first time.
+        body = await asyncio.to_thread(parse_chat_request, await self._read_body(request))
         self._check_model(body.model)
         prompt_ids = await self._tokenize(render_chat_prompt, body.messages)
         return await self._serve(request, ChatFormat(), [prompt_ids], generation_params(body))
 
     async def completions(self, request: Request) -> Response:
-        body = parse_completion_request(await self._read_body(request))
+        body = await asyncio.to_thread(parse_completion_request, await self._read_body(request))
         self._check_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
         return await self._serve(request, CompletionFormat(), prompts, generation_params(body))
