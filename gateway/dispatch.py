@@ -115,7 +115,10 @@ class Dispatcher:
 
     async def watch_liveness(self, interval_s: float = 0.25) -> None:
         while True:
+            started = time.monotonic()
             await asyncio.sleep(interval_s)
+            if time.monotonic() - started > interval_s + self.registry.heartbeat_timeout_s / 2:
+                continue  # this loop itself stalled: read the beats waiting before judging
             for worker in self.registry.expire():
                 log.warning("%s sent no sign of life for %.1f s: declared dead",
                             worker.worker_id, self.registry.heartbeat_timeout_s)
