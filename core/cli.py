@@ -5,8 +5,6 @@ any other."""
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import typing
 from typing import Any
 
@@ -16,7 +14,8 @@ from core.config import Config, config_field, load_config
 
 class ConfigParser(argparse.ArgumentParser):
     """`--config FILE`, `--set` and the flags every process shares (`--model`,
-    `--control-address`, `--kv-backend`, `--otlp-endpoint`); `config_flag` adds more."""
+    `--control-address`, `--kv-backend`, `--otlp-endpoint`, `--log-format`); `config_flag` adds
+    more."""
 
     def __init__(self, prog: str, description: str) -> None:
         super().__init__(prog=prog, description=description)
@@ -28,6 +27,7 @@ class ConfigParser(argparse.ArgumentParser):
         self.config_flag("gateway.control_address")
         self.config_flag("kv_transfer.backend", "--kv-backend")
         self.config_flag("tracing.otlp_endpoint")
+        self.config_flag("logging.format", "--log-format")
 
     def config_flag(self, dotted: str, flag: str | None = None) -> None:
         """A flag for the config key `section.key` (default name: `--key`, dashed)."""
@@ -72,10 +72,3 @@ def _boolean(text: str) -> bool:
     if text.lower() in ("false", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
-
-
-def setup_logging(name: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-    )

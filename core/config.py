@@ -24,6 +24,7 @@ T = TypeVar("T")
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVBackend = Literal["zmq", "shm", "cuda_ipc"]
 KV_BACKENDS: tuple[KVBackend, ...] = typing.get_args(KVBackend)
+LogFormat = Literal["text", "json"]
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
 ToolCallParser = Literal["", "hermes", "llama3_json"]
@@ -212,6 +213,15 @@ class GenerationDefaults:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """How every process (gateway, prefill, decode) logs, to stderr."""
+
+    format: LogFormat = setting("text", "text: lines for people; json: one JSON object a line "
+                                        "(time, level, logger, process, message, and "
+                                        "request_id, epoch where it concerns a request)")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -222,6 +232,7 @@ class Config:
     internal: InternalConfig = field(default_factory=InternalConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def pool(self, role: Role) -> PrefillConfig | DecodeConfig:
         """The section of the workers of `role`."""

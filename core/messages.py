@@ -166,6 +166,16 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class Alive:
+    """A worker's liveness beat, sent by a thread of its own (core/pulse.py) however long the
+    loop's step: the gateway declares a worker dead only when these stop. Load and progress
+    come in `Heartbeat`, from the loop."""
+
+    worker_id: str
+    instance_id: str
+
+
+@dataclass(frozen=True)
 class TransferTotals:
     """A worker's KV transfer totals since it started, on one side of one backend."""
 
@@ -312,7 +322,7 @@ class RequestFailed(Keyed):
 
 Message = (
     Register | RegisterReply | RegisterAgain | Leave | Heartbeat | PrefillRequest | DecodeRequest
-    | FirstToken | TokenBatch | Abort | RequestFailed
+    | FirstToken | TokenBatch | Abort | RequestFailed | Alive
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))
 encode = _CODEC.encode

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.cli import ConfigParser, setup_logging
+from core.cli import ConfigParser
 from core.config import Config, Role
 from core.cpus import pin_to
+from core.logs import setup_logging
 from core.worker import RegistrationRefused, Worker
 
 Build = Callable[[str, Config], Worker]  # (worker id, config) -> the worker, model loaded
@@ -23,7 +24,7 @@ def worker_main(role: Role, build: Build) -> None:
     parser.config_flag(f"{role}.cpus")
     args = parser.parse_args()
     config = parser.config(args)
-    setup_logging(args.worker_id)
+    setup_logging(args.worker_id, config.logging.format)
     try:
         pin_to(config.pool(role).cpus)
     except ValueError as exc:  # a CPU list that is malformed or not this machine's

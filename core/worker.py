@@ -1,5 +1,10 @@
 """What prefill and decode workers share: registration, heartbeats, signals, and the loop.
 
+Two signals reach the gateway: `Alive` beats from a thread of their own (core/pulse.py), which
+keep the worker alive however long a step takes, and the loop's `Heartbeat`s, between steps
+and between model layers, which report load and progress (a loop that stops reporting them
+while it has work is stalled, not dead).
+
 A worker subclasses `Worker` and supplies `handle` (a control message), `step` (one unit of
 model work, returning whether it did any), `heartbeat` (its current load) and `holding` (the
 requests it holds, which the gateway checks so that a request no worker holds is not awaited
@@ -21,7 +26,17 @@ import zmq
 from core.channels import ControlClient
 from core.config import Config, Role
 from core.curve import keys_for
-from core.messages import Heartbeat, Held, Leave, Message, Register, RegisterAgain, RegisterReply
+from core.messages import (
+    Alive,
+    Heartbeat,
+    Held,
+    Leave,
+    Message,
+    Register,
+    RegisterAgain,
+    RegisterReply,
+)
+from core.pulse import Pulse
 from core.tracing import make_tracer
 
 log = logging.getLogger(__name__)
@@ -58,6 +73,9 @@ class Worker(ABC):
         self.poller = zmq.Poller()
         self.poller.register(self.control.socket, zmq.POLLIN)
         self.heartbeat_interval_s = config.pool(identity.role).heartbeat_interval_s
+        self.pulse = Pulse(self.context, config.gateway.control_address,
+                           Alive(self.worker_id, self.instance_id), self.heartbeat_interval_s,
+                           self.keys)
         self.next_heartbeat = 0.0
         self.stopping = False
         self.progress = 0  # model layers computed since start, reported in heartbeats
@@ -101,6 +119,7 @@ class Worker(ABC):
         """Serve until SIGTERM or SIGINT."""
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
+        self.pulse.start()
         self.register()
         busy = False
         while not self.stopping:
@@ -149,6 +168,7 @@ class Worker(ABC):
     def close(self) -> None:
         """Tell the gateway this worker is leaving (so it stops routing here), then close."""
         self.control.send(Leave(self.worker_id, self.instance_id))
+        self.pulse.stop()
         self.control.close(linger_ms=1000)
         self.context.term()
         if self.tracer is not None:

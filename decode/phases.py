@@ -2,7 +2,8 @@
 Pure bookkeeping.
 
 A request handed off by a prefill worker is RECEIVING while its KV arrives (decode.incoming),
-then WAITING for a decode slot and RUNNING in the batch (decode.scheduler; a preempted
+then COMPILING while its grammar (if any) compiles off the loop, WAITING for a decode slot
+and RUNNING in the batch (decode.scheduler; a preempted
 sequence waits again). A prompt sent here to prefill starts WAITING. With n > 1, the other
 choices of a request are FORKING until its prompt's KV is computed or written, then fork it.
 A request that finished or was aborted here is ENDED for a while, so that a late or repeated
@@ -22,6 +23,7 @@ TOMBSTONE_TTL_S = 120.0
 
 class Phase(Enum):
     RECEIVING = "receiving"  # its KV on its way (with n > 1, its first choice's)
+    COMPILING = "compiling"  # its grammar compiling (with n > 1, with its other choices)
     WAITING = "waiting"  # queued for a decode slot
     RUNNING = "running"  # in the batch
     FORKING = "forking"  # a choice waiting for its prompt's KV, computed for another choice
@@ -36,6 +38,8 @@ class Phases:
         self.scheduler = scheduler
         # n > 1: choices waiting for the prompt KV of the choice they are filed under.
         self.forks: dict[RequestKey, list[DecodeSequence]] = {}
+        # Sequences waiting for their grammar, each with its forks (n > 1).
+        self.compiling: dict[RequestKey, tuple[DecodeSequence, list[DecodeSequence]]] = {}
         self.ended: dict[RequestKey, float] = {}  # until when each is remembered
 
     def of(self, key: RequestKey) -> Phase | None:
@@ -47,6 +51,8 @@ class Phases:
             return Phase.RUNNING if sequence in self.scheduler.running else Phase.WAITING
         if key in self.receiving():
             return Phase.RECEIVING
+        if any(sequence.key == key for sequence in self._compiling()):
+            return Phase.COMPILING
         if any(fork.key == key for forks in self.forks.values() for fork in forks):
             return Phase.FORKING
         return None
@@ -58,9 +64,12 @@ class Phases:
 
     def held(self) -> list[RequestKey]:
         """Every request here but the ended ones."""
-        sequences = [*self.scheduler.running, *self.scheduler.waiting,
+        sequences = [*self.scheduler.running, *self.scheduler.waiting, *self._compiling(),
                      *(fork for forks in self.forks.values() for fork in forks)]
         return [*self.receiving(), *(sequence.key for sequence in sequences)]
+
+    def _compiling(self) -> list[DecodeSequence]:
+        return [s for sequence, forks in self.compiling.values() for s in [sequence, *forks]]
 
     def end(self, key: RequestKey, now: float) -> None:
         self.ended[key] = now + TOMBSTONE_TTL_S

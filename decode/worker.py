@@ -11,6 +11,7 @@ import zmq
 
 from core.codec import MalformedMessage
 from core.config import Config
+from core.logs import about
 from core.messages import (
     Abort,
     DecodeRequest,
@@ -36,7 +37,7 @@ from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
-from engine.sampling.grammar import Constraint, GrammarError, Grammars
+from engine.sampling.grammar import Constraint, Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
@@ -79,6 +80,7 @@ class DecodeWorker(Worker):
             self.receiver.drain(self._on_kv)
 
     def step(self) -> bool:
+        self._queue_compiled()
         admitted, running = self.scheduler.schedule()
         for sequence in admitted:
             if sequence.received_kv is not None:
@@ -158,6 +160,8 @@ class DecodeWorker(Worker):
         reason = finish_reason(task, token.token_id, sequence.num_generated, eos)
         stages = self._stages_done(sequence)
         if reason is not None:
+            log.info("request %s: finished (%s), %d tokens", sequence.key.request_id, reason,
+                     sequence.num_generated, extra=about(sequence.key))
             self.scheduler.remove(sequence)
             self.phases.end(sequence.key, time.monotonic())
             self._trace_end(sequence, reason)
@@ -212,7 +216,7 @@ class DecodeWorker(Worker):
             return
         if isinstance(message, DecodeRequest):
             phase = self.phases.of(key)
-            if phase in (Phase.WAITING, Phase.RUNNING):
+            if phase in (Phase.WAITING, Phase.RUNNING, Phase.COMPILING):
                 self.incoming.dropped["duplicate request"] += 1  # a repeated hand-off
             elif phase is not Phase.ENDED:
                 problem = self.incoming.expect(message, time.monotonic())
@@ -272,8 +276,13 @@ class DecodeWorker(Worker):
         self._queue(choices[0], choices[1:])
 
     def _queue(self, sequence: DecodeSequence, forks: list[DecodeSequence]) -> None:
-        """Queue the sequence for a decode slot, once its grammar compiles and it fits;
-        `forks` (the request's other choices) start from its prompt KV."""
+        """Queue the sequence for a decode slot once its grammar has compiled (until then it
+        waits in `phases.compiling`, off the loop) and if it fits; `forks` (the request's
+        other choices) start from its prompt KV."""
+        grammar = sequence.request.task.grammar
+        if grammar and not self.grammars.ready(grammar):
+            self.phases.compiling[sequence.key] = (sequence, forks)
+            return
         problem = self._prepare(sequence)
         servable = []
         for fork in forks:
@@ -289,12 +298,20 @@ class DecodeWorker(Worker):
         if servable:
             self.phases.forks[sequence.key] = servable
 
+    def _queue_compiled(self) -> None:
+        """Queue the sequences whose grammar has compiled since."""
+        for key, (sequence, forks) in list(self.phases.compiling.items()):
+            if self.grammars.ready(sequence.request.task.grammar):
+                del self.phases.compiling[key]
+                self._queue(sequence, forks)
+
     def _prepare(self, sequence: DecodeSequence) -> str:
-        """Compile its grammar; why it cannot be served ("" when it can)."""
-        try:
-            sequence.constraint = self._constraint(sequence)
-        except GrammarError as exc:
-            return f"invalid grammar: {exc}"
+        """Its grammar's constraint; why it cannot be served ("" when it can)."""
+        grammar = sequence.request.task.grammar
+        problem = self.grammars.problem(grammar) if grammar else None
+        if problem is not None:
+            return problem
+        sequence.constraint = self._constraint(sequence)
         if not self.scheduler.fits_at_all(sequence):
             return "the request does not fit the decode KV pool"
         return ""
@@ -309,6 +326,7 @@ class DecodeWorker(Worker):
         return constraint
 
     def _fail(self, key: RequestKey, reason: str) -> None:
+        log.warning("request %s: %s", key.request_id, reason, extra=about(key))
         self.rejected_requests += 1
         self.control.send(RequestFailed(*key, reason))
 
@@ -316,6 +334,7 @@ class DecodeWorker(Worker):
         """Its KV did not arrive whole: not the request's fault, so the gateway may serve
         each of its choices again."""
         for key in choice_keys(request):
+            log.warning("request %s: %s", key.request_id, reason, extra=about(key))
             self.rejected_requests += 1
             self.control.send(RequestFailed(*key, reason, retry=True))
 
@@ -333,12 +352,21 @@ class DecodeWorker(Worker):
         if sequence is not None:
             self.scheduler.remove(sequence)
             self._trace_end(sequence, "abort")
+        elif key in self.phases.compiling:
+            self._abort_compiling(key)
         else:
             self.incoming.take(key)
         for fork in self.phases.forks.pop(key, []):  # the others go on, computing the prompt
             fork.num_cached = 0
             self.scheduler.add(fork)
         self.phases.end(key, time.monotonic())
+
+    def _abort_compiling(self, key: RequestKey) -> None:
+        """Its other choices (n > 1) go on waiting for the grammar, the first in its place."""
+        _, forks = self.phases.compiling.pop(key)
+        if forks:
+            forks[0].num_cached = 0
+            self.phases.compiling[forks[0].key] = (forks[0], forks[1:])
 
     def heartbeat(self) -> Heartbeat:
         now = time.monotonic()
@@ -362,6 +390,7 @@ class DecodeWorker(Worker):
         return [Held(*key) for key in self.phases.held()]
 
     def close(self) -> None:
+        self.grammars.close()
         self.receiver.close()
         super().close()
 

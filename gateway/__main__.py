@@ -10,8 +10,9 @@ from __future__ import annotations
 import uvicorn
 from starlette.applications import Starlette
 
-from core.cli import ConfigParser, setup_logging
+from core.cli import ConfigParser
 from core.config import Config
+from core.logs import setup_logging
 from core.tracing import make_tracer
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
@@ -59,15 +60,16 @@ def main() -> None:
                              "prefer --api-key-file: argv is visible to other users in ps")
     args = parser.parse_args()
     config = with_keys(parser.config(args), args.api_key)
-    setup_logging("gateway")
+    setup_logging("gateway", config.logging.format)
     try:
         app = gateway_app(config)
     except KeysError as exc:
         raise SystemExit(f"auth error: {exc}") from None
     gateway = config.gateway
+    # log_config=None: uvicorn's lines go through this process's handler (JSON too).
     uvicorn.run(app, host=gateway.host, port=gateway.port, loop="uvloop",
-                http="httptools", log_level="warning", timeout_graceful_shutdown=5,
-                timeout_keep_alive=gateway.http_keep_alive_s)
+                http="httptools", log_level="warning", log_config=None,
+                timeout_graceful_shutdown=5, timeout_keep_alive=gateway.http_keep_alive_s)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from core.channels import ControlServer
+from core.logs import about
 from core.messages import (
     Abort,
+    Alive,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -104,6 +106,9 @@ class Dispatcher:
         whichever worker prefills it. The prompt's tokens count once on each worker."""
         handle.assignment.prefill_worker = route.prefill.worker_id
         handle.assignment.decode_worker = route.decode.worker_id
+        log.info("request %s: prefill on %s, decode on %s (%s)", handle.request_id,
+                 route.prefill.worker_id, route.decode.worker_id, route.path,
+                 extra=about(handle.key))
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
             route.decode.kv_address, siblings or [], handle.traceparent))
@@ -130,12 +135,16 @@ class Dispatcher:
 
     async def watch_liveness(self, interval_s: float = 0.25) -> None:
         while True:
+            started = time.monotonic()
             await asyncio.sleep(interval_s)
+            if time.monotonic() - started > interval_s + self.registry.heartbeat_timeout_s / 2:
+                continue  # this loop itself stalled: read the beats waiting before judging
             for worker in self.registry.expire():
-                log.warning("%s stopped heartbeating: declared dead", worker.worker_id)
+                log.warning("%s sent no sign of life for %.1f s: declared dead",
+                            worker.worker_id, self.registry.heartbeat_timeout_s)
                 self._fail_worker_requests(worker, f"{worker.worker_id} died")
             for worker in self.registry.newly_stalled():
-                log.error("%s heartbeats but has computed nothing for %.0f s: stalled",
+                log.error("%s is alive but has got nowhere for %.0f s: stalled",
                           worker.worker_id, self.registry.stall_timeout_s)
                 self._fail_worker_requests(worker, f"{worker.worker_id} stalled")
             self._resume_lost_tokens()
@@ -148,7 +157,7 @@ class Dispatcher:
             gap_since = handle.output.gap_since
             if gap_since is not None and gap_since < lost_before:
                 log.warning("request %s lost token %d: resuming", handle.request_id,
-                            handle.output.next_index)
+                            handle.output.next_index, extra=about(handle.key))
                 self._recover_or_fail(handle, _LOST)
 
     def _resume_unheld(self) -> None:
@@ -157,7 +166,8 @@ class Dispatcher:
         lost_before = time.monotonic() - self.registry.heartbeat_timeout_s
         for handle in list(self.requests.values()):
             if handle.held_at < lost_before:
-                log.warning("request %s is held by no worker: resuming", handle.request_id)
+                log.warning("request %s is held by no worker: resuming", handle.request_id,
+                            extra=about(handle.key))
                 self._recover_or_fail(handle, _LOST)
 
     def _note_held(self, worker_id: str, held: list[Held]) -> None:
@@ -178,6 +188,8 @@ class Dispatcher:
             self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
                                                  message.token_id, message.finish_reason,
                                                  message.logprob, message.top, message.stages))
+        elif isinstance(message, Alive):
+            self.registry.beat(message)  # an unknown sender re-registers from its loop
         elif isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message):
                 self.control.send(worker_id, RegisterAgain("unknown worker or instance"))
@@ -222,7 +234,8 @@ class Dispatcher:
         handle = self.requests.get(message.request_id)
         if handle is None or handle.epoch != message.epoch:
             return
-        log.warning("request %s failed: %s", message.request_id, message.reason)
+        log.warning("request %s failed: %s", message.request_id, message.reason,
+                    extra=about(message.key))
         if not message.retry:
             self._fail(handle, _UNSERVED)
             return

@@ -75,7 +75,8 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.monotonic()
-        body = parse_chat_request(await self._read_body(request))
+        # Off the loop: a response_format's schema is checked with xgrammar, slow the first time.
+        body = await asyncio.to_thread(parse_chat_request, await self._read_body(request))
         self.ignored.check(body)
         self._check_model(body.model)
         gateway = self.state.config.gateway
@@ -91,7 +92,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
-        body = parse_completion_request(await self._read_body(request))
+        body = await asyncio.to_thread(parse_completion_request, await self._read_body(request))
         self.ignored.check(body)
         self._check_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]

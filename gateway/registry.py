@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.config import ROLES, Role
-from core.messages import Heartbeat, Register, RegisterReply
+from core.messages import Alive, Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.prefix_index import PrefixIndex
 from gateway.totals import WorkerTotals
@@ -43,12 +43,14 @@ class WorkerInfo:
     kv_address: str
     block_size: int
     num_blocks: int
-    last_seen: float
+    last_seen: float  # its last sign of life: an Alive beat or a loop heartbeat
     load: Heartbeat | None = None  # as last reported; routing uses `active` instead
     active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill: routed
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
+    reported_at: float = 0.0  # its loop's last heartbeat (or its registration)
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
+    wedged: bool = False  # stalled because its loop sent no heartbeat for the stall timeout
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
     host: str = ""  # the machine it said it runs on
 
@@ -127,6 +129,7 @@ class Registry:
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
             prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
             host=message.host,
+            reported_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
             info.active = previous.active  # the same process registering again keeps its requests
@@ -148,24 +151,37 @@ class Registry:
         moved = info.load is not None and message.progress != info.load.progress
         if moved or not info.busy:
             info.progressed_at = now
-        if info.stalled and moved:  # only new progress clears a stall
-            info.stalled = False
-            self._note("recovered", info, "computing again")
-        info.last_seen = now
+        # Only new progress clears a stall, or a wedged loop coming back with nothing to do.
+        back_idle = info.wedged and not (message.running or message.waiting)
+        if info.stalled and (moved or back_idle):
+            info.stalled = info.wedged = False
+            self._note("recovered", info, "computing again" if moved else "its loop reports again")
+        info.last_seen = info.reported_at = now
         info.load = message
         info.unreachable = False
         self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
         return True
 
+    def beat(self, message: Alive) -> bool:
+        """A worker's liveness beat; False when the sender is not a registered instance."""
+        info = self.workers.get(message.worker_id)
+        if info is None or info.instance_id != message.instance_id:
+            return False
+        info.last_seen = time.monotonic()
+        return True
+
     def newly_stalled(self) -> list[WorkerInfo]:
-        """Mark and return the workers that had work but computed nothing for the stall
-        timeout (a wedged loop that still heartbeats); they get no new requests."""
+        """Mark and return the workers alive but not getting on (they get no new requests):
+        those that had work and computed nothing for the stall timeout, and those whose loop
+        sent no heartbeat that long (wedged in a step, while its beats go on)."""
         deadline = time.monotonic() - self.stall_timeout_s
-        stalled = [w for w in self.workers.values() if not w.stalled and w.busy
-                   and w.progressed_at < deadline]
+        stalled = [w for w in self.workers.values() if not w.stalled and (
+            (w.busy and w.progressed_at < deadline) or w.reported_at < deadline)]
         for worker in stalled:
             worker.stalled = True
-            self._note("stalled", worker, f"no progress for {self.stall_timeout_s:g} s")
+            worker.wedged = not (worker.busy and worker.progressed_at < deadline)
+            why = "no heartbeat from its loop" if worker.wedged else "no progress"
+            self._note("stalled", worker, f"{why} for {self.stall_timeout_s:g} s")
         return stalled
 
     def expire(self) -> list[WorkerInfo]:

@@ -13,6 +13,7 @@ import zmq
 
 from core.codec import MalformedMessage
 from core.curve import CurveKeys, CurveServer
+from core.logs import about
 from kvtransfer.base import BadChunk, TransferCounters
 from kvtransfer.cuda_ipc import CudaIpcReader
 from kvtransfer.shm import ShmReader
@@ -130,7 +131,8 @@ class KVReceiver:
         return reader.read(header)
 
     def _reject(self, header: KVHeader, exc: BadChunk) -> KVRejected:
-        log.warning("dropped KV chunk for %s: %s", header.request_id, exc)
+        log.warning("dropped KV chunk for %s: %s", header.request_id, exc,
+                    extra=about(header.key))
         self.dropped[exc.kind] += 1
         return KVRejected(header.request_id, header.epoch, str(exc))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.config import Config
+from core.logs import about
 from core.messages import (
     Abort,
     FinishReason,
@@ -32,7 +33,7 @@ from engine.kv.prefix_cache import PrefixCache
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
-from engine.sampling.grammar import GrammarError, Grammars
+from engine.sampling.grammar import Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import make_sender
@@ -80,11 +81,14 @@ class PrefillWorker(Worker):
         self.in_step: set[RequestKey] = set()  # the prompts in the forward pass now
         self.aborted_in_step: set[RequestKey] = set()
         self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
+        self.compiling: dict[RequestKey, PrefillRequest] = {}  # until their grammar compiles
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):
             self._add(message)
         elif isinstance(message, Abort):
+            if self.compiling.pop(message.key, None) is not None:
+                return
             if message.key in self.in_step:
                 self.aborted_in_step.add(message.key)  # it stops streaming at the next layer
             elif self.scheduler.abort(message.key):
@@ -93,21 +97,35 @@ class PrefillWorker(Worker):
             log.warning("prefill worker ignored %s", type(message).__name__)
 
     def _add(self, request: PrefillRequest) -> None:
-        """Queue the request (unless it is here already), once its grammar (if any) compiles;
-        compiled now, it is cached for the draw and for later requests."""
-        if request.key in self.scheduler.held():
+        """Queue the request (unless it is here already) once its grammar, if any, has
+        compiled: until then it waits in `compiling`, off the scheduler."""
+        if request.key in self.scheduler.held() or request.key in self.compiling:
             return  # a repeat
-        if request.task.grammar:
-            try:
-                self.grammars.compiled(request.task.grammar)
-            except GrammarError as exc:
-                self.control.send(RequestFailed(request.request_id, request.epoch,
-                                                f"invalid grammar: {exc}"))
-                return
+        log.info("request %s: %d prompt tokens", request.request_id,
+                 len(request.task.prompt_ids), extra=about(request.key))
+        if request.task.grammar and not self.grammars.ready(request.task.grammar):
+            self.compiling[request.key] = request
+            return
+        self._schedule(request)
+
+    def _schedule(self, request: PrefillRequest) -> None:
+        problem = self.grammars.problem(request.task.grammar) if request.task.grammar else None
+        if problem is not None:
+            log.warning("request %s: %s", request.request_id, problem, extra=about(request.key))
+            self.control.send(RequestFailed(request.request_id, request.epoch, problem))
+            return
         self.scheduler.add(request, time.monotonic())
         self.arrivals[request.key] = time.monotonic()
 
+    def _schedule_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled since."""
+        for key, request in list(self.compiling.items()):
+            if self.grammars.ready(request.task.grammar):
+                del self.compiling[key]
+                self._schedule(request)
+
     def step(self) -> bool:
+        self._schedule_compiled()
         chunks = self.scheduler.schedule(self.cache.num_available, self._start)
         stopped = self._stop_broken_handoffs()  # announced to nobody: compute nothing for them
         chunks = [c for c in chunks if c.prompt.key not in stopped]
@@ -228,6 +246,8 @@ class PrefillWorker(Worker):
         first = FirstToken(request.request_id, request.epoch, token.token_id, reason,
                            job.cached, token.logprob, token.top, job.timeline.prefill_stages())
         self.control.send(first)
+        log.info("request %s: first token, %d prompt tokens cached", request.request_id,
+                 job.cached, extra=about(request.key))
         failure = self.stream.finish(first)
         if failure is not None:
             self._report_failure(request, failure, reason)
@@ -243,6 +263,7 @@ class PrefillWorker(Worker):
         but its own when its first token finished it (`first_finish`)."""
         for key in choice_keys(request):
             if key != request.key or first_finish is None:
+                log.warning("request %s: %s", key.request_id, failure, extra=about(key))
                 self.control.send(RequestFailed(*key, failure, retry=True))
 
     def heartbeat(self) -> Heartbeat:
@@ -260,9 +281,12 @@ class PrefillWorker(Worker):
         """Queued and in-progress prompts, with their other choices (n > 1), but not those
         aborted mid-step."""
         requests = [p.request for p in [*self.scheduler.waiting, *self.scheduler.running]]
+        requests += self.compiling.values()
         return [Held(*key) for r in requests if r.key not in self.aborted_in_step
                 for key in choice_keys(r)]
 
     def close(self) -> None:
+        self.grammars.close()
         self.sender.close()
         super().close()
+

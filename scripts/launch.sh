@@ -3,7 +3,7 @@
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
 #                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin] [--kv-backend shm]
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
-#                     [--otlp-endpoint URL]
+#                     [--otlp-endpoint URL] [--log-format text|json]
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
@@ -20,7 +20,7 @@ if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) ))
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
-RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND=""
+RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND="" LOG_FORMAT=""
 GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP=""
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
@@ -40,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --no-pin) PIN=0; shift ;;
     --kv-backend) KV_BACKEND="$2"; shift 2 ;;
     --otlp-endpoint) OTLP="$2"; shift 2 ;;
+    --log-format) LOG_FORMAT="$2"; shift 2 ;;  # every process's log, json: a JSON object a line
     --api-key|--api-key-file) GATEWAY_AUTH+=("$1" "$2"); shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown flag $1" >&2; usage 2 ;;
@@ -56,6 +57,7 @@ COMMON=(--config "$CONFIG" --control-address "$CONTROL" "${SETTINGS[@]}")
 [[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
 [[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
 [[ -n "$OTLP" ]] && COMMON+=(--otlp-endpoint "$OTLP")
+[[ -n "$LOG_FORMAT" ]] && COMMON+=(--log-format "$LOG_FORMAT")
 # Fresh CURVE keys for this run (folder 0700, files 0600): only these processes may talk on the
 # internal sockets (control and KV); see core/curve.py.
 "$RAGING_PY" -m core.curve generate "$RUN_DIR/curve" >/dev/null

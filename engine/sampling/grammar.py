@@ -3,9 +3,12 @@ draw next, shared by the prefill worker (first token) and the decode worker."""
 
 from __future__ import annotations
 
-import functools
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,45 +66,71 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bitmask.unsqueeze(1) >> _BITS) & 1).bool().flatten()[:vocab_size]
 
 
+@dataclass(frozen=True)
+class _Tables:
+    """What every grammar of a vocabulary compiles against."""
+
+    tokenizer_info: xgr.TokenizerInfo
+    compiler: xgr.GrammarCompiler
+    control_tokens: torch.Tensor  # bool [vocab]
+
+
 class Grammars:
-    """A worker's grammar compiler: the tokenizer's vocabulary is read from the model folder
-    once, at the first grammar; compiled grammars are kept by their text (LRU)."""
+    """A worker's grammar compiler, off its loop: one thread of its own builds the vocabulary
+    tables as soon as it is made, then compiles each grammar `prepare` is given (cached by
+    text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both run in C++
+    for the most part; the loop (and its heartbeats) go on meanwhile."""
 
     def __init__(self, model_dir: Path, vocab_size: int, cache_size: int = 64) -> None:
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
-        self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
+        self.cache_size = cache_size
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._tables = self._thread.submit(self._build_tables)
+        self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
 
-    @functools.cached_property
-    def tokenizer_info(self) -> xgr.TokenizerInfo:
-        tokenizer = load_tokenizer(self.model_dir)
-        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+    def prepare(self, grammar: str) -> Future[xgr.CompiledGrammar]:
+        """The compilation of a task's `grammar` text, started now unless cached."""
+        future = self._compiled.get(grammar)
+        if future is None:
+            future = self._thread.submit(self._compile, grammar)
+            self._compiled[grammar] = future
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return future
 
-    @functools.cached_property
-    def compiler(self) -> xgr.GrammarCompiler:
-        return xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
-
-    @functools.cached_property
-    def control_tokens(self) -> torch.Tensor:
-        """Tokens holding a control byte (below 0x20): JSON allows none unescaped, and with
-        compact separators not even as whitespace, yet xgrammar's string rule lets them in."""
-        vocab = self.tokenizer_info.decoded_vocab
-        has_control = [any(byte < 0x20 for byte in token) for token in vocab]
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[:len(has_control)] = torch.tensor(has_control[:self.vocab_size])
-        return mask
+    def ready(self, grammar: str) -> bool:
+        """Whether `grammar` has compiled (or failed to); starts it when new."""
+        return self.prepare(grammar).done()
 
     def compiled(self, grammar: str) -> xgr.CompiledGrammar:
-        """The compiled grammar of a task's `grammar` text; GrammarError if it has none."""
+        """The compiled grammar, waiting for it if need be; GrammarError if it has none."""
         try:
-            return self._compiled(grammar)
+            return self.prepare(grammar).result()
         except RuntimeError as exc:  # xgrammar's error for a bad or unsupported schema
             raise GrammarError(str(exc).strip()) from None
+
+    def problem(self, grammar: str) -> str | None:
+        """Why a grammar that is `ready` cannot be used; None when it can."""
+        try:
+            self.compiled(grammar)
+        except GrammarError as exc:
+            return f"invalid grammar: {exc}"
+        return None
+
+    @property
+    def control_tokens(self) -> torch.Tensor:
+        return self._tables.result().control_tokens
+
+    def close(self) -> None:
+        """Stop compiling: queued grammars are dropped, one compiling now finishes."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     def constraint(self, task: GenerationTask, eos_token_ids: tuple[int, ...]
                    ) -> Constraint | None:
         """A fresh constraint for the task's grammar (None without one), advanced over the
-        output a resumed request has streamed already."""
+        output a resumed request has streamed already. Waits for the grammar unless `ready`."""
         if not task.grammar:
             return None
         stops = list(stop_tokens(task, eos_token_ids) or eos_token_ids) or None
@@ -113,7 +142,29 @@ class Grammars:
             constraint.advance(token_id)
         return constraint
 
+    def _build_tables(self) -> _Tables:
+        started = time.monotonic()
+        tokenizer = load_tokenizer(self.model_dir)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        tables = _Tables(info, compiler, _control_tokens(info, self.vocab_size))
+        log.info("grammar tables ready in %.2f s", time.monotonic() - started)
+        return tables
+
     def _compile(self, grammar: str) -> xgr.CompiledGrammar:
         # Compact separators: with free whitespace a model can loop on spaces forever.
         schema = ANY_OBJECT_SCHEMA if grammar == JSON_OBJECT else grammar
-        return self.compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+        started = time.monotonic()
+        compiled = self._tables.result().compiler.compile_json_schema(
+            schema, any_whitespace=False, strict_mode=True)
+        log.info("grammar compiled in %.2f s", time.monotonic() - started)
+        return compiled
+
+
+def _control_tokens(info: xgr.TokenizerInfo, vocab_size: int) -> torch.Tensor:
+    """Tokens holding a control byte (below 0x20): JSON allows none unescaped, and with
+    compact separators not even as whitespace, yet xgrammar's string rule lets them in."""
+    has_control = [any(byte < 0x20 for byte in token) for token in info.decoded_vocab]
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[:len(has_control)] = torch.tensor(has_control[:vocab_size])
+    return mask

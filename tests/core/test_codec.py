@@ -13,6 +13,7 @@ import pytest
 from core.codec import Codec, MalformedMessage
 from core.messages import (
     Abort,
+    Alive,
     DecodeRequest,
     FirstToken,
     GenerationTask,
@@ -36,7 +37,7 @@ from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, Placement
 
 MESSAGE_TYPES = (
     Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
-    FirstToken, TokenBatch, Abort, RequestFailed,
+    FirstToken, TokenBatch, Abort, RequestFailed, Alive,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -51,6 +52,7 @@ SAMPLES: list[Message] = [
     RegisterReply(False, "KV layout mismatch"),
     RegisterAgain("unknown worker"),
     Leave("d1", "inst"),
+    Alive("d1", "inst"),
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),

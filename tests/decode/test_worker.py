@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from core.messages import (
     decode,
     encode,
 )
+from decode.phases import Phase
 from decode.worker import DecodeWorker
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
@@ -376,6 +378,27 @@ def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker)
     assert decode_worker.incoming.dropped["duplicate request"] == 1
 
 
+def compiled(worker: DecodeWorker, grammar: str) -> None:
+    """Wait for the worker's grammar thread to be done with `grammar`."""
+    worker.grammars.prepare(grammar).exception(timeout=120)
+
+
+def test_an_abort_while_its_grammar_compiles_ends_it_there(worker: Served) -> None:
+    decode_worker, gateway = worker
+    grammar = json.dumps({"type": "object", "properties": {"z": {"type": "integer"}}})
+    blocker = threading.Event()
+    decode_worker.grammars._thread.submit(blocker.wait, 120)  # the grammar thread held up
+    arrive(decode_worker, "gone", 100, grammar_task(grammar))
+    key = RequestKey("gone", 0)
+    assert decode_worker.phases.of(key) is Phase.COMPILING and not decode_worker.step()
+    decode_worker.handle(Abort(*key))
+    blocker.set()
+    compiled(decode_worker, grammar)
+    assert not decode_worker.step() and admitted(decode_worker) == []
+    assert decode_worker.phases.of(key) is Phase.ENDED and key not in decode_worker.phases.held()
+    assert failures(sent_to_gateway(decode_worker, gateway)) == []
+
+
 def grammar_task(grammar: str) -> GenerationTask:
     return GenerationTask(list(range(10, 10 + PROMPT_LEN)), Sampling(temperature=1.0, seed=4),
                           100, [], False, grammar=grammar)
@@ -387,6 +410,9 @@ def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) 
     schema = {"type": "object", "properties": {"k": {"enum": ["v", "w"]}}, "required": ["k"]}
     (brace,) = tokenizer.encode("{")
     arrive(decode_worker, "json", 100, grammar_task(json.dumps(schema)), token_id=brace)
+    assert decode_worker.phases.of(RequestKey("json", 0)) is Phase.COMPILING
+    assert RequestKey("json", 0) in decode_worker.phases.held()
+    compiled(decode_worker, json.dumps(schema))
     output, finish = [brace], None
     while finish is None:
         assert decode_worker.step()
@@ -401,6 +427,8 @@ def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) 
 def test_a_grammar_that_does_not_compile_fails_at_admission(worker: Served) -> None:
     decode_worker, gateway = worker
     arrive(decode_worker, "bad", 100, grammar_task(json.dumps({"type": "bogus"})))
+    compiled(decode_worker, json.dumps({"type": "bogus"}))
+    assert not decode_worker.step()
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
     assert "invalid grammar" in failed.reason and admitted(decode_worker) == []
 

@@ -6,7 +6,7 @@ import time
 from typing import cast
 
 from core.config import Role
-from core.messages import Heartbeat, Register
+from core.messages import Alive, Heartbeat, Register
 from gateway.registry import LocalPrefill, Registry, WorkerInfo
 
 FP = "smollm2|float32|30|3|64|16"
@@ -356,15 +356,44 @@ def test_a_worker_with_work_and_no_progress_stalls_after_the_timeout() -> None:
 def test_an_idle_worker_never_stalls() -> None:
     reg = stall_registry(0.1)
     beat(reg, "d1", progress=5)
+    beat(reg, "p1", progress=0)
     time.sleep(0.15)
     beat(reg, "d1", progress=5)
+    beat(reg, "p1", progress=0)
     assert reg.newly_stalled() == [] and reg.ready()
+
+
+def test_a_loop_silent_for_the_stall_timeout_stalls_though_alive() -> None:
+    """Its Alive beats go on (a thread of its own) while its loop sends no heartbeat: wedged
+    in a step. It is alive, not routed to, and serves again once it reports with no work."""
+    reg = stall_registry(0.2)
+    beat(reg, "d1", progress=5)
+    for _ in range(3):
+        time.sleep(0.1)
+        assert reg.beat(Alive("d1", "i0")) and reg.beat(Alive("p1", "i0"))
+        beat(reg, "p1", progress=0)
+    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    assert reg.expire() == [] and reg.pick_decode() is None
+    beat(reg, "d1", progress=5)
+    assert not reg.workers["d1"].stalled and picked(reg.pick_decode()) == "d1"
+
+
+def test_alive_beats_keep_a_worker_alive_and_only_its_own_instance() -> None:
+    reg = Registry(FP, 0.2, 1, 1)
+    reg.register(register("d1", "decode"))
+    for _ in range(4):
+        time.sleep(0.1)
+        assert reg.beat(Alive("d1", "i0"))
+        assert reg.expire() == []
+    assert not reg.beat(Alive("d1", "another")) and not reg.beat(Alive("d9", "i0"))
+    time.sleep(0.25)
+    assert [w.worker_id for w in reg.expire()] == ["d1"]
 
 
 def test_only_progress_clears_a_stall() -> None:
     reg = stall_registry(0.0)
     beat(reg, "d1", progress=5, running=1)
-    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    assert "d1" in [w.worker_id for w in reg.newly_stalled()]  # p1, silent, too
     beat(reg, "d1", progress=5)  # its requests were moved away: idle, yet not progressing
     assert reg.workers["d1"].stalled and reg.pick_decode() is None
     beat(reg, "d1", progress=6, running=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -38,6 +39,7 @@ from prefill.worker import PrefillWorker
 
 LAYERS = 6
 WAIT_S = 5.0
+GRAMMAR_WAIT_S = 120.0  # the vocabulary tables, on a loaded machine
 
 
 @pytest.fixture
@@ -184,9 +186,16 @@ def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver
     to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
     time.sleep(0.1)
     worker.take_control()
+    compiled(worker, task.grammar)
     assert worker.step()
     (first,) = [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
     return first
+
+
+def compiled(worker: PrefillWorker, grammar: str) -> None:
+    """Wait for the worker's grammar thread to be done with `grammar` (if any)."""
+    if grammar:
+        worker.grammars.prepare(grammar).exception(timeout=GRAMMAR_WAIT_S)
 
 
 def test_a_cached_prefix_is_reused_and_gives_the_same_kv_and_token(setup) -> None:
@@ -224,9 +233,35 @@ def test_a_grammar_that_does_not_compile_fails_the_request(setup) -> None:
     to_worker(gateway, PrefillRequest("bad", 0, bad, "decode-0", receiver.address))
     time.sleep(0.1)
     worker.take_control()
+    compiled(worker, bad.grammar)
     assert not worker.step()
     (failed,) = from_worker(gateway)
     assert isinstance(failed, RequestFailed) and "invalid grammar" in failed.reason
+    assert worker.holding() == []
+
+
+def test_a_request_waits_for_its_grammar_held_and_abortable_off_the_loop(setup) -> None:
+    """Its grammar compiles on the grammar thread: the loop's steps go on meanwhile (nothing to
+    compute), the request is held all along, and it is prefilled once the grammar is ready."""
+    worker, gateway, receiver = setup
+    schemas = [json.dumps({"type": "object", "properties": {f"k{i}": {"enum": ["v"]}},
+                           "required": [f"k{i}"]}) for i in range(2)]
+    for request_id, schema in zip(("waits", "aborted"), schemas, strict=True):
+        task = grammar_task(schema, list(range(30, 40)))
+        to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
+    blocker = threading.Event()
+    worker.grammars._thread.submit(blocker.wait, GRAMMAR_WAIT_S)  # the grammar thread held up
+    time.sleep(0.1)
+    worker.take_control()
+    assert not worker.step() and not worker.step()  # nothing ready: nothing computed, no wait
+    assert {h.request_id for h in worker.holding()} == {"waits", "aborted"}
+    worker.handle(Abort("aborted", 0))
+    blocker.set()
+    for schema in schemas:
+        compiled(worker, schema)
+    assert worker.step()
+    assert [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)] == ["waits"]
+    assert worker.holding() == []
 
 
 def test_the_first_token_follows_the_grammar_after_resumed_output(setup) -> None:

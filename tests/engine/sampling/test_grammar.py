@@ -4,7 +4,9 @@ valid JSON matching the schema."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -202,3 +204,65 @@ def test_no_raw_control_character_inside_a_string(
     control = {t for t in allowed if any(ch < " " for ch in decode_text(tokenizer, [t]))}
     assert allowed and control == set()
     assert grammars.control_tokens[tokenizer.convert_tokens_to_ids("ā")]  # byte 0x01
+
+
+def tool_calls_schema(tools: int, params: int) -> dict[str, Any]:
+    """What `tool_choice: required` asks for: an array of {"name": const, "arguments": {...}}
+    calls, one anyOf branch per tool."""
+    def call(i: int) -> dict[str, Any]:
+        arguments = {"type": "object", "additionalProperties": False,
+                     "properties": {f"p{j}": {"type": "string", "maxLength": 8}
+                                    for j in range(params)},
+                     "required": [f"p{j}" for j in range(params)]}
+        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": f"tool_{i}"}, "arguments": arguments}}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [call(i) for i in range(tools)]}}
+
+
+def test_a_grammar_compiles_off_the_callers_thread_and_is_cached_by_its_text(
+        tiny_model_dir: Path) -> None:
+    fresh = Grammars(tiny_model_dir, vocab_size=49152)
+    try:
+        text = json.dumps(tool_calls_schema(40, 4))
+        future = fresh.prepare(text)
+        # The vocabulary tables alone take a while: the caller is back long before.
+        assert not future.done() and not fresh.ready(text)
+        future.result(timeout=120)
+        assert fresh.ready(text) and fresh.prepare(text) is future
+        assert fresh.problem(text) is None
+        assert fresh.constraint(task(text), (EOS,)) is not None
+    finally:
+        fresh.close()
+
+
+def test_a_bad_grammar_is_ready_with_its_problem(grammars: Grammars) -> None:
+    text = json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
+    grammars.prepare(text).exception(timeout=120)
+    problem = grammars.problem(text)
+    assert grammars.ready(text) and problem is not None and problem.startswith("invalid grammar")
+
+
+def test_the_cache_forgets_the_least_recently_used_text(tiny_model_dir: Path) -> None:
+    small = Grammars(tiny_model_dir, vocab_size=49152, cache_size=2)
+    try:
+        first, second, third = (json.dumps({"enum": [name]}) for name in "abc")
+        kept = small.prepare(first)
+        small.prepare(second)
+        assert small.prepare(first) is kept  # used again: the most recent now
+        small.prepare(third)  # evicts `second`
+        assert small.prepare(first) is kept and small.prepare(second).result(timeout=120)
+    finally:
+        small.close()
+
+
+def test_a_long_compile_lets_other_threads_run(grammars: Grammars) -> None:
+    """xgrammar compiles in C++ with the GIL released: a thread of the worker's (its
+    heartbeats) keeps running, in steps far shorter than the heartbeat interval."""
+    grammars.compiled(ONLY_TEXT)  # the tables built
+    future = grammars.prepare(json.dumps(tool_calls_schema(200, 8)))
+    ticks = []
+    while not future.done():
+        ticks.append(time.monotonic())
+        time.sleep(0.01)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(ticks)]
+    assert len(ticks) > 10 and max(gaps) < 0.5, (len(ticks), max(gaps, default=0))
