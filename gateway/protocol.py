@@ -615,10 +615,11 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
     from `defaults` (sampling values, the max_tokens cap)."""
     defaults = defaults or GenerationDefaults()
     stream = bool(req.stream)
+    temperature = _given(req.temperature, defaults.temperature)
     return GenerationParams(
         max_tokens=_max_tokens(req, defaults.max_tokens),
         default_max_tokens=_default_max_tokens(req, defaults.max_tokens),
-        temperature=_given(req.temperature, defaults.temperature),
+        temperature=temperature,
         top_p=_given(req.top_p, defaults.top_p),
         top_k=max(_given(req.top_k, defaults.top_k), 0),
         min_p=_given(req.min_p, defaults.min_p),
@@ -633,7 +634,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=_given(_given(req.repetition_penalty, req.repeat_penalty),
-                                  defaults.repetition_penalty),
+                                  _default_penalty(temperature, defaults)),
         min_tokens=req.min_tokens or 0,
         logprobs=_logprobs(req),
         grammar=req.response_format.grammar if req.response_format else "",
@@ -648,6 +649,12 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
 
 
 _T = TypeVar("_T")
+
+
+def _default_penalty(temperature: float, defaults: GenerationDefaults) -> float:
+    """A greedy request gets no default repetition penalty: its output stays the model's own
+    greedy output (what transformers' generate gives); a sampled one gets the default's."""
+    return defaults.repetition_penalty if temperature > 0 else 1.0
 
 
 def _given(value: _T | None, default: _T) -> _T:

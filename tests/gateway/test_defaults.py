@@ -68,6 +68,17 @@ def test_the_request_s_values_win_over_the_defaults() -> None:
     assert (params.repetition_penalty, params.max_tokens) == (1.2, 7)
 
 
+def test_a_greedy_request_gets_no_default_repetition_penalty() -> None:
+    def penalty(**fields: object) -> float:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           **fields}).encode()
+        return generation_params(parse_chat_request(body), CONFIGURED).repetition_penalty
+
+    assert penalty(temperature=0) == 1.0  # the model's own greedy output
+    assert penalty() == penalty(temperature=0.7) == 1.05  # sampled: the default's
+    assert penalty(temperature=0, repetition_penalty=1.3) == 1.3  # asked for: given
+
+
 def test_the_cap_applies_to_requests_that_set_no_max_tokens() -> None:
     chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert generation_params(parse_chat_request(chat), CONFIGURED).default_max_tokens == 300

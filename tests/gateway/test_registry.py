@@ -470,13 +470,15 @@ def test_membership_events_follow_joins_restarts_stalls_and_deaths() -> None:
     reg.register(register("d1", "decode", instance="i1"))
     reg.register(register("x1", fingerprint="other"))
     assert reg.heartbeat(Heartbeat("d1", "i1", 0, 100, 1, 0, progress=5))
-    assert [w.worker_id for w in reg.newly_stalled()] == ["d1"]
+    # p1's loop has never reported: under a zero stall timeout, that is a stall too.
+    assert [w.worker_id for w in reg.newly_stalled()] == ["p1", "d1"]
     assert reg.heartbeat(Heartbeat("d1", "i1", 0, 100, 1, 0, progress=6))
     assert reg.remove("p1") is not None and reg.remove("p1") is None
     time.sleep(0.25)
     assert [w.worker_id for w in reg.expire()] == ["d1"]
     assert events(reg) == [("registered", "p1"), ("registered", "d1"), ("restarted", "d1"),
-                           ("refused", "x1"), ("stalled", "d1"), ("recovered", "d1"),
+                           ("refused", "x1"), ("stalled", "p1"), ("stalled", "d1"),
+                           ("recovered", "d1"),
                            ("left", "p1"), ("dead", "d1")]
     first = reg.events[0]
     assert (first.role, first.host) == ("prefill", "host-a") and first.at <= time.time()
