@@ -166,9 +166,11 @@ def test_bad_words_and_allowed_token_ids_change_what_is_drawn(cluster: Cluster,
                                      extra_body={"allowed_token_ids": allowed,
                                                  "ignore_eos": True})
     assert set(_tokenize(cluster, only.choices[0].text)) <= set(allowed)
-    # min_p 1 keeps only the most likely token: greedy, whatever the temperature.
+    # min_p 1 keeps only the most likely token: greedy, whatever the temperature (with the
+    # greedy request's penalty: none, where a sampled one gets the default's).
     hot = client.completions.create(model=SERVED[0], prompt=prompt, temperature=1.5,
-                                    max_tokens=6, extra_body={"min_p": 1.0})
+                                    max_tokens=6,
+                                    extra_body={"min_p": 1.0, "repetition_penalty": 1.0})
     assert hot.choices[0].text == greedy
 
 

@@ -100,7 +100,7 @@ def test_stage_histograms_count_each_stage_of_each_request(untraced: Cluster) ->
     machine, its messages late, may add its new epoch's worker stages)."""
     client = openai_client(untraced)
     before = stage_counts(untraced)
-    resumed_before = untraced.metric("raging_requests_resumed")
+    resumed_before = untraced.metric("raging_requests_resumed_total")
     for prompt, stream in ((LONG, False), (LONG, True), (LONG, False), (SHORT, True),
                            (SHORT, False)):
         if stream:
@@ -114,7 +114,7 @@ def test_stage_histograms_count_each_stage_of_each_request(untraced: Cluster) ->
                 extra_body={"ignore_eos": True})
             assert whole.choices[0].finish_reason == "length"
     after = stage_counts(untraced)
-    resumes = untraced.metric("raging_requests_resumed") - resumed_before
+    resumes = untraced.metric("raging_requests_resumed_total") - resumed_before
     grown = {stage: after[stage] - before[stage] for stage in STAGES}
     expected = {"gateway_queue": 5, "prefill_wait": 5, "prefill_compute": 5, "kv_transfer": 3,
                 "first_decode": 5}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -118,12 +120,13 @@ def test_workers_without_a_heartbeat_export_no_transfer_series() -> None:
 
 
 def test_progress_and_stalls_are_exported_per_worker() -> None:
-    registry = Registry(FP, 3.0, 1, 1, stall_timeout_s=0.0)
+    registry = Registry(FP, 3.0, 1, 1, stall_timeout_s=0.05)
     roles: tuple[tuple[str, Role], ...] = (("prefill-0", "prefill"), ("decode-0", "decode"))
     for worker_id, role in roles:
         assert registry.register(Register(worker_id, "i0", role, "", FP, 16, 100))[0].accepted
-    assert registry.heartbeat(Heartbeat("prefill-0", "i0", 0, 100, 0, 0, progress=60))
     assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
+    time.sleep(0.06)  # decode-0 has work and no progress past the stall timeout
+    assert registry.heartbeat(Heartbeat("prefill-0", "i0", 0, 100, 0, 0, progress=60))
     assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
     assert [w.worker_id for w in registry.newly_stalled()] == ["decode-0"]
     found = samples(Metrics().render(registry, 0).decode())
