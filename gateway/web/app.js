@@ -213,7 +213,10 @@ function timingLine(timing) {
   line.className = "timing";
   const entries = [];
   const collect = (prefix, value) => {
-    if (typeof value === "number") entries.push(`${prefix.replace(/_ms$/, "")} ${value.toFixed(1)} ms`);
+    if (typeof value === "number") {
+      entries.push(prefix.endsWith("_ms") ? `${prefix.slice(0, -3)} ${value.toFixed(1)} ms`
+                                          : `${prefix} ${value}`);  // a count, as resumed
+    }
     else if (value && typeof value === "object") {
       for (const [name, inner] of Object.entries(value)) collect(prefix ? `${prefix}.${name}` : name, inner);
     }
