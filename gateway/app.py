@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import zmq.asyncio
 from starlette.applications import Starlette
@@ -31,31 +32,58 @@ def build_app(state: GatewayState) -> Starlette:
     """The gateway's app; raises auth.KeysError when the configured API keys are unusable."""
     keys = auth.load_keys(state.config.auth)
     auth.log_auth_state(state.config.gateway.host, keys)
-    routes = OpenAIRoutes(state)
+    routes, service = OpenAIRoutes(state), ServiceRoutes(state)
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/version", service.version, methods=["GET"]),
+            Route("/ping", service.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) probe
+            Route("/health", service.health, methods=["GET"]),
+            Route("/metrics", service.metrics, methods=["GET"]),
+            Route("/v1/cluster", cluster_route(state), methods=["GET"]),
+            *page_routes(),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                            ClientDisconnect: _client_gone, Exception: _unexpected_error},
+        middleware=auth.middleware(keys),
+        lifespan=_lifespan(state),
+    )
 
-    async def health(request: Request) -> Response:
-        if not state.control_plane_up():
+
+class ServiceRoutes:
+    """The routes about the server itself: /health (and /ping), /metrics, /version."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def health(self, request: Request) -> Response:
+        if not self.state.control_plane_up():
             return JSONResponse({"status": "control plane stopped"}, status_code=503)
-        registry = state.registry
+        registry = self.state.registry
         status = registry.health()
         stalled = sorted(w.worker_id for w in registry.workers.values() if w.stalled)
         body = {"status": status, "prefill": len(registry.serving("prefill")),
                 "decode": len(registry.serving("decode")), "stalled": stalled}
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
-    async def metrics(request: Request) -> Response:
-        dispatcher = state.dispatcher
-        text = state.metrics.render(state.registry, dispatcher.control.dropped,
-                                    dispatcher.aborts_sent, dispatcher.resumed,
-                                    rejected_peers=dispatcher.control.rejected_peers)
+    async def metrics(self, request: Request) -> Response:
+        dispatcher = self.state.dispatcher
+        text = self.state.metrics.render(self.state.registry, dispatcher.control.dropped,
+                                         dispatcher.aborts_sent, dispatcher.resumed,
+                                         rejected_peers=dispatcher.control.rejected_peers)
         return Response(text, media_type="text/plain; version=0.0.4")
 
-    async def version(request: Request) -> Response:
+    async def version(self, request: Request) -> Response:
         return JSONResponse({"version": server_version()})
 
-    async def ping(request: Request) -> Response:
-        """vLLM's (and SageMaker's) liveness probe: 200 while /health would be."""
-        return await health(request)
+
+def _lifespan(state: GatewayState) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """The control plane's tasks, started with the app and stopped with it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -79,26 +107,7 @@ def build_app(state: GatewayState) -> Starlette:
             if state.tracer is not None:
                 state.tracer.shutdown()
 
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
-            Route("/tokenize", routes.tokenize, methods=["POST"]),
-            Route("/detokenize", routes.detokenize, methods=["POST"]),
-            Route("/version", version, methods=["GET"]),
-            Route("/ping", ping, methods=["GET", "POST"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/cluster", cluster_route(state), methods=["GET"]),
-            *page_routes(),
-        ],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                            ClientDisconnect: _client_gone, Exception: _unexpected_error},
-        middleware=auth.middleware(keys),
-        lifespan=lifespan,
-    )
+    return lifespan
 
 
 def _report_stopped(task: asyncio.Task[None]) -> None:
