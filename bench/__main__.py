@@ -48,6 +48,8 @@ from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
 from core.config import KV_BACKENDS, ModelConfig
+from engine.kernels.cpu.build import use_isa
+from engine.kernels.isa import ISA_NAMES, cpu_name
 from engine.model.linear import measure_quant_rows
 from engine.runner import set_threads, torch_dtype
 from engine.weights.dtypes import DTYPE_NAMES
@@ -305,7 +307,9 @@ def prepare_quant(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[],
         matrices = quant_products.load_matrices(args.model, ModelConfig().cache_dir, dtype)
         figures = quant_products.measure(matrices, dtype, args.rows, args.repeats)
         measured = measure_quant_rows(matrices, dtype)
-        print(quant_products.markdown(figures, args.dtype, args.threads, measured))
+        size = quant_products.quant_bytes(matrices)
+        read = quant_products.memory_read_gbps(size, args.repeats)
+        print(quant_products.markdown(figures, args.dtype, args.threads, measured, size, read))
         return 0
     return job
 
@@ -421,6 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the command line) and run the chosen subcommand."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--isa", choices=("auto", *ISA_NAMES), default="auto",
+                        help="the kernels' instruction set in this process's benchmarks "
+                             "(servers: --launch '... --set engine.isa=LEVEL')")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser(commands)
     runner_parser(commands)
@@ -435,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chunked_prefill.add_parser(commands)
     args = parser.parse_args(argv)
     try:
+        level = use_isa(args.isa)
+        print(f"kernels: {level.name} ({cpu_name() or 'unknown CPU'})", file=sys.stderr)
         job = args.prepare(args, argv)
     except ValueError as error:  # flags that parse but do not make sense together
         parser.error(str(error))

@@ -6,7 +6,9 @@ The real model's 211 matrices (30 layers' q/k/v, o, gate/up and down, and the LM
 worker holds them: dense in the layout its dtype gets (packed for oneDNN in bf16 on a CPU with
 bf16 instructions, the mapped file in fp32), and as 4-bit (layers) and 8-bit (LM head) quant blocks.
 Each row count is timed both ways, the median of `repeats` passes over every matrix; the last
-line gives the row count `model.quant_rows: -1` measures on this machine.
+lines give the row count `model.quant_rows: -1` measures on this machine, and the bytes read per
+second: every block once per pass (one row: a decode step of one sequence must read them all)
+against a plain read of as many bytes of memory, in the same run, as the physical limit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ class ProductFigure:
     @property
     def speedup(self) -> float:
         return self.dense_ms / self.quant_ms
+
+
+def quant_bytes(matrices: list[Matrices]) -> int:
+    """The bytes of every matrix's quant blocks: what one pass over them reads."""
+    return sum(int(q.packed.numel()) for m in matrices for q in m.quant)
+
+
+def memory_read_gbps(size: int, repeats: int) -> float:
+    """GB/s of summing `size` bytes of int32 memory, too big for the caches, with torch's
+    current threads: how fast this machine streams memory."""
+    data = torch.ones(max(size // 4, 1), dtype=torch.int32)
+    return size / _median_ms(data.sum, repeats) / 1e6
 
 
 def load_matrices(model: str, cache_dir: str, dtype: torch.dtype) -> list[Matrices]:
@@ -81,10 +95,13 @@ def _median_ms(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def markdown(figures: list[ProductFigure], dtype: str, threads: int, measured: int) -> str:
-    rows = [[str(f.rows), f"{f.dense_ms:.1f}", f"{f.quant_ms:.1f}", f"{f.speedup:.2f}x"]
-            for f in figures]
+def markdown(figures: list[ProductFigure], dtype: str, threads: int, measured: int,
+             blocks_bytes: int, read_gbps: float) -> str:
+    rows = [[str(f.rows), f"{f.dense_ms:.1f}", f"{f.quant_ms:.1f}", f"{f.speedup:.2f}x",
+             f"{blocks_bytes / f.quant_ms / 1e6:.1f}"] for f in figures]
     header = [f"rows ({dtype}, {threads} thread{'s' * (threads > 1)})", "dense ms",
-              "quant ms", "dense / quant"]
+              "quant ms", "dense / quant", "quant blocks GB/s"]
     return (table(header, rows) +
-            f"\n\nrows taken over the quant blocks (model.quant_rows: -1): {measured}")
+            f"\n\nrows taken over the quant blocks (model.quant_rows: -1): {measured}"
+            f"\nquant blocks: {blocks_bytes / 1e6:.1f} MB; a plain read of as many bytes: "
+            f"{read_gbps:.1f} GB/s")

@@ -15,6 +15,7 @@ from bench.goodput_results import GoodputResults, ModeRun, Point
 from bench.results import Measured, ServeResults, TargetResults
 from bench.runner import RunnerResults
 from bench.stats import GOODPUT_TARGET, Distribution
+from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 
 
 def jsonable(value: Any) -> Any:
@@ -65,7 +66,8 @@ def runner_json(results: RunnerResults) -> dict[str, Any]:
     """The runner microbenchmark's figures, with the speedups of ours over transformers."""
     return {"benchmark": "runner", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": results.model, "threads": results.threads, "plan": results.plan,
-            "quant_rows": results.quant_rows,
+            "quant_rows": results.quant_rows, "kernels": results.isa,
+            "cpu": {"name": cpu_name(), "flags": sorted(cpu_flags() & ISA_FLAGS)},
             "ours": results.ours, "transformers": results.transformers,
             "same_next_token": results.same_next_token,
             "speedup": {"prefill": results.prefill_speedup(),
@@ -170,8 +172,9 @@ def runner_markdown(results: RunnerResults) -> str:
              for b, speedup in results.decode_speedup().items()]
     same = "yes" if results.same_next_token else "NO"
     return "\n\n".join([
-        f"model {results.model}, {results.plan.dtype}, {results.threads} threads, ours over "
-        f"the weights' blocks up to {results.quant_rows} rows; same greedy next token: {same}",
+        f"model {results.model}, {results.plan.dtype}, {results.threads} threads, kernels "
+        f"{results.isa} on {cpu_name() or 'an unknown CPU'}, ours over the weights' blocks up "
+        f"to {results.quant_rows} rows; same greedy next token: {same}",
         table(["measure", "ours", "transformers", "speedup (ours/transformers)"], rows)])
 
 

@@ -74,6 +74,7 @@ class RunnerResults:
     ours: Figures
     transformers: Figures
     quant_rows: int  # ours: the most rows multiplied over the weights' blocks (0: none)
+    isa: str = ""  # ours: the instruction set the kernels ran at ("torch": none built)
 
     @property
     def same_next_token(self) -> bool:
@@ -205,9 +206,10 @@ def run(folder: Path, plan: RunnerPlan, prompt: Callable[[int], Sequence[int]],
         progress: Callable[[str], None]) -> RunnerResults:
     """Ours, then transformers, on the model in `folder` with torch's current thread count."""
     backend = OursBackend(folder, plan)
-    quant_rows = backend.runner.model.quant_rows
+    quant_rows, isa = backend.runner.model.quant_rows, backend.runner.kernel_isa
     ours = measure(backend, prompt, plan, progress)
     del backend
     gc.collect()
     theirs = measure(TransformersBackend(folder, torch_dtype(plan.dtype)), prompt, plan, progress)
-    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs, quant_rows)
+    return RunnerResults(str(folder), torch.get_num_threads(), plan, ours, theirs, quant_rows,
+                         isa)

@@ -28,6 +28,7 @@ LogFormat = Literal["text", "json"]
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
 ToolCallParser = Literal["", "hermes", "llama3_json"]
+KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 
 
 def setting(default: T, help: str) -> T:
@@ -52,6 +53,15 @@ class ModelConfig:
         if self.quant_rows < -1:
             raise ValueError(f"model.quant_rows must be -1 (measured), 0 (never) or more, "
                              f"not {self.quant_rows}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a worker's kernels run on its CPU (engine.kernels.isa)."""
+
+    isa: KernelIsa = setting("auto", "the instruction set the C++ kernels are built for and run "
+                                     "at: auto (the highest this CPU runs), or one level to "
+                                     "force it (refused where the CPU lacks it)")
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,7 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)

@@ -142,6 +142,7 @@ class Register:
     block_size: int
     num_blocks: int
     host: str = ""  # the machine it runs on (its host name), for people looking at the cluster
+    isa: str = ""  # the instruction set its kernels run at (engine.kernels.isa; "torch": none)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class WorkerIdentity:
     fingerprint: str  # KV layout: workers exchanging KV must agree on it
     block_size: int
     num_blocks: int
+    isa: str = ""  # the instruction set its kernels run at ("torch": none built)
 
 
 class Worker(ABC):
@@ -84,7 +85,7 @@ class Worker(ABC):
     def registration(self) -> Register:
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
-                        i.block_size, i.num_blocks, socket.gethostname())
+                        i.block_size, i.num_blocks, socket.gethostname(), i.isa)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

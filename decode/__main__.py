@@ -7,7 +7,7 @@ from engine.runner import load_runner
 
 
 def build(worker_id: str, config: Config) -> DecodeWorker:
-    return DecodeWorker(worker_id, config, load_runner(config.model, config.decode))
+    return DecodeWorker(worker_id, config, load_runner(config.model, config.decode, config.engine))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from core.cli import ConfigParser
-from engine.kernels.cpu.build import kernels
+from engine.kernels.cpu.build import kernels, use_isa
 from engine.runner import load_runner
 from engine.weights.folder import resolve_model
 
@@ -21,12 +21,13 @@ def main() -> None:
     parser = ConfigParser("python -m engine", "Prepare a model folder and kernels for raging.")
     config = parser.config(parser.parse_args())
     folder = resolve_model(config.model.name, config.model.cache_dir)
+    use_isa(config.engine.isa)
     kernels()
     if config.model.quant_rows < 0:
         for threads in sorted({config.prefill.threads or 1, config.decode.threads or 1}):
             tiny_pool = dataclasses.replace(config.decode, threads=threads, cpus="",
                                             num_kv_blocks=1)
-            load_runner(config.model, tiny_pool)
+            load_runner(config.model, tiny_pool, config.engine)
     print(folder)
 
 

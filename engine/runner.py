@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from core.config import ModelConfig, PoolConfig
-from engine.kernels.cpu.build import kernels
+from core.config import EngineConfig, ModelConfig, PoolConfig
+from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
+from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
@@ -63,6 +64,11 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks)
 
     @property
+    def kernel_isa(self) -> str:
+        """The instruction-set level its C++ kernels run at ("torch": none built here)."""
+        return chosen_isa().name if kernels() is not None else "torch"
+
+    @property
     def kv_fingerprint(self) -> str:
         """The KV layout a worker exchanging KV with this one must share."""
         return kv_fingerprint(self.spec, str(self.cache.dtype).removeprefix("torch."))
@@ -74,16 +80,21 @@ class ModelRunner:
         return self.model.forward(batch, self.cache, layer_hook)
 
 
-def load_runner(model: ModelConfig, pool: PoolConfig) -> ModelRunner:
+def load_runner(model: ModelConfig, pool: PoolConfig,
+                engine: EngineConfig | None = None) -> ModelRunner:
     """The runner a worker of `pool` serves `model` with: its dtype resolved on this CPU, its
-    threads set, the kernels built, the quant row count as measured on this machine (measured
-    now, and kept, the first time)."""
+    threads set, the kernels built at the level `engine.isa` picks, the quant row count as
+    measured on this machine (measured now, and kept, the first time)."""
     dtype = resolve_dtype(model.dtype)
     set_threads(pool.threads or None)
     folder = resolve_model(model.name, model.cache_dir)
+    level = use_isa((engine or EngineConfig()).isa)
     # Found, or built if stale, before the worker registers: built inside its first decode
     # step, it would hold back heartbeats for ~30 s and the gateway would declare it dead.
-    kernels()
+    built = kernels() is not None
+    log.info("kernels: %s (%s) on %s; CPU flags %s", level.name,
+             "built" if built else f"torch ops instead: {build_problem()}", cpu_name() or "?",
+             " ".join(sorted(cpu_flags() & ISA_FLAGS)))
     measured = MeasuredQuantRows(folder)
     rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
     runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows)

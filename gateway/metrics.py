@@ -94,6 +94,9 @@ class Metrics:
                                     ["worker"], registry=r)
         self.progress = Gauge("raging_worker_progress", "Model layers computed since start",
                               ["worker"], registry=r)
+        self.kernels = Gauge("raging_worker_kernels_info", "1 for the instruction set each "
+                             "worker's kernels run at (isa: generic, avx2, avx512, avx512_bf16, "
+                             "amx; torch where none built)", ["worker", "isa"], registry=r)
         self.stalled = Gauge("raging_worker_stalled",
                              "1 while the worker has work but computes nothing (not routed to)",
                              ["worker"], registry=r)
@@ -118,7 +121,8 @@ class Metrics:
         """The exposition text, with the per-worker gauges refreshed from the registry;
         `rejected_peers`: the gateway's own count of peers that failed CURVE authentication."""
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting,
-                      self.in_transfer, self.leases_expired, self.progress, self.stalled):
+                      self.in_transfer, self.leases_expired, self.progress, self.stalled,
+                      self.kernels):
             gauge.clear()
         for role in ROLES:
             self.workers.labels(role).set(len(membership.alive(role)))
@@ -133,6 +137,8 @@ class Metrics:
                 self.progress.labels(name).set(worker.load.progress)
             self.kv_total.labels(name).set(worker.num_blocks)
             self.stalled.labels(name).set(int(worker.stalled))
+            if worker.isa:
+                self.kernels.labels(name, worker.isa).set(1)
         self.dropped.set(dropped)
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))

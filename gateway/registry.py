@@ -53,6 +53,7 @@ class WorkerInfo:
     wedged: bool = False  # stalled because its loop sent no heartbeat for the stall timeout
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
     host: str = ""  # the machine it said it runs on
+    isa: str = ""  # the instruction set it said its kernels run at
 
     @property
     def capacity_tokens(self) -> int:
@@ -128,7 +129,7 @@ class Registry:
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
             prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
-            host=message.host,
+            host=message.host, isa=message.isa,
             reported_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:

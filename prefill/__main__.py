@@ -7,7 +7,7 @@ from prefill.worker import PrefillWorker
 
 
 def build(worker_id: str, config: Config) -> PrefillWorker:
-    return PrefillWorker(worker_id, config, load_runner(config.model, config.prefill))
+    return PrefillWorker(worker_id, config, load_runner(config.model, config.prefill, config.engine))
 
 
 if __name__ == "__main__":

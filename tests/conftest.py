@@ -14,7 +14,8 @@ import zmq
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.kernels.cpu.build import build_problem, has_compiler, kernels
+from engine.kernels.cpu.build import build_problem, chosen_isa, has_compiler, kernels, use_isa
+from engine.kernels.isa import cpu_flags, runnable_levels
 from engine.weights.folder import resolve_model
 from engine.weights.load import EMBED
 from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
@@ -63,11 +64,20 @@ def cpu_kernels() -> ModuleType:
     return require_kernels()
 
 
-@pytest.fixture(scope="session")
-def prefill_kernel(cpu_kernels: ModuleType) -> None:
-    """The paged prefill kernel, which is built for CPUs with AVX512-BF16 only."""
-    if not cpu_kernels.paged_prefill_built():
-        pytest.skip("no AVX512-BF16 on this CPU: the gather + SDPA path serves instead")
+RUNNABLE_ISAS = [level.name for level in runnable_levels(cpu_flags())]
+
+
+@pytest.fixture(params=RUNNABLE_ISAS)
+def every_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction-set level this CPU runs, in turn: the kernels are built for it and
+    used by everything the test calls; the level chosen before is restored after."""
+    before = chosen_isa()
+    use_isa(request.param)
+    try:
+        require_kernels()
+        yield request.param
+    finally:
+        use_isa(before.name)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels.cpu.build import kernels_digest
+from engine.kernels.cpu.build import chosen_isa, kernels_digest
 from engine.kernels.isa import cpu_flags
 from engine.weights.files import QUANT_ROWS_FILE
 
@@ -56,7 +56,8 @@ class MeasuredQuantRows:
 
 
 def machine_fingerprint() -> str:
-    """What the measurement depends on besides dtype and threads: CPU, torch and kernels."""
+    """What the measurement depends on besides dtype and threads: CPU, torch and kernels (and
+    the level they run at)."""
     cpu = platform.processor() + "|" + ",".join(sorted(cpu_flags()))
-    text = f"{cpu}|{torch.__version__}|{kernels_digest()}"
+    text = f"{cpu}|{torch.__version__}|{kernels_digest()}|{chosen_isa().name}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

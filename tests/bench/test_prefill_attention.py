@@ -15,7 +15,7 @@ def test_chunk_specs_parse() -> None:
             parse_chunk(bad)
 
 
-@pytest.mark.usefixtures("prefill_kernel")
+@pytest.mark.kernels
 def test_both_paths_agree_and_are_timed() -> None:
     figures = measure(["16@0", "5@40"], repeats=2, cache_blocks=64, layers=2)
     assert [f.chunk for f in figures] == ["16@0", "5@40"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.quant import load_matrices, markdown, measure
+from bench.quant import load_matrices, markdown, measure, memory_read_gbps, quant_bytes
 
 
 @pytest.mark.kernels
@@ -17,8 +17,16 @@ def test_every_matrix_is_timed_both_ways(quant_model_dir: Path) -> None:
     figures = measure(matrices, torch.float32, (1, 3), repeats=2)
     assert [f.rows for f in figures] == [1, 3]
     assert all(f.dense_ms > 0 and f.quant_ms > 0 for f in figures)
-    text = markdown(figures, "float32", 1, measured=3)
-    assert "| 3 |" in text and text.endswith("(model.quant_rows: -1): 3")
+    size = quant_bytes(matrices)
+    assert size == sum(q.packed.numel() for m in matrices for q in m.quant) > 0
+    text = markdown(figures, "float32", 1, 3, size, read_gbps=12.5)
+    assert "| 3 |" in text and "(model.quant_rows: -1): 3\n" in text
+    assert text.endswith(f"quant blocks: {size / 1e6:.1f} MB; a plain read of as many bytes: "
+                         "12.5 GB/s")
+
+
+def test_memory_is_read_at_a_measured_rate() -> None:
+    assert memory_read_gbps(64 * 2**20, repeats=2) > 0
 
 
 def test_a_model_without_quant_blocks_is_refused(tiny_model_dir: Path) -> None:

@@ -136,6 +136,18 @@ def test_progress_and_stalls_are_exported_per_worker() -> None:
     assert found[("raging_worker_progress", labels(worker="prefill-0"))] == 60
 
 
+def test_each_workers_kernel_instruction_set_is_exported() -> None:
+    registry = Registry(FP, 3.0, 1, 1)
+    for worker_id, role, isa in (("prefill-0", "prefill", "avx2"), ("decode-0", "decode", "amx"),
+                                 ("decode-1", "decode", "torch")):
+        register = Register(worker_id, "i0", role, "", FP, 16, 100, "host-a", isa)
+        assert registry.register(register)[0].accepted
+    found = samples(Metrics().render(registry, 0).decode())
+    kernels = {dict(labels)["worker"]: dict(labels)["isa"]
+               for name, labels in found if name == "raging_worker_kernels_info"}
+    assert kernels == {"prefill-0": "avx2", "decode-0": "amx", "decode-1": "torch"}
+
+
 def test_rejected_peers_are_exported_for_the_gateway_and_each_decode_worker() -> None:
     registry = membership()
     for worker_id, count in (("prefill-0", 0), ("decode-0", 4)):

@@ -1,9 +1,14 @@
 """Building raging's C++ CPU kernels (csrc/): decode and prefill attention over the paged cache,
 products over the weights' quant blocks, RMSNorm, RoPE.
 
-They are compiled once per machine with the system C++ compiler (about 30 s, cached under
-~/.cache/torch_extensions). Where that fails, every caller falls back to torch's own ops, and
-`build_problem` says why.
+The same sources are built once per instruction-set level (engine.kernels.isa: generic, avx2,
+avx512, avx512_bf16, amx), each with that level's compiler flags and never `-march=native`, so
+a build made on one CPU cannot run an instruction another lacks. A process uses one level:
+the highest its CPU runs, or the one `engine.isa` names (`use_isa`). Each build lives in a
+folder named by the level and a digest of the sources, compiler, torch and flags, so checkouts,
+CPUs and compilers never rebuild over each other (about 30-60 s each, under
+~/.cache/torch_extensions or TORCH_EXTENSIONS_DIR). Where a build fails, every caller falls
+back to torch's own ops, and `build_problem` says why.
 """
 
 from __future__ import annotations
@@ -23,67 +28,110 @@ from types import ModuleType
 import torch
 from torch.utils.cpp_extension import get_default_build_root, load
 
+from engine.kernels.isa import IsaLevel, cpu_flags, resolve_isa
+
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name
-            for name in ("module.cpp", "quant_linear.cpp", "paged_decode.cpp", "paged_prefill.cpp",
-                         "pointwise.cpp")]
-_HEADERS = [_CSRC / "lanes.h"]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_SOURCES = ("module.cpp", "quant_linear.cpp", "paged_decode.cpp", "paged_prefill.cpp",
+            "pointwise.cpp")
+_HEADERS = ("lanes.h",)
+_FLAGS = ("-O3", "-ffast-math", "-fopenmp")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes
+
+_selected: IsaLevel | None = None
+
+
+def use_isa(name: str) -> IsaLevel:
+    """Make `name` ("auto" or a level of engine.kernels.isa) the level this process's kernels
+    are built for and run at; ValueError where this CPU cannot run it."""
+    global _selected
+    _selected = resolve_isa(name, cpu_flags())
+    return _selected
+
+
+def chosen_isa() -> IsaLevel:
+    """The level this process runs its kernels at."""
+    return _selected or resolve_isa("auto", cpu_flags())
 
 
 def kernels() -> ModuleType | None:
-    """The compiled module, or None (logged once) when it cannot be built here."""
-    return _built()[0]
+    """The compiled module at the chosen level, or None (logged once) where it cannot be
+    built here."""
+    return kernels_at(chosen_isa())[0]
 
 
 def build_problem() -> str | None:
     """Why `kernels()` is None here (None when they built)."""
-    return _built()[1]
+    return kernels_at(chosen_isa())[1]
 
 
 @cache
-def _built() -> tuple[ModuleType | None, str | None]:
+def kernels_at(level: IsaLevel) -> tuple[ModuleType | None, str | None]:
+    """The module built for `level` and None, or None and why it could not be built."""
     try:
-        return _build(), None
+        return _build(level), None
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        log.warning("C++ kernels unavailable, using torch ops: %s", exc)
+        log.warning("C++ kernels (%s) unavailable, using torch ops: %s", level.name, exc)
         return None, str(exc)
 
 
 def has_compiler() -> bool:
     """Whether the C++ compiler torch builds extensions with is on this machine."""
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    return shutil.which(_compiler()) is not None
 
 
-def _build() -> ModuleType:
-    # torch's get_default_build_root ignores TORCH_EXTENSIONS_DIR, which its builds honour:
-    # without it, checkouts with other source paths would rebuild over each other.
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _build(level: IsaLevel) -> ModuleType:
+    # torch's get_default_build_root ignores TORCH_EXTENSIONS_DIR, which its builds honour.
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    folder = Path(root) / f"raging_kernels-torch{torch.__version__}"
+    flags = [*_FLAGS, *level.cflags]
+    folder = Path(root) / f"raging_kernels-{level.name}-{build_digest(flags)}"
     folder.mkdir(parents=True, exist_ok=True)
     with _exclusive(folder / "raging.flock"):
         # torch's own lock file outlives a build that was killed, and then every later
         # build waits on it forever; holding our lock, no build of ours is running.
         (folder / "lock").unlink(missing_ok=True)
-        return load(name="raging_kernels", sources=[str(s) for s in _SOURCES],
-                    extra_cflags=[*_FLAGS, _headers_digest()], extra_ldflags=["-fopenmp"],
+        sources = _copy_sources(folder / "src")
+        return load(name=f"raging_kernels_{level.name}", sources=[str(s) for s in sources],
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(folder))
 
 
-def _headers_digest() -> str:
-    """A define that changes with the headers: torch rebuilds when sources or flags change, and
-    does not look at the headers the sources include."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
-    return f"-DRAGING_HEADERS_{digest}"
+def _copy_sources(into: Path) -> list[Path]:
+    """The sources copied into the build folder: ninja's commands name them, so every checkout
+    builds from the same paths and finds the others' build up to date."""
+    into.mkdir(exist_ok=True)
+    for name in (*_SOURCES, *_HEADERS):
+        text = (_CSRC / name).read_bytes()
+        target = into / name
+        if not target.exists() or target.read_bytes() != text:
+            target.write_bytes(text)
+    return [into / name for name in _SOURCES]
 
 
 @cache
 def kernels_digest() -> str:
     """A digest of every kernel source and header: it changes whenever the kernels may."""
-    return hashlib.sha256(b"".join(path.read_bytes()
-                                   for path in (*_SOURCES, *_HEADERS))).hexdigest()[:16]
+    return hashlib.sha256(b"".join((_CSRC / name).read_bytes()
+                                   for name in (*_SOURCES, *_HEADERS))).hexdigest()[:16]
+
+
+@cache
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
+def build_digest(flags: list[str]) -> str:
+    """What a build depends on: the sources, the compiler, torch and the flags."""
+    text = "|".join((kernels_digest(), _compiler_version(), torch.__version__, *flags))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:

@@ -68,7 +68,8 @@ def test_a_quant_block_of_equal_values_is_exact() -> None:
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 21])
-def test_fp32_product_equals_the_dequantized_product(bits: int, rows: int) -> None:
+def test_fp32_product_equals_the_dequantized_product(every_isa: str, bits: int,
+                                                    rows: int) -> None:
     matrix = quantize(random_weight(22, 160, seed=rows), bits)  # 22 rows: a partial group of 4
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
     out = matrix.multiply(x)
@@ -78,7 +79,7 @@ def test_fp32_product_equals_the_dequantized_product(bits: int, rows: int) -> No
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 21, 40])
-def test_bf16_product_stays_within_bf16_rounding(rows: int) -> None:
+def test_bf16_product_stays_within_bf16_rounding(every_isa: str, rows: int) -> None:
     """With AVX512-BF16 the quant blocks are rounded to bf16, as the dense bf16 weights are."""
     matrix = quantize(random_weight(64, 576), 4)
     x = torch.randn(rows, 576).to(torch.bfloat16)

@@ -1,16 +1,26 @@
-// Sixteen fp32 lanes: AVX-512 registers where the compiler targets them, plain arrays
-// elsewhere (the same arithmetic, slower). Shared by the kernels in engine/kernels/cpu/csrc.
+// Sixteen fp32 lanes: one AVX-512 register, two AVX2 registers, or a plain array, by the
+// instruction set the build targets (engine/kernels/isa.py); the same arithmetic on each.
+// Shared by the kernels in engine/kernels/cpu/csrc.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define RAGING_LANES "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RAGING_LANES "avx2"
+#else
+#define RAGING_LANES "scalar"
 #endif
 
 namespace {
@@ -54,6 +64,69 @@ inline Lanes exp_lanes(Lanes x) {
     p = fma(p, f, splat(c));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline __m256 widen_bf16(__m128i raw) {  // eight bf16, each the top half of an fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Lanes load_lanes(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Lanes load_lanes(const at::BFloat16* p) {
+  return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Lanes add(Lanes a, Lanes b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Lanes mul(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline float sum8(__m256 a) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline float sum(Lanes a) { return sum8(_mm256_add_ps(a.lo, a.hi)); }
+inline __m256 first_mask8(int64_t n) {  // all ones in lanes 0..n-1
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const auto count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), index));
+}
+// The first `n` lanes of `a` (all of them from n = 16), the others 0.
+inline Lanes first_lanes(Lanes a, int64_t n) {
+  return {_mm256_and_ps(a.lo, first_mask8(n)), _mm256_and_ps(a.hi, first_mask8(n - 8))};
+}
+// The largest of p[0..n), n >= 1.
+inline float max_of(const float* p, int64_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(p + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best);
+  float out = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) out = std::max(out, p[i]);
+  return out;
+}
+inline void store(float* p, Lanes a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+// e^x for x <= 0, as the AVX-512 path computes it, with 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)),
+                                 _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530e-4f);
+  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
+                  1.0f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i power = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+inline Lanes exp_lanes(Lanes x) { return {exp8(x.lo), exp8(x.hi)}; }
 #else
 struct Lanes {
   float v[kLanes];

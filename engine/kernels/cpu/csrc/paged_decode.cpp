@@ -1,6 +1,7 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
 // values read where they lie (a block at a time), so no gathered copy of the context is made.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstring>

@@ -1,14 +1,16 @@
-// Prefill attention straight from the paged KV cache, for a bf16 cache on a CPU with
-// AVX512-BF16: the new tokens of one prompt (a chunk, after any cached prefix) attend causally
-// to its whole context.
+// Prefill attention straight from the paged KV cache: the new tokens of one prompt (a chunk,
+// after any cached prefix) attend causally to its whole context. Two ways: for a bf16 cache on a
+// CPU with AVX512-BF16, bf16 pairs multiplied in hardware (below); for fp32 (or bf16 elsewhere),
+// the same walk in 16-float lanes (namespace lanes, further down).
 //
-// Each KV head's keys and values are first packed, once per call, into the layouts that let
+// For bf16, each KV head's keys and values are first packed, once per call, into the layouts that let
 // one instruction multiply 16 pairs of bf16 and add both products to 16 fp32 sums: keys
 // transposed, 16 tokens to a vector (lane t holds two elements of token t), values with two
 // tokens' elements interleaved. Then each group of query rows (every query head that shares the
 // KV head, 16 positions) walks the packed context 16 keys at a time with a running softmax; a
 // 16-key tile is read from L1 by all 48 rows before the next is touched.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>
@@ -169,21 +171,11 @@ void attend_rows(const at::BFloat16* q, const Packed& packed, const Shape& s, in
   }
 }
 
-}  // namespace
-#endif
 
-// q [T, H, D] bf16: the prompt's new tokens at positions start..start+T-1, whose K and V are in
-// the cache already; k_cache, v_cache [slots, Hkv, D] bf16; table [blocks] covering the context.
-// D a multiple of 32, at most 128. Returns [T, H, D] bf16.
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor table, int64_t start, int64_t block_size) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-              v_cache.scalar_type() == torch::kBFloat16, "paged_prefill takes bf16 only");
-  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxChunks * kLanes,
-              "paged_prefill needs a head dimension of 32, 64, 96 or 128");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous());
+// The bf16 walk (a head dimension of 32, 64, 96 or 128).
+torch::Tensor bf16_prefill(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& table,
+                           int64_t start, int64_t block_size) {
   const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
                 1.0f / std::sqrt(static_cast<float>(q.size(2)))};
   TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
@@ -209,15 +201,154 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     }
   });
   return out;
-#else
-  TORCH_CHECK(false, "paged_prefill needs a CPU with AVX512-BF16");
-#endif
 }
 
-bool paged_prefill_built() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
+
+}  // namespace
 #endif
+
+namespace {
+
+namespace lanes {
+
+constexpr int64_t kKeys = kLanes;   // keys per tile: one score vector per query row
+constexpr int64_t kPositions = 16;  // query positions per work item
+constexpr int64_t kMaxChunks = 16;  // head dimensions up to 256
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, start, new_tokens;
+  float scale;
+  int64_t context() const { return start + new_tokens; }
+  int64_t tiles() const { return (context() + kKeys - 1) / kKeys; }
+};
+
+// The context of KV head `g` in fp32: keys[tile][element][lane] is that element of key
+// 16 tile + lane (so a query element times 16 keys is one vector operation); values[key] are
+// the keys' values in order. Slots past the context stay zero.
+struct Packed {
+  std::vector<float> keys, values;
+};
+
+template <typename T>
+Packed pack(const T* k_cache, const T* v_cache, const int64_t* table, const Shape& s,
+            int64_t g) {
+  const int64_t row = s.kv_heads * s.dim;
+  Packed packed{std::vector<float>(s.tiles() * s.dim * kKeys, 0.0f),
+                std::vector<float>(s.tiles() * kKeys * s.dim, 0.0f)};
+  for (int64_t token = 0; token < s.context(); ++token) {
+    const int64_t slot = table[token / s.block_size] * s.block_size + token % s.block_size;
+    const T* key = k_cache + slot * row + g * s.dim;
+    const T* value = v_cache + slot * row + g * s.dim;
+    float* tile = packed.keys.data() + token / kKeys * s.dim * kKeys + token % kKeys;
+    float* values = packed.values.data() + token * s.dim;
+    for (int64_t e = 0; e < s.dim; ++e) {
+      tile[e * kKeys] = static_cast<float>(key[e]);
+      values[e] = static_cast<float>(value[e]);
+    }
+  }
+  return packed;
+}
+
+// One query row: its elements (scaled), running maximum, sum of weights and weighted values.
+struct Row {
+  std::vector<float> q;
+  float best = -std::numeric_limits<float>::infinity(), total = 0.0f;
+  std::vector<Lanes> acc;
+};
+
+// Folds keys tile * 16 .. (the first `visible` of them) into one row.
+void fold_tile(Row& row, const float* keys, const float* values, int64_t visible, int64_t dim) {
+  Lanes scores = splat(0.0f);
+  for (int64_t e = 0; e < dim; ++e) scores = fma(splat(row.q[e]), load_lanes(keys + e * kKeys), scores);
+  float s[kKeys];
+  store(s, scores);
+  const float best = std::max(row.best, max_of(s, visible));
+  if (best > row.best) {
+    const float shrink = std::exp(row.best - best);
+    for (Lanes& acc : row.acc) acc = mul(acc, splat(shrink));
+    row.total *= shrink;
+    row.best = best;
+  }
+  const Lanes weights = first_lanes(exp_lanes(add(scores, splat(-best))), visible);
+  row.total += sum(weights);
+  float w[kKeys];
+  store(w, weights);
+  const int64_t chunks = dim / kLanes;
+  for (int64_t c = 0; c < chunks; ++c) {
+    Lanes acc = row.acc[c];
+    for (int64_t j = 0; j < visible; ++j)
+      acc = fma(splat(w[j]), load_lanes(values + j * dim + c * kLanes), acc);
+    row.acc[c] = acc;
+  }
+}
+
+// Positions first..first+15 (those that exist) of every query head sharing KV head g.
+template <typename T>
+void attend_rows(const T* q, const Packed& packed, const Shape& s, int64_t g, int64_t first,
+                 T* out) {
+  const int64_t group = s.heads / s.kv_heads, chunks = s.dim / kLanes;
+  const int64_t positions = std::min(kPositions, s.new_tokens - first);
+  for (int64_t index = 0; index < positions * group; ++index) {
+    const int64_t offset = ((first + index / group) * s.heads + g * group + index % group) * s.dim;
+    Row row{std::vector<float>(s.dim), -std::numeric_limits<float>::infinity(), 0.0f,
+            std::vector<Lanes>(chunks, splat(0.0f))};
+    for (int64_t e = 0; e < s.dim; ++e) row.q[e] = static_cast<float>(q[offset + e]) * s.scale;
+    const int64_t position = s.start + first + index / group;
+    for (int64_t tile = 0; tile * kKeys <= position; ++tile)
+      fold_tile(row, packed.keys.data() + tile * s.dim * kKeys,
+                packed.values.data() + tile * kKeys * s.dim,
+                std::min(kKeys, position + 1 - tile * kKeys), s.dim);
+    for (int64_t c = 0; c < chunks; ++c)
+      store_as(out + offset + c * kLanes, mul(row.acc[c], splat(1.0f / row.total)));
+  }
+}
+
+template <typename T>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& table, int64_t start,
+                     int64_t block_size) {
+  const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
+                1.0f / std::sqrt(static_cast<float>(q.size(2)))};
+  TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
+  auto out = torch::empty_like(q);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<Packed> packed(s.kv_heads);
+  at::parallel_for(0, s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      packed[g] = pack(k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), table.data_ptr<int64_t>(),
+                       s, g);
+  });
+  const int64_t row_groups = (s.new_tokens + kPositions - 1) / kPositions;
+  at::parallel_for(0, s.kv_heads * row_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      attend_rows(qp, packed[item % s.kv_heads], s, item % s.kv_heads,
+                  item / s.kv_heads * kPositions, op);
+  });
+  return out;
+}
+
+}  // namespace lanes
+}  // namespace
+
+// q [T, H, D]: the prompt's new tokens at positions start..start+T-1, whose K and V are in the
+// cache already; k_cache, v_cache [slots, Hkv, D]; all fp32 or all bf16. table [blocks] covering
+// the context. D a multiple of 16, at most 256. Returns [T, H, D] in q's dtype.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor table, int64_t start, int64_t block_size) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+              k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_prefill takes fp32 or bf16 queries and cache, both alike");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= lanes::kMaxChunks * kLanes,
+              "paged_prefill needs a head dimension that is a multiple of 16, at most 256");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous());
+#if defined(__AVX512BF16__)
+  if (dtype == torch::kBFloat16 && q.size(2) % 32 == 0 && q.size(2) <= kMaxChunks * kLanes)
+    return bf16_prefill(q, k_cache, v_cache, table, start, block_size);
+#endif
+  if (dtype == torch::kBFloat16)
+    return lanes::attend<at::BFloat16>(q, k_cache, v_cache, table, start, block_size);
+  return lanes::attend<float>(q, k_cache, v_cache, table, start, block_size);
 }

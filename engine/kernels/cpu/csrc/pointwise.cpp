@@ -1,6 +1,7 @@
 // Row-wise operations of a decode step that torch runs as several small kernels each: one
 // pass each here, computed in fp32 and rounded once to the input's dtype.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
 #include <cmath>
 

@@ -3,7 +3,8 @@
 // constants. A block is widened to fp32 in registers and multiplied there, so a matrix-vector
 // product reads a quarter (4-bit) or half (8-bit) of the bf16 bytes, and the values multiplied
 // are exactly those of the dequantized weight (d * q + m is exact in fp32 for fp16 d, m).
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -20,7 +21,13 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
 constexpr int kRows = 4;        // input rows multiplied together: each block widened once
-constexpr int kWideRows = 8;    // ... up to this many, against half as many weight rows
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kSums = 4;        // running sums a tile keeps in registers (two AVX2 ones each)
+constexpr int kWideRows = 4;    // input rows multiplied together at most
+#else
+constexpr int kSums = 16;
+constexpr int kWideRows = 8;
+#endif
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch
 
 inline float half_to_float(const uint8_t* p) {
@@ -45,6 +52,17 @@ struct Q4_1 {
     const __m512i nibble = _mm512_set1_epi32(0xF);
     low = fma(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), splat(d), splat(m));
     high = fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), splat(d), splat(m));
+#elif defined(__AVX2__)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i nibble = _mm_set1_epi8(0xF);
+    const __m128i first = _mm_and_si128(raw, nibble);
+    const __m128i second = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
+    const auto widen8 = [&](__m128i bytes) {  // the low eight bytes as d * q + m
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, offset);
+    };
+    low = {widen8(first), widen8(_mm_srli_si128(first, 8))};
+    high = {widen8(second), widen8(_mm_srli_si128(second, 8))};
 #else
     for (int64_t i = 0; i < kLanes; ++i) {
       low.v[i] = d * static_cast<float>(q[i] & 0xF) + m;
@@ -67,6 +85,15 @@ struct Q8_0 {
     };
     low = mul(load(q), splat(d));
     high = mul(load(q + kLanes), splat(d));
+#elif defined(__AVX2__)
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m128i first = _mm256_castsi256_si128(raw), second = _mm256_extracti128_si256(raw, 1);
+    const __m256 scale = _mm256_set1_ps(d);
+    const auto widen8 = [&](__m128i bytes) {  // the low eight bytes as d * q
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+    };
+    low = {widen8(first), widen8(_mm_srli_si128(first, 8))};
+    high = {widen8(second), widen8(_mm_srli_si128(second, 8))};
 #else
     for (int64_t i = 0; i < kLanes; ++i) {
       low.v[i] = d * static_cast<float>(q[i]);
@@ -128,7 +155,7 @@ void tile(const typename Math::X* x, int64_t width, const uint8_t* weight, int64
 template <typename Format, typename Math, int R, typename T>
 void tile_of_four(const typename Math::X* x, int64_t width, const uint8_t* weight,
                   int64_t row_bytes, int64_t n, T* out, int64_t out_stride) {
-  constexpr int O = R > kRows ? kOutputs / 2 : kOutputs;
+  constexpr int O = kOutputs * R <= kSums ? kOutputs : 2 * R <= kSums ? 2 : 1;
   for (int64_t first = n; first < n + kOutputs; first += O)
     tile<Format, Math, O, R>(x, width, weight, row_bytes, first, out, out_stride);
 }

@@ -1,14 +1,18 @@
-"""The C++ RMSNorm and RoPE against the torch ops they replace, and when the kernels apply."""
+"""How the C++ kernels are built (one folder per level and digest, from copied sources), the
+RMSNorm and RoPE against the torch ops they replace at every level this CPU runs, and when the
+kernels apply."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu.build import kernels, kernels_for
+from engine.kernels.cpu.build import build_digest, chosen_isa, kernels, kernels_at, kernels_for
+from engine.kernels.isa import LEVELS
 from engine.model.rope import rotate
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -29,9 +33,39 @@ def test_kernels_apply_only_to_fp32_or_bf16_alike() -> None:
     assert kernels_for(bf16, bf16) is kernels()
 
 
+LANES = {"generic": "scalar", "avx2": "avx2"}  # higher levels: "avx512"
+
+
+def test_each_level_builds_with_its_own_vectors(every_isa: str) -> None:
+    module = kernels()
+    assert module is not None
+    assert module.lanes == LANES.get(every_isa, "avx512")
+    assert module.__name__ == f"raging_kernels_{every_isa}"
+
+
+def test_a_build_is_made_from_sources_in_its_own_folder(cpu_kernels: ModuleType) -> None:
+    """ninja's commands name the sources: copied into the build folder, their paths are the
+    same from every checkout, so checkouts do not rebuild over each other."""
+    folder = Path(cpu_kernels.__file__).parent
+    level = chosen_isa()
+    assert folder.name.startswith(f"raging_kernels-{level.name}-")
+    ninja = (folder / "build.ninja").read_text()
+    assert f"{folder}/src/quant_linear.cpp" in ninja
+    assert "engine/kernels/cpu/csrc" not in ninja
+    assert kernels_at(level)[0] is cpu_kernels
+
+
+def test_the_build_digest_changes_with_the_flags() -> None:
+    digests = {build_digest(list(level.cflags)) for level in LEVELS}
+    assert len(digests) == len(LEVELS)
+    assert build_digest(["-mavx2"]) == build_digest(["-mavx2"])
+
+
 @DTYPES
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_rms_norm_matches_torch(cpu_kernels: ModuleType, dtype: torch.dtype, rows: int) -> None:
+def test_rms_norm_matches_torch(every_isa: str, dtype: torch.dtype, rows: int) -> None:
+    cpu_kernels = kernels()
+    assert cpu_kernels is not None
     torch.manual_seed(rows)
     wide = (torch.randn(rows, 2 * 576) * 3).to(dtype)
     x = wide[:, 100:676]  # rows strided, as a slice of a wider output
@@ -44,8 +78,10 @@ def test_rms_norm_matches_torch(cpu_kernels: ModuleType, dtype: torch.dtype, row
 
 @DTYPES
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_rope_matches_torch_on_a_slice_of_the_qkv_output(cpu_kernels: ModuleType,
-                                                         dtype: torch.dtype, tokens: int) -> None:
+def test_rope_matches_torch_on_a_slice_of_the_qkv_output(every_isa: str, dtype: torch.dtype,
+                                                         tokens: int) -> None:
+    cpu_kernels = kernels()
+    assert cpu_kernels is not None
     torch.manual_seed(tokens)
     qkv = torch.randn(tokens, (9 + 3 + 3) * 64).to(dtype)
     k = qkv[:, 9 * 64:12 * 64].view(tokens, 3, 64)  # strided tokens, as the model passes it

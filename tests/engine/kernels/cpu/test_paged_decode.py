@@ -31,7 +31,7 @@ def dense_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ([1], BLOCK), ([16, 17, 1, 40], BLOCK), ([5, 64, 33], BLOCK), ([700, 3], BLOCK),
     ([30, 49, 1], 24),  # blocks that are not whole vectors of scores
 ])
-def test_kernel_matches_dense_attention(contexts: list[int], block_size: int,
+def test_kernel_matches_dense_attention(every_isa: str, contexts: list[int], block_size: int,
                                         dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     k_cache, v_cache = (torch.randn(64 * block_size, 3, 64).to(dtype) for _ in range(2))
@@ -51,7 +51,7 @@ def test_kernel_matches_dense_attention(contexts: list[int], block_size: int,
 @pytest.mark.kernels
 @pytest.mark.parametrize("head_dim", [16, 32, 48, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_matches_dense_attention_at_every_head_dimension(head_dim: int,
+def test_kernel_matches_dense_attention_at_every_head_dimension(every_isa: str, head_dim: int,
                                                                 dtype: torch.dtype) -> None:
     """bf16 head dimensions that are multiples of 32, up to 128, take the AVX512-BF16 path on
     CPUs that have it; the others the 16-float one."""
