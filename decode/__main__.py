@@ -7,7 +7,8 @@ from engine.runner import load_runner
 
 
 def build(worker_id: str, config: Config) -> DecodeWorker:
-    return DecodeWorker(worker_id, config, load_runner(config.model, config.decode, config.engine))
+    runner = load_runner(config.model, config.decode, config.engine)
+    return DecodeWorker(worker_id, config, runner)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from prefill.worker import PrefillWorker
 
 
 def build(worker_id: str, config: Config) -> PrefillWorker:
-    return PrefillWorker(worker_id, config, load_runner(config.model, config.prefill, config.engine))
+    runner = load_runner(config.model, config.prefill, config.engine)
+    return PrefillWorker(worker_id, config, runner)
 
 
 if __name__ == "__main__":

@@ -138,8 +138,10 @@ def test_progress_and_stalls_are_exported_per_worker() -> None:
 
 def test_each_workers_kernel_instruction_set_is_exported() -> None:
     registry = Registry(FP, 3.0, 1, 1)
-    for worker_id, role, isa in (("prefill-0", "prefill", "avx2"), ("decode-0", "decode", "amx"),
-                                 ("decode-1", "decode", "torch")):
+    workers: tuple[tuple[str, Role, str], ...] = (
+        ("prefill-0", "prefill", "avx2"), ("decode-0", "decode", "amx"),
+        ("decode-1", "decode", "torch"))
+    for worker_id, role, isa in workers:
         register = Register(worker_id, "i0", role, "", FP, 16, 100, "host-a", isa)
         assert registry.register(register)[0].accepted
     found = samples(Metrics().render(registry, 0).decode())

@@ -3,6 +3,7 @@ this CPU lacks gets."""
 
 from __future__ import annotations
 
+import itertools
 import typing
 from pathlib import Path
 
@@ -11,14 +12,14 @@ import pytest
 from core.config import KernelIsa, load_config
 from engine.kernels.isa import ISA_NAMES, LEVELS, cpu_name, resolve_isa, runnable_levels
 
-AVX2_ONLY = frozenset("fpu sse2 avx avx2 fma f16c".split())
+AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
 AVX512_NO_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 AVX512_BF16 = AVX512_NO_BF16 | {"avx512_bf16", "avx512_vnni"}
 AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 def test_each_level_needs_and_builds_with_what_the_one_before_does() -> None:
-    for before, after in zip(LEVELS, LEVELS[1:], strict=False):
+    for before, after in itertools.pairwise(LEVELS):
         assert before.needs < after.needs
         assert after.cflags[:len(before.cflags)] == before.cflags
     assert "-march=native" not in {flag for level in LEVELS for flag in level.cflags}

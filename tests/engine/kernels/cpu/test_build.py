@@ -46,6 +46,7 @@ def test_each_level_builds_with_its_own_vectors(every_isa: str) -> None:
 def test_a_build_is_made_from_sources_in_its_own_folder(cpu_kernels: ModuleType) -> None:
     """ninja's commands name the sources: copied into the build folder, their paths are the
     same from every checkout, so checkouts do not rebuild over each other."""
+    assert cpu_kernels.__file__ is not None
     folder = Path(cpu_kernels.__file__).parent
     level = chosen_isa()
     assert folder.name.startswith(f"raging_kernels-{level.name}-")
