@@ -13,6 +13,7 @@
     python -m bench prefix --prefix-len 1000
     python -m bench chunked --long-len 4000 --short-len 50
     python -m bench goodput --quick
+    python -m bench peers --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bench import chunked as chunked_prefill
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
 from bench import overload as flood
+from bench import peers as side_by_side
 from bench import prefill_attention
 from bench import prefix as prefix_cache
 from bench import quant as quant_products
@@ -440,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix_parser(commands)
     slo_goodput.add_parser(commands)
     chunked_prefill.add_parser(commands)
+    side_by_side.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         level = use_isa(args.isa)

@@ -64,10 +64,18 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def request_path(spec: RequestSpec) -> str:
+    """Where `spec` is sent: /v1/chat/completions for a chat request, else /v1/completions."""
+    return "/v1/chat/completions" if spec.chat else "/v1/completions"
+
+
 def request_body(model: str, spec: RequestSpec) -> dict[str, Any]:
-    """A greedy, EOS-ignoring, streamed /v1/completions body asking for exactly output_len."""
+    """A greedy, EOS-ignoring, streamed body asking for exactly output_len tokens: the prompt,
+    or for a chat request the prompt as one user message."""
     prompt = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
-    return {"model": model, "prompt": prompt, "max_tokens": spec.output_len, "temperature": 0,
+    asked: dict[str, Any] = ({"messages": [{"role": "user", "content": prompt}]} if spec.chat
+                             else {"prompt": prompt})
+    return {"model": model, **asked, "max_tokens": spec.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -86,7 +94,8 @@ async def stream_request(client: httpx.AsyncClient, model: str, spec: RequestSpe
                          spec.output_len)
     try:
         async with asyncio.timeout(timeout_s):
-            arrivals, usage = await _read_stream(client, request_body(model, spec), start)
+            arrivals, usage = await _read_stream(client, request_path(spec),
+                                                 request_body(model, spec), start)
     except TimeoutError:
         return _failed(base, f"timeout after {timeout_s:g}s")
     except httpx.HTTPError as error:
@@ -115,12 +124,12 @@ def _succeeded(base: RequestResult, arrivals: list[float], usage: dict[str, Any]
     )
 
 
-async def _read_stream(client: httpx.AsyncClient, body: dict[str, Any],
+async def _read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
                        start: float) -> tuple[list[float], dict[str, Any] | None]:
     """(content-chunk arrival times from `start`, the usage chunk if any) of one stream."""
     arrivals: list[float] = []
     usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
             raise StreamError(f"HTTP {response.status_code}: {text[:200]}")

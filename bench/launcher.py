@@ -142,8 +142,13 @@ def stop(launcher: subprocess.Popen[bytes], run_dir: Path) -> None:
 
 def memory(run_dir: Path) -> dict[str, ProcessMemory]:
     """RSS, PSS and peak RSS of every live process launch.sh started in `run_dir`."""
+    return processes_memory(started_pids(run_dir))
+
+
+def processes_memory(pids: dict[str, int]) -> dict[str, ProcessMemory]:
+    """RSS, PSS and peak RSS of each live process of `pids` (name -> PID)."""
     table = {}
-    for name, pid in started_pids(run_dir).items():
+    for name, pid in pids.items():
         try:
             process = psutil.Process(pid)
             info = process.memory_full_info()

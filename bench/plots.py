@@ -1,5 +1,5 @@
 """Benchmark PNGs: serve's latency CDFs and figures against rate; goodput's attainment and TPOT
-CDFs per mode."""
+CDFs per mode; peers' throughput against concurrency and latency CDFs per target."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
 from bench.goodput_results import GoodputResults
-from bench.results import Measured, ServeResults, TargetResults
+from bench.results import Measured, PeersResults, ServeResults, TargetResults
 from bench.stats import GOODPUT_TARGET
 
 
@@ -126,3 +126,28 @@ def plot_tpot_cdfs(results: GoodputResults, path: Path) -> None:
                  ylabel="share of requests", ylim=(0, 1.02), xscale="log")
         _legend(axes)
     _save(figure, path, "TPOT CDF per mode")
+
+
+def plot_peers(results: PeersResults, path: Path) -> None:
+    """Output tokens/s against concurrency, one line per target; TTFT and ITL CDFs per run."""
+    figure, (throughput, ttft, itl) = _panels(3, height=4.5)
+    for target in results.serve.targets:
+        runs = sorted(target.runs, key=lambda m: m.load.concurrency or 0)
+        throughput.plot([m.load.concurrency or 0 for m in runs],
+                        [m.summary.output_tokens_per_s for m in runs], "o-", label=target.label)
+        for measured in runs:
+            done = [r for r in measured.run.results if r.ok]
+            label = measured.label(target.label)
+            cdf(ttft, [r.ttft_s for r in done if r.ttft_s is not None], label)
+            cdf(itl, [gap for r in done for gap in r.itl_s], label)
+    throughput.set(title="throughput", xlabel="concurrent streams", ylabel="output tokens/s",
+                   xscale="log", ylim=(0, None))
+    ttft.set(title="TTFT CDF", xlabel="TTFT (ms)", ylabel="share of requests", ylim=(0, 1.02),
+             xscale="log")
+    itl.set(title="ITL CDF", xlabel="inter-token gap (ms)", ylabel="share of gaps",
+            ylim=(0, 1.02), xscale="log")
+    for axes in (throughput, ttft, itl):
+        _legend(axes)
+    _save(figure, path, f"{results.cpu.model}, CPUs {results.cpus}: "
+                        f"{results.serve.workload.name}, {results.serve.num_requests} requests "
+                        "per run")

@@ -12,9 +12,9 @@ from typing import Any
 
 from bench.client import RequestResult
 from bench.goodput_results import GoodputResults, ModeRun, Point
-from bench.results import Measured, ServeResults, TargetResults
+from bench.results import Measured, PeersResults, ServeResults, TargetResults
 from bench.runner import RunnerResults
-from bench.stats import GOODPUT_TARGET, Distribution
+from bench.stats import GOODPUT_TARGET, Distribution, percentile
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 
 
@@ -281,3 +281,109 @@ def goodput_markdown(results: GoodputResults) -> str:
              "rate:", _goodput_table(results), "Every run:", _runs_table(results)]
     tail = [line for line in (*_verdict_lines(results), *failed) if line]
     return "\n\n".join(parts + (["\n".join(tail)] if tail else []))
+
+
+def _p50_prompt_tokens(measured: Measured) -> float | None:
+    counts = [r.prompt_tokens for r in measured.run.results if r.ok and r.prompt_tokens]
+    return percentile(counts, 50) if counts else None
+
+
+def peers_summary(results: PeersResults) -> list[dict[str, Any]]:
+    """Per target and concurrency: output tokens/s, TTFT, ITL and TPOT p50, the prompt tokens
+    the server counted, and the throughput over each peer's."""
+    rows = []
+    for target in results.serve.targets:
+        runs = {}
+        for measured in target.runs:
+            concurrency = measured.load.concurrency
+            assert concurrency is not None, "peers runs are closed loops"
+            summary = measured.summary
+            runs[concurrency] = {
+                "output_tokens_per_s": summary.output_tokens_per_s,
+                "ttft_p50_s": summary.ttft_s.p50, "itl_p50_s": summary.itl_s.p50,
+                "tpot_p50_s": summary.tpot_s.p50,
+                "prompt_tokens_p50": _p50_prompt_tokens(measured),
+                "completed": summary.completed, "failed": summary.failed,
+                "vs": {ref: results.ratio(target.label, ref, concurrency)
+                       for ref in results.references() if ref != target.label}}
+        rows.append({"label": target.label, "peer": target.label in results.peers,
+                     "kernel_isa": results.kernel_isa.get(target.label, []), "runs": runs})
+    return rows
+
+
+def peers_json(results: PeersResults) -> dict[str, Any]:
+    """serve's whole report of the targets, with the CPU, the peers' commands, our kernel ISAs,
+    the failures and the side-by-side summary."""
+    return {**serve_json(results.serve), "benchmark": "peers",
+            "cpu": {"model": results.cpu.model, "flags": results.cpu.flags,
+                    "cpus": results.cpus},
+            "peers": results.peers, "kernel_isa": results.kernel_isa,
+            "failed": results.failed, "summary": peers_summary(results)}
+
+
+def _isa_cell(row: dict[str, Any]) -> str:
+    names = sorted({sample.get("isa", "?") for sample in row["kernel_isa"]})
+    return ", ".join(names) if names else "-"
+
+
+def _first_and_last(text: str) -> str:
+    """The first and last non-blank lines of `text` (an error and the end of its log)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+
+
+def _across(runs: dict[int, dict[str, Any]], levels: tuple[int, ...],
+            pick: Callable[[dict[str, Any]], str]) -> str:
+    """One cell: `pick` of each concurrency's figures, joined by " / "."""
+    return " / ".join(pick(runs[c]) if c in runs else "-" for c in levels)
+
+
+def _ms_of(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda figures: _ms(figures[key])
+
+
+def _ratio_to(reference: str) -> Callable[[dict[str, Any]], str]:
+    def cell(figures: dict[str, Any]) -> str:
+        value = figures["vs"].get(reference)
+        return "-" if value is None else f"{value:.2f}x"
+    return cell
+
+
+def peers_markdown(results: PeersResults) -> str:
+    """The CPU, one row per target (tokens/s at each concurrency, p50 latencies, ratios to
+    each peer), how the peers ran, failures, then serve's table of every run."""
+    levels = results.concurrencies()
+    across = " / ".join(f"c={c}" for c in levels)
+    references = results.references()
+    header = ["target", *(f"output tok/s c={c}" for c in levels),
+              f"TTFT p50 (ms) {across}", f"ITL p50 (ms) {across}", f"TPOT p50 (ms) {across}",
+              f"prompt tokens p50 {across}",
+              *(f"tok/s vs {ref} {across}" for ref in references), "kernel ISA"]
+    rows = []
+    for row in peers_summary(results):
+        runs = row["runs"]
+        tokens = [runs.get(c, {}).get("output_tokens_per_s") for c in levels]
+        rows.append([
+            row["label"], *("-" if t is None else f"{t:.1f}" for t in tokens),
+            *(_across(runs, levels, _ms_of(key))
+              for key in ("ttft_p50_s", "itl_p50_s", "tpot_p50_s")),
+            _across(runs, levels, lambda r: "-" if r["prompt_tokens_p50"] is None
+                    else f"{r['prompt_tokens_p50']:.0f}"),
+            *(_across(runs, levels, _ratio_to(ref)) for ref in references),
+            _isa_cell(row)])
+    serve = results.serve
+    cpu = results.cpu
+    title = (f"Peers side by side: workload {serve.workload.name}, {serve.num_requests} "
+             f"requests per run, {serve.workload.output_len} output tokens each, greedy, "
+             f"ignore_eos")
+    machine = (f"CPU: {cpu.model}, CPUs {results.cpus} for every target; "
+               f"flags: {' '.join(cpu.simd()) or '-'}")
+    how = [f"- {label}: {info.version}, serving {info.serves}: `{' '.join(info.command)}`"
+           + (f" with {' '.join(f'{k}={v}' for k, v in info.env.items())}" if info.env else "")
+           for label, info in results.peers.items()]
+    failed = [f"- {label} FAILED: {_first_and_last(why)}"
+              for label, why in results.failed.items()]
+    parts = [title, machine, table(header, rows), "\n".join(how + failed)]
+    if serve.targets:
+        parts.append(serve_markdown(serve))
+    return "\n\n".join(part for part in parts if part)

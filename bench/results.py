@@ -62,3 +62,63 @@ class ServeResults:
     slo: Slo
     sweep: bool
     targets: tuple[TargetResults, ...]
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU a benchmark ran on: its model name and its /proc/cpuinfo flags."""
+
+    model: str
+    flags: tuple[str, ...]
+
+    def simd(self) -> tuple[str, ...]:
+        """The flags that decide which kernels can run: AVX*, AMX*, FMA and F16C."""
+        return tuple(f for f in self.flags
+                     if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """How a peer was run: which one, its version, its command and extra environment, and the
+    model folder or file it served."""
+
+    peer: str
+    version: str
+    command: tuple[str, ...]
+    env: dict[str, str]
+    serves: str
+
+
+@dataclass(frozen=True)
+class PeersResults:
+    """A `peers` run: serve's results of every target, the CPU, how each peer was run, our
+    targets' kernel ISAs (the samples of raging_worker_kernels_info, if exported) and failures."""
+
+    serve: ServeResults
+    cpu: CpuInfo
+    cpus: str  # the CPUs every target ran on, such as "0-1"
+    peers: dict[str, PeerInfo]  # target label -> peer, for the peers' targets
+    kernel_isa: dict[str, list[dict[str, str]]]  # our targets' label -> metric labels
+    failed: dict[str, str]  # target label -> why it could not be measured
+
+    def concurrencies(self) -> tuple[int, ...]:
+        """Every concurrency some target ran at, ascending."""
+        return tuple(sorted({m.load.concurrency for t in self.serve.targets for m in t.runs
+                             if m.load.concurrency is not None}))
+
+    def run_at(self, label: str, concurrency: int) -> Measured | None:
+        """The run of target `label` at `concurrency`, if it has one."""
+        return next((m for t in self.serve.targets if t.label == label for m in t.runs
+                     if m.load.concurrency == concurrency), None)
+
+    def references(self) -> tuple[str, ...]:
+        """The peers' labels, the ones every target's throughput is compared with."""
+        return tuple(t.label for t in self.serve.targets if t.label in self.peers)
+
+    def ratio(self, label: str, reference: str, concurrency: int) -> float | None:
+        """Output tokens/s of `label` over those of `reference` at `concurrency` (None when
+        either did not run there or `reference` produced nothing)."""
+        mine, theirs = self.run_at(label, concurrency), self.run_at(reference, concurrency)
+        if mine is None or theirs is None or theirs.summary.output_tokens_per_s <= 0:
+            return None
+        return mine.summary.output_tokens_per_s / theirs.summary.output_tokens_per_s

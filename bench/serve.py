@@ -49,7 +49,11 @@ class Target:
 
 @dataclass(frozen=True)
 class Plan:
-    """What every target gets: warm-up requests, measured requests, loads and the SLO."""
+    """What every target gets: warm-up requests, measured requests, loads and the SLO.
+
+    Every load sends `requests`, unless `load_requests` gives each load its own (of prompts no
+    other load sends, so that no load finds the last one's prompts in a prefix cache).
+    """
 
     warmup: tuple[RequestSpec, ...]
     requests: tuple[RequestSpec, ...]
@@ -57,6 +61,15 @@ class Plan:
     slo: Slo
     model: str | None = None  # the model name to request; None: the server's first
     api_key: str | None = field(default=None, repr=False)  # sent as Bearer; launched ones take it
+    load_requests: tuple[tuple[RequestSpec, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.load_requests and len(self.load_requests) != len(self.loads):
+            raise ValueError("load_requests needs one tuple of requests per load")
+
+    def requests_of(self, load: int) -> tuple[RequestSpec, ...]:
+        """The requests the `load`-th load sends."""
+        return self.load_requests[load] if self.load_requests else self.requests
 
 
 def check_reachable(target: Target, api_key: str | None = None, timeout_s: float = 10) -> None:
@@ -106,7 +119,8 @@ async def _measure_url(url: str, label: str, plan: Plan) -> tuple[str, tuple[Mea
         model = plan.model or await served_model(client)
         await warm_up(client, model, plan.warmup, plan.loads[0])
         runs = []
-        for load in plan.loads:
-            run = await run_load(client, model, plan.requests, load, run_label(label, load))
+        for index, load in enumerate(plan.loads):
+            run = await run_load(client, model, plan.requests_of(index), load,
+                                 run_label(label, load))
             runs.append(Measured(load, run, summarize(run, plan.slo)))
     return model, tuple(runs)

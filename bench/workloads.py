@@ -8,6 +8,10 @@
 - mixed: chat requests with long prompts (LONG_INPUT: uniform 2,000-4,000 tokens) among them,
   a share `long_share` of the requests (rounded) at seeded random positions; all outputs follow
   CHAT_OUTPUT.
+- messages: every request one user message of about `input_len` tokens of text (TextPrompts'
+  words, whatever the prompt maker), sent to /v1/chat/completions, `output_len` tokens each;
+  each server applies its own chat template (SmolLM2's adds 30 tokens, its default system
+  prompt among them).
 
 `max_output_len` (optional) caps every output length, so that a rate sweep on a slow machine stays
 about prompts and arrivals rather than hundreds of decode steps per request.
@@ -24,9 +28,9 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.prompts import PromptMaker
+from bench.prompts import PromptMaker, TextPrompts
 
-WORKLOADS = ("fixed", "chat", "humaneval", "mixed")
+WORKLOADS = ("fixed", "chat", "humaneval", "mixed", "messages")
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,12 @@ class Workload:
     def describe(self) -> dict[str, object]:
         """The parameters that shaped the requests, for the JSON report."""
         described: dict[str, object] = {"name": self.name, "seed": self.seed}
-        if self.name in ("fixed", "humaneval"):
+        if self.name in ("fixed", "humaneval", "messages"):
             described["output_len"] = self.output_len
-        if self.name == "fixed":
+        if self.name in ("fixed", "messages"):
             described["input_len"] = self.input_len
+        if self.name == "messages":
+            described["endpoint"] = "/v1/chat/completions"
         if self.name in ("chat", "mixed"):
             described["input_lengths"] = {"lognormal": asdict(CHAT_INPUT)}
             described["output_lengths"] = {"lognormal": asdict(CHAT_OUTPUT)}
@@ -90,13 +96,18 @@ class Workload:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request: its prompt, its prompt length (None: unknown) and its output length."""
+    """One request: its prompt, its prompt length (None: unknown) and its output length.
+
+    A `chat` request sends its prompt (text) as one user message to /v1/chat/completions, and
+    `input_len` counts the message's tokens, before the server's chat template.
+    """
 
     index: int
-    kind: str  # "fixed", "chat", "long" or "humaneval"
+    kind: str  # "fixed", "chat", "long", "humaneval" or "message"
     prompt: str | tuple[int, ...]
     input_len: int | None
     output_len: int
+    chat: bool = False
 
 
 def build(workload: Workload, prompts: PromptMaker, count: int,
@@ -109,6 +120,8 @@ def build(workload: Workload, prompts: PromptMaker, count: int,
     rng = random.Random(workload.seed)
     if workload.name == "humaneval":
         specs = _humaneval(workload, prompts, count, rng)
+    elif workload.name == "messages":
+        specs = _messages(workload, prompts, count, first_prompt)
     else:
         shapes = {"fixed": _fixed_shapes, "chat": _chat_shapes, "mixed": _mixed_shapes}
         specs = [
@@ -151,3 +164,10 @@ def _humaneval(workload: Workload, prompts: PromptMaker, count: int,
     chosen = [texts[order[i % len(order)]] for i in range(count)]
     return [RequestSpec(i, "humaneval", text, prompts.count(text), workload.output_len)
             for i, text in enumerate(chosen)]
+
+
+def _messages(workload: Workload, prompts: PromptMaker, count: int,
+              first_prompt: int) -> list[RequestSpec]:
+    texts = [TextPrompts().prompt(first_prompt + i, workload.input_len) for i in range(count)]
+    return [RequestSpec(i, "message", text, prompts.count(text), workload.output_len, chat=True)
+            for i, text in enumerate(texts)]

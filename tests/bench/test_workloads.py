@@ -104,3 +104,21 @@ def test_output_cap_and_prompt_numbering() -> None:
     assert Workload("chat", max_output_len=48).describe()["max_output_len"] == 48
     with pytest.raises(ValueError):
         Workload("chat", max_output_len=0)
+
+
+def test_messages_are_chat_requests_of_about_input_len_tokens(real_model_dir: Path,
+                                                              token_prompts: TokenPrompts) -> None:
+    specs = build(Workload("messages", input_len=170, output_len=64), token_prompts, 3,
+                  first_prompt=10)
+    assert all(s.chat and s.kind == "message" and s.output_len == 64 for s in specs)
+    assert specs[0].prompt == TextPrompts().prompt(10, 170)  # text, whatever the prompt maker
+    assert len({s.prompt for s in specs}) == 3
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    for spec in specs:
+        assert spec.input_len == len(tokenizer.encode(str(spec.prompt)))
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": str(spec.prompt)}], add_generation_prompt=True,
+            tokenize=False)
+        assert 198 <= len(tokenizer.encode(str(templated))) <= 208  # ~203: peers' prompts
+    described = Workload("messages", input_len=170, output_len=64).describe()
+    assert described["endpoint"] == "/v1/chat/completions" and described["input_len"] == 170
