@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 class DecodeWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
-                                  runner.block_size, runner.allocator.num_total)
+                                  runner.block_size, runner.allocator.num_total,
+                                  torch.get_num_threads(), config.decode.max_running)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,

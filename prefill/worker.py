@@ -63,7 +63,8 @@ class _StepAborted(Exception):
 class PrefillWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
-                                  runner.block_size, runner.allocator.num_total)
+                                  runner.block_size, runner.allocator.num_total,
+                                  torch.get_num_threads())
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
