@@ -29,6 +29,8 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
 ToolCallParser = Literal["", "hermes", "llama3_json"]
 KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
+# How the gateway spreads new work over workers pinned to the same CPUs (gateway/packing.py).
+Routing = Literal["pack", "spread"]
 
 
 def setting(default: T, help: str) -> T:
@@ -90,6 +92,16 @@ class GatewayConfig:
     prefill_saturated_tokens: int = setting(1024, "... and, while every prefill worker holds "
                                                   "this many tokens (0: never), ...")
     saturated_local_max_tokens: int = setting(256, "... prompts up to this long")
+    decode_routing: Routing = setting("pack", "pack: decode workers pinned to the same CPUs "
+                                              "take new sequences one at a time, each filling "
+                                              "its batch before the next gets any; spread: the "
+                                              "most free KV, whatever the CPUs")
+    prefill_routing: Routing = setting("pack", "pack: prefill workers pinned to the same CPUs "
+                                               "count as one, their queues added, and prompts "
+                                               "go to the busiest with room; spread: each "
+                                               "worker by its own queue")
+    pack_kv_fraction: float = setting(0.9, "pack: a worker takes no more while its KV would "
+                                           "be fuller than this (its sequences still grow)")
     tool_call_parser: ToolCallParser = setting("", "how tool_choice 'auto' finds calls in the "
                                                    "output: hermes (<tool_call> JSON), "
                                                    "llama3_json; empty: none, output is text")
@@ -100,6 +112,11 @@ class GatewayConfig:
                                          "off: they are ignored, logged once and counted")
     served_model_name: tuple[str, ...] = setting((), "names the model answers to (each "
                                                      "accepted in `model`); empty: its own")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.pack_kv_fraction <= 1:
+            raise ValueError(f"gateway.pack_kv_fraction must be in (0, 1], "
+                             f"not {self.pack_kv_fraction}")
 
 
 @dataclass(frozen=True)

@@ -28,3 +28,8 @@ def pin_to(spec: str) -> None:
     if not cpus <= available:
         raise ValueError(f"CPUs {sorted(cpus - available)} are not available here")
     os.sched_setaffinity(0, cpus)
+
+
+def pinned_cpus() -> list[int]:
+    """The CPUs this process may run on, lowest first: its pinning, or every CPU it has."""
+    return sorted(os.sched_getaffinity(0))

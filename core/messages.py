@@ -142,6 +142,11 @@ class Register:
     block_size: int
     num_blocks: int
     host: str = ""  # the machine it runs on (its host name), for people looking at the cluster
+    # Where it computes, so that the gateway knows which workers take turns on the same cores:
+    # the CPUs it may run on (empty: not known), its torch threads, its batch's most sequences.
+    cpus: list[int] = field(default_factory=list)
+    threads: int = 0  # 0: not known
+    max_running: int = 0  # decode: decode.max_running; 0: no bound known (prefill)
     isa: str = ""  # the instruction set its kernels run at (engine.kernels.isa; "torch": none)
 
 

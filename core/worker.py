@@ -25,6 +25,7 @@ import zmq
 
 from core.channels import ControlClient
 from core.config import Config, Role
+from core.cpus import pinned_cpus
 from core.curve import keys_for
 from core.messages import (
     Alive,
@@ -56,6 +57,8 @@ class WorkerIdentity:
     fingerprint: str  # KV layout: workers exchanging KV must agree on it
     block_size: int
     num_blocks: int
+    threads: int = 0  # torch threads it computes with (0: not known)
+    max_running: int = 0  # sequences its batch holds at most (0: no bound, prefill)
     isa: str = ""  # the instruction set its kernels run at ("torch": none built)
 
 
@@ -85,7 +88,8 @@ class Worker(ABC):
     def registration(self) -> Register:
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
-                        i.block_size, i.num_blocks, socket.gethostname(), i.isa)
+                        i.block_size, i.num_blocks, socket.gethostname(), pinned_cpus(),
+                        i.threads, i.max_running, i.isa)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

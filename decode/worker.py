@@ -50,7 +50,8 @@ class DecodeWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
-                                  runner.kernel_isa)
+                                  torch.get_num_threads(), config.decode.max_running,
+                                  isa=runner.kernel_isa)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,

@@ -11,7 +11,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from core.cli import ConfigParser
-from core.config import Config
+from core.config import Config, GatewayConfig
 from core.logs import setup_logging
 from core.tracing import make_tracer
 from engine.weights.dtypes import resolve_dtype
@@ -22,8 +22,20 @@ from gateway.app import build_app
 from gateway.auth import KeysError, with_keys
 from gateway.defaults import resolve_defaults
 from gateway.metrics import Metrics
+from gateway.packing import Packing
 from gateway.registry import LocalPrefill, Registry
 from gateway.state import GatewayState
+
+
+def make_registry(gateway: GatewayConfig, fingerprint: str) -> Registry:
+    """The membership and routing of workers serving KV layout `fingerprint`."""
+    return Registry(fingerprint, gateway.heartbeat_timeout_s, gateway.expect_prefill,
+                    gateway.expect_decode, gateway.stall_timeout_s,
+                    LocalPrefill(gateway.local_prefill_max_tokens,
+                                 gateway.prefill_saturated_tokens,
+                                 gateway.saturated_local_max_tokens),
+                    Packing(gateway.decode_routing, gateway.prefill_routing,
+                            gateway.pack_kv_fraction))
 
 
 def gateway_app(config: Config) -> Starlette:
@@ -31,13 +43,8 @@ def gateway_app(config: Config) -> Starlette:
     configured API keys are unusable."""
     folder = resolve_model(config.model.name, config.model.cache_dir)
     spec = load_spec(folder)
-    gateway = config.gateway
-    registry = Registry(kv_fingerprint(spec, resolve_dtype(config.model.dtype)),
-                        gateway.heartbeat_timeout_s, gateway.expect_prefill,
-                        gateway.expect_decode, gateway.stall_timeout_s,
-                        LocalPrefill(gateway.local_prefill_max_tokens,
-                                     gateway.prefill_saturated_tokens,
-                                     gateway.saturated_local_max_tokens))
+    fingerprint = kv_fingerprint(spec, resolve_dtype(config.model.dtype))
+    registry = make_registry(config.gateway, fingerprint)
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
     metrics = Metrics(spec.name, max_len)  # vLLM's series are labelled with the served name
@@ -52,7 +59,7 @@ def gateway_app(config: Config) -> Starlette:
 def main() -> None:
     parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
     for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser",
-                "strict_fields", "served_model_name"):
+                "strict_fields", "served_model_name", "decode_routing", "prefill_routing"):
         parser.config_flag(f"gateway.{key}")
     parser.config_flag("auth.keys_file", "--api-key-file")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",

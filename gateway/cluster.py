@@ -27,6 +27,7 @@ def worker_view(worker: WorkerInfo, now: float) -> dict[str, Any]:
     used = None if load is None else worker.num_blocks - load.free_blocks
     return {
         "id": worker.worker_id, "role": worker.role, "host": worker.host, "isa": worker.isa,
+        "cpus": list(worker.cpus), "threads": worker.threads,
         "state": _state(worker), "stalled": worker.stalled,
         "last_heartbeat_s": round(now - worker.last_seen, 3),
         "kv_blocks_used": used, "kv_blocks_total": worker.num_blocks,

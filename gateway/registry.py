@@ -12,6 +12,7 @@ from typing import Literal
 from core.config import ROLES, Role
 from core.messages import Alive, Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
+from gateway.packing import PACK, Packing, Unit, alone, packed, units
 from gateway.prefix_index import PrefixIndex
 from gateway.totals import WorkerTotals
 
@@ -53,6 +54,9 @@ class WorkerInfo:
     wedged: bool = False  # stalled because its loop sent no heartbeat for the stall timeout
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
     host: str = ""  # the machine it said it runs on
+    cpus: tuple[int, ...] = ()  # the CPUs it said it may run on (empty: not known)
+    threads: int = 0  # its torch threads (0: not known)
+    max_running: int = 0  # the most sequences its batch holds (0: no bound known)
     isa: str = ""  # the instruction set it said its kernels run at
 
     @property
@@ -96,7 +100,7 @@ class LocalPrefill:
 class Registry:
     def __init__(self, fingerprint: str, heartbeat_timeout_s: float,
                  expect_prefill: int, expect_decode: int, stall_timeout_s: float = 10.0,
-                 local: LocalPrefill = LocalPrefill()) -> None:
+                 local: LocalPrefill = LocalPrefill(), packing: Packing = PACK) -> None:
         self.fingerprint = fingerprint
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -104,6 +108,7 @@ class Registry:
         self.workers: dict[str, WorkerInfo] = {}
         self.refused = 0
         self.local = local
+        self.packing = packing
         self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
         self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
@@ -129,7 +134,8 @@ class Registry:
             kv_address=message.kv_address, block_size=message.block_size,
             num_blocks=message.num_blocks, last_seen=time.monotonic(),
             prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
-            host=message.host, isa=message.isa,
+            host=message.host, cpus=tuple(message.cpus), threads=message.threads,
+            max_running=message.max_running, isa=message.isa,
             reported_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
@@ -236,19 +242,28 @@ class Registry:
 
     def pick_prefill(self, prompt: Sequence[int] = (), salt: str = "") -> WorkerInfo | None:
         """The prefill worker that would get through `prompt` first: the fewest tokens to
-        compute, those already waiting on it plus the prompt's own less the prefix it probably
-        has cached (ties: the fewest requests). The one picked learns the prompt's prefix."""
+        compute on its CPUs per worker they run at once, those already waiting there plus the
+        prompt's own less the prefix it probably has cached (`spread`: on the worker alone).
+        Ties among workers sharing CPUs go to one with room for the prompt's KV, then to the
+        busiest, so that prompts batch in one worker's steps rather than take turns on the
+        core; then to the fewest requests. The one picked learns the prompt's prefix."""
         chains: dict[int, list[bytes]] = {}  # by block size
+        unit_of = {w.worker_id: unit for unit in self._units("prefill") for w in unit.workers}
 
         def chain(worker: WorkerInfo) -> list[bytes]:
             if worker.block_size not in chains:
                 chains[worker.block_size] = block_hashes(prompt, worker.block_size, salt)
             return chains[worker.block_size]
 
-        def cost(worker: WorkerInfo) -> tuple[int, int]:
+        def cost(worker: WorkerInfo) -> tuple[float, bool, int, int]:
             cached = min(worker.prefixes.matched(chain(worker)) * worker.block_size,
                          max(len(prompt) - 1, 0))
-            return worker.held_tokens + len(prompt) - cached, len(worker.active)
+            unit = unit_of[worker.worker_id]
+            work = (unit.held_tokens + len(prompt) - cached) / unit.slots
+            if len(unit.workers) == 1:
+                return work, False, 0, len(worker.active)
+            full = worker.held_tokens + len(prompt) > worker.capacity_tokens
+            return work, full, -worker.held_tokens, len(worker.active)
 
         best = min(self.serving("prefill"), key=cost, default=None)
         if best is not None:
@@ -260,7 +275,7 @@ class Registry:
         disaggregation: the decode worker prefills it itself when the prompt is short, when
         the prefill pool is saturated and it has headroom, or when there is no prefill pool
         (colocated mode, or every prefill worker gone); otherwise a prefill worker does."""
-        decode = self.pick_decode()
+        decode = self.pick_decode(len(prompt))
         if decode is None:
             return None
         path = self._local_path(len(prompt), decode)
@@ -279,16 +294,35 @@ class Registry:
             return "local_short"
         saturated = (self.local.saturated_tokens > 0 and
                      prompt_len <= self.local.saturated_max_tokens and
-                     all(w.held_tokens >= self.local.saturated_tokens for w in pool))
+                     all(unit.held_tokens >= self.local.saturated_tokens * unit.slots
+                         for unit in self._units("prefill")))
         return "local_saturated" if saturated and _has_headroom(decode) else None
 
-    def pick_decode(self) -> WorkerInfo | None:
+    def pick_decode(self, prompt_len: int = 0) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences (one
-        found unreachable only if every one was)."""
+        found unreachable only if every one was). `pack`: of the workers sharing CPUs, only
+        the busiest with room for another sequence of `prompt_len` tokens, as many as the
+        CPUs run at once (gateway/packing.py); every worker again when none has room."""
         serving = self.serving("decode")
-        return max([w for w in serving if not w.unreachable] or serving,
-                   key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
+        pool = [w for w in serving if not w.unreachable] or serving
+        if self.packing.decode == "pack":
+            pool = packed(units(pool), lambda w: self._takes_sequence(w, prompt_len),
+                          lambda w: len(w.active)) or pool
+        return max(pool, key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
                    default=None)
+
+    def _takes_sequence(self, decode: WorkerInfo, prompt_len: int) -> bool:
+        """Whether a packed decode worker has room for one more sequence: in its batch, and
+        in its KV up to `pack_kv_fraction` of it."""
+        batch_full = 0 < decode.max_running <= len(decode.active)
+        kv_after = decode.held_tokens + prompt_len
+        return not batch_full and kv_after <= decode.capacity_tokens * self.packing.kv_fraction
+
+    def _units(self, role: Role) -> list[Unit[WorkerInfo]]:
+        """The serving workers of `role` grouped as its routing sees them."""
+        pool = self.serving(role)
+        routing = self.packing.prefill if role == "prefill" else self.packing.decode
+        return units(pool) if routing == "pack" else alone(pool)
 
 
 def _has_headroom(decode: WorkerInfo) -> bool:

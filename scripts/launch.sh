@@ -9,6 +9,8 @@
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
+# More workers than a pool has CPUs share them (a warning says how many); the gateway then packs
+# work onto as few as the CPUs run at once (docs/scheduling.md, "Workers sharing CPUs").
 # --kv-backend picks how prefill hands KV to decode: shm (default, one host), zmq, cuda_ipc.
 # Internal sockets are authenticated and encrypted (CURVE) with keys made fresh in <run>/curve.
 # --api-key / --api-key-file go to the gateway only; with neither (nor auth: in the config)
@@ -85,6 +87,19 @@ pin_args() {  # pin_args POOL_NAME INDEX COUNT: the --cpus flag for worker INDEX
   if [[ $3 == 1 ]]; then echo "--cpus $(echo "${pool[@]}" | tr ' ' ,)"; return; fi  # all of it
   echo "--cpus ${pool[$(( $2 % ${#pool[@]} ))]}"
 }
+warn_shared() {  # warn_shared ROLE COUNT POOL_NAME HOW: one line when workers outnumber CPUs
+  local -n pool="$3"
+  local cpus=${#pool[@]} role="$1" count="$2"
+  [[ $PIN == 1 && $cpus -gt 0 && $count -gt $cpus ]] || return 0
+  local least=$(( count / cpus )) most=$(( (count + cpus - 1) / cpus )) share
+  share="$most"; [[ $least == "$most" ]] || share="$least or $most"
+  echo "[launch] warning: $count $role workers on $cpus CPU(s) ($(echo "${pool[@]}" | tr ' ' ,)):" \
+    "$share share each CPU and take turns on it; $4" >&2
+}
+warn_shared prefill "$PREFILL" PREFILL_POOL "the gateway counts their queues as one and sends \
+prompts to the busiest with room (gateway.prefill_routing)"
+warn_shared decode "$DECODE" DECODE_POOL "the gateway packs new sequences onto one of them, \
+filling its batch before the next gets any (gateway.decode_routing)"
 
 PIDS=()
 stop_all() {

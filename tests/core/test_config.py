@@ -223,3 +223,16 @@ def test_every_setting_says_what_it_means() -> None:
                                           else getattr(Config(), section.name)):
             config, _ = config_field(f"{section.name}.{setting.name}")
             assert config.metadata.get("help"), f"{section.name}.{setting.name} has no help"
+
+
+def test_routing_packs_by_default_and_may_spread() -> None:
+    gateway = load_config().gateway
+    assert (gateway.decode_routing, gateway.prefill_routing) == ("pack", "pack")
+    spread = load_config(overrides={"gateway.decode_routing": "spread"}).gateway
+    assert spread.decode_routing == "spread" and spread.prefill_routing == "pack"
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-0.1"])
+def test_pack_kv_fraction_is_a_share_of_the_kv(fraction: str) -> None:
+    with pytest.raises(ValueError, match="pack_kv_fraction"):
+        load_config(overrides={"gateway.pack_kv_fraction": fraction})

@@ -1,4 +1,4 @@
-"""CPU lists from config, and pinning a real process."""
+"""CPU lists from config, pinning a real process, and reading its pinning back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from core.cpus import parse_cpus, pin_to
+from core.cpus import parse_cpus, pin_to, pinned_cpus
 
 
 @pytest.mark.parametrize(("spec", "cpus"), [
@@ -35,3 +35,12 @@ def test_pin_to_sets_the_affinity_of_this_process() -> None:
 def test_pin_to_refuses_cpus_that_do_not_exist() -> None:
     with pytest.raises(ValueError, match="not available"):
         pin_to("100000")
+
+
+def test_pinned_cpus_are_those_this_process_may_run_on() -> None:
+    assert pinned_cpus() == sorted(os.sched_getaffinity(0))
+    first = min(os.sched_getaffinity(0))
+    code = (f"from core.cpus import pin_to, pinned_cpus; pin_to('{first}'); "
+            "print(pinned_cpus())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str([first])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -583,3 +584,11 @@ def test_a_prompt_prefilled_here_reports_its_prefill_then_its_first_decode_step(
     assert prefill["prefill_wait"] >= 0.05 and prefill["prefill_compute"] > 0
     assert [s.stage for s in events[1].stages] == ["first_decode"]  # no transfer: KV is here
     assert events[2].stages == []
+
+
+def test_it_registers_its_cpus_threads_and_batch_bound(worker: Served) -> None:
+    decode_worker, _ = worker
+    register = decode_worker.registration()
+    assert register.role == "decode" and register.cpus == sorted(os.sched_getaffinity(0))
+    assert register.threads == torch.get_num_threads()
+    assert register.max_running == decode_worker.scheduler.max_running == 64

@@ -142,7 +142,7 @@ def test_each_workers_kernel_instruction_set_is_exported() -> None:
         ("prefill-0", "prefill", "avx2"), ("decode-0", "decode", "amx"),
         ("decode-1", "decode", "torch"))
     for worker_id, role, isa in workers:
-        register = Register(worker_id, "i0", role, "", FP, 16, 100, "host-a", isa)
+        register = Register(worker_id, "i0", role, "", FP, 16, 100, "host-a", isa=isa)
         assert registry.register(register)[0].accepted
     found = samples(Metrics().render(registry, 0).decode())
     kernels = {dict(labels)["worker"]: dict(labels)["isa"]

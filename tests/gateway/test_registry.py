@@ -1,12 +1,15 @@
-"""Worker membership: layout check, re-registration, heartbeats, expiry, readiness, routing."""
+"""Worker membership: layout check, re-registration, heartbeats, expiry, readiness, routing
+(packing onto workers that share CPUs included)."""
 
 from __future__ import annotations
 
 import time
 from typing import cast
 
-from core.config import Role
+from core.config import Role, Routing
 from core.messages import Alive, Heartbeat, Register
+from engine.kv.block_hash import block_hashes
+from gateway.packing import Packing
 from gateway.registry import LocalPrefill, Registry, WorkerInfo
 
 FP = "smollm2|float32|30|3|64|16"
@@ -489,3 +492,172 @@ def test_only_the_newest_membership_events_are_kept() -> None:
     for n in range(300):
         reg.register(register(f"p{n}"))
     assert len(reg.events) == 200 and reg.events[-1].worker_id == "p299"
+
+
+# Workers sharing CPUs: packing (gateway/packing.py)
+
+def placed(worker_id: str, role: Role = "decode", cpus: tuple[int, ...] = (1,), threads: int = 1,
+           max_running: int = 4, num_blocks: int = 100, host: str = "a") -> Register:
+    return Register(worker_id, "i0", role, "", FP, 16, num_blocks, host, list(cpus), threads,
+                    max_running if role == "decode" else 0)
+
+
+def packing_registry(decode: Routing = "pack", prefill: Routing = "pack",
+                     kv_fraction: float = 0.9) -> Registry:
+    return Registry(FP, 30.0, 0, 0, local=LocalPrefill(0, 0),
+                    packing=Packing(decode, prefill, kv_fraction))
+
+
+def dispatch(reg: Registry, count: int, prompt_len: int = 10) -> list[tuple[str, str]]:
+    """Route `count` prompts, no two alike, and hold them where they went, as the dispatcher
+    does: the (prefill, decode) worker of each."""
+    went = []
+    for _ in range(count):
+        request_id = f"r{reg.decisions.total()}"
+        start = reg.decisions.total() * prompt_len
+        route = reg.route(list(range(start, start + prompt_len)))
+        assert route is not None
+        for worker in {route.prefill.worker_id: route.prefill,
+                       route.decode.worker_id: route.decode}.values():
+            worker.active[request_id] = prompt_len
+        went.append((route.prefill.worker_id, route.decode.worker_id))
+    return went
+
+
+def decode_counts(reg: Registry) -> dict[str, int]:
+    return {w.worker_id: len(w.active) for w in reg.alive("decode")}
+
+
+def test_the_registry_keeps_where_each_worker_computes() -> None:
+    reg = packing_registry()
+    reg.register(placed("d1", cpus=(2, 3), threads=2, max_running=48, host="host-b"))
+    info = reg.workers["d1"]
+    assert (info.cpus, info.threads, info.max_running, info.host) == ((2, 3), 2, 48, "host-b")
+
+
+def test_decode_workers_on_one_cpu_fill_one_batch_before_the_next() -> None:
+    """launch.sh --prefill 2 --decode 6 on two cores: six decode workers on CPU 1."""
+    reg = packing_registry()
+    for i in range(6):
+        reg.register(placed(f"decode-{i}", max_running=4))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,)))
+    dispatch(reg, 6)
+    assert decode_counts(reg) == {"decode-0": 4, "decode-1": 2, "decode-2": 0, "decode-3": 0,
+                                  "decode-4": 0, "decode-5": 0}
+    reg.workers["decode-0"].active.pop(next(iter(reg.workers["decode-0"].active)))
+    assert dispatch(reg, 1) == [("prefill-0", "decode-0")]  # back to the fullest with room
+
+
+def test_spread_routing_balances_free_kv_whatever_the_cpus() -> None:
+    reg = packing_registry(decode="spread")
+    for i in range(6):
+        reg.register(placed(f"decode-{i}", max_running=4))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,)))
+    dispatch(reg, 6)
+    assert set(decode_counts(reg).values()) == {1}
+
+
+def test_packing_balances_free_kv_across_cpus_and_packs_on_each() -> None:
+    reg = packing_registry()
+    for i in range(4):
+        reg.register(placed(f"decode-{i}", cpus=(2 + i % 2,), max_running=8))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,)))
+    dispatch(reg, 6)
+    assert decode_counts(reg) == {"decode-0": 3, "decode-1": 3, "decode-2": 0, "decode-3": 0}
+
+
+def test_a_packed_worker_spills_when_its_kv_would_be_too_full() -> None:
+    reg = packing_registry(kv_fraction=0.5)  # 800 of each worker's 1,600 tokens
+    for i in range(2):
+        reg.register(placed(f"decode-{i}", max_running=64))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,), num_blocks=1000))
+    dispatch(reg, 2, prompt_len=400)
+    assert decode_counts(reg) == {"decode-0": 2, "decode-1": 0}
+    reg.workers["decode-0"].active["r0"] += 1  # a token more: 801 would not be 800
+    assert dispatch(reg, 1, prompt_len=400)[0][1] == "decode-1"
+
+
+def test_a_packed_worker_stalled_unreachable_or_gone_is_passed_over() -> None:
+    reg = packing_registry()
+    for i in range(3):
+        reg.register(placed(f"decode-{i}"))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,)))
+    dispatch(reg, 1)
+    reg.workers["decode-0"].stalled = True
+    assert dispatch(reg, 1)[0][1] == "decode-1"
+    reg.workers["decode-1"].unreachable = True
+    assert dispatch(reg, 1)[0][1] == "decode-2"
+    reg.remove("decode-2")
+    assert dispatch(reg, 1)[0][1] == "decode-1"  # unreachable is a last resort, not refused
+
+
+def test_packing_never_refuses_a_request_when_every_worker_is_full() -> None:
+    reg = packing_registry()
+    for i in range(2):
+        reg.register(placed(f"decode-{i}", max_running=2))
+    reg.register(placed("prefill-0", "prefill", cpus=(0,)))
+    dispatch(reg, 4)
+    reg.workers["decode-1"].active["extra"] = 50  # full too, and less KV free
+    assert decode_counts(reg) == {"decode-0": 2, "decode-1": 3}
+    assert dispatch(reg, 1)[0][1] == "decode-0"  # the most free KV, as spread routes
+
+
+def test_unpinned_workers_pack_onto_as_many_as_the_cpus_run_at_once() -> None:
+    reg = packing_registry()
+    for i in range(4):
+        reg.register(placed(f"decode-{i}", cpus=(0, 1), max_running=8))
+    reg.register(placed("prefill-0", "prefill", cpus=()))  # CPUs not known: alone
+    dispatch(reg, 6)
+    assert decode_counts(reg) == {"decode-0": 3, "decode-1": 3, "decode-2": 0, "decode-3": 0}
+
+
+def test_prefill_workers_on_one_cpu_count_as_one_and_prompts_go_to_the_busiest() -> None:
+    reg = packing_registry()
+    reg.register(placed("decode-0", cpus=(1,), max_running=64))
+    for i in range(2):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,)))
+    assert [p for p, _ in dispatch(reg, 3)] == ["prefill-0"] * 3
+    reg.register(placed("prefill-2", "prefill", cpus=(2,)))
+    # 30 tokens wait on CPU 0, none on CPU 2
+    assert [p for p, _ in dispatch(reg, 4)] == ["prefill-2", "prefill-2", "prefill-2", "prefill-0"]
+
+
+def test_a_packed_prefill_worker_spills_when_its_kv_is_full() -> None:
+    reg = packing_registry()
+    reg.register(placed("decode-0", cpus=(1,), max_running=64, num_blocks=1000))
+    for i in range(2):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,), num_blocks=10))  # 160 tokens
+    assert [p for p, _ in dispatch(reg, 3, prompt_len=80)] == [
+        "prefill-0", "prefill-0", "prefill-1"]
+
+
+def test_a_cached_prefix_wins_over_packing_prefill() -> None:
+    reg = packing_registry()
+    reg.register(placed("decode-0", cpus=(1,), max_running=64))
+    for i in range(2):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,)))
+    shared = list(range(100, 164))  # four blocks
+    reg.workers["prefill-1"].prefixes.add(block_hashes(shared, 16, ""))
+    reg.workers["prefill-0"].active["busy"] = 40
+    picked_one = reg.pick_prefill([*shared, 1, 2])
+    assert picked_one is not None and picked_one.worker_id == "prefill-1"
+
+
+def test_spread_prefill_routing_counts_each_worker_alone() -> None:
+    reg = packing_registry(prefill="spread")
+    reg.register(placed("decode-0", cpus=(1,), max_running=64))
+    for i in range(2):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,)))
+    assert [p for p, _ in dispatch(reg, 4)] == ["prefill-0", "prefill-1"] * 2
+
+
+def test_prefill_workers_sharing_a_cpu_are_saturated_together() -> None:
+    reg = Registry(FP, 30.0, 0, 0, local=LocalPrefill(0, 100),
+                   packing=Packing("pack", "pack", 0.9))
+    reg.register(placed("decode-0", cpus=(1,), max_running=64))
+    for i in range(2):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,)))
+    reg.workers["prefill-0"].active["a"] = 100  # prefill-1 idle, but on the same, busy core
+    assert route_path(reg, 50)[2] == "local_saturated"
+    reg.packing = Packing("pack", "spread", 0.9)
+    assert route_path(reg, 50)[2] == "disaggregated"

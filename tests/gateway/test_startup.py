@@ -1,4 +1,5 @@
-"""The gateway's start-up: its app from config, with the model's files read without torch."""
+"""The gateway's start-up: its app from config, with the model's files read without torch, and
+its registry routing as the config says."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from core.config import load_config
+from gateway.__main__ import make_registry
+from gateway.packing import Packing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,3 +40,12 @@ def test_a_started_gateway_has_not_loaded_torch(tiny_model_dir: Path) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_registry_routes_as_the_config_says() -> None:
+    packed = make_registry(load_config().gateway, "fp")
+    assert packed.packing == Packing("pack", "pack", 0.9) and packed.fingerprint == "fp"
+    config = load_config(overrides={"gateway.decode_routing": "spread",
+                                    "gateway.prefill_routing": "spread",
+                                    "gateway.pack_kv_fraction": "0.5"})
+    assert make_registry(config.gateway, "fp").packing == Packing("spread", "spread", 0.5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -511,3 +512,10 @@ def test_the_first_token_reports_the_prompts_wait_and_compute_here(setup) -> Non
     announced, handed = notices
     assert isinstance(announced, DecodeRequest) and announced.traceparent == traceparent
     assert handed == first
+
+
+def test_it_registers_the_cpus_and_threads_it_computes_with(setup) -> None:
+    worker, _, _ = setup
+    register = worker.registration()
+    assert register.role == "prefill" and register.cpus == sorted(os.sched_getaffinity(0))
+    assert register.threads == torch.get_num_threads() and register.max_running == 0
