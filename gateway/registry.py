@@ -248,7 +248,7 @@ class Registry:
         busiest, so that prompts batch in one worker's steps rather than take turns on the
         core; then to the fewest requests. The one picked learns the prompt's prefix."""
         chains: dict[int, list[bytes]] = {}  # by block size
-        unit_of = {w.worker_id: unit for unit in self._units("prefill") for w in unit.workers}
+        unit_of = {w.worker_id: unit for unit in self._prefill_units() for w in unit.workers}
 
         def chain(worker: WorkerInfo) -> list[bytes]:
             if worker.block_size not in chains:
@@ -258,12 +258,7 @@ class Registry:
         def cost(worker: WorkerInfo) -> tuple[float, bool, int, int]:
             cached = min(worker.prefixes.matched(chain(worker)) * worker.block_size,
                          max(len(prompt) - 1, 0))
-            unit = unit_of[worker.worker_id]
-            work = (unit.held_tokens + len(prompt) - cached) / unit.slots
-            if len(unit.workers) == 1:
-                return work, False, 0, len(worker.active)
-            full = worker.held_tokens + len(prompt) > worker.capacity_tokens
-            return work, full, -worker.held_tokens, len(worker.active)
+            return _prefill_cost(worker, unit_of[worker.worker_id], len(prompt), cached)
 
         best = min(self.serving("prefill"), key=cost, default=None)
         if best is not None:
@@ -295,7 +290,7 @@ class Registry:
         saturated = (self.local.saturated_tokens > 0 and
                      prompt_len <= self.local.saturated_max_tokens and
                      all(unit.held_tokens >= self.local.saturated_tokens * unit.slots
-                         for unit in self._units("prefill")))
+                         for unit in self._prefill_units()))
         return "local_saturated" if saturated and _has_headroom(decode) else None
 
     def pick_decode(self, prompt_len: int = 0) -> WorkerInfo | None:
@@ -318,11 +313,22 @@ class Registry:
         kv_after = decode.held_tokens + prompt_len
         return not batch_full and kv_after <= decode.capacity_tokens * self.packing.kv_fraction
 
-    def _units(self, role: Role) -> list[Unit[WorkerInfo]]:
-        """The serving workers of `role` grouped as its routing sees them."""
-        pool = self.serving(role)
-        routing = self.packing.prefill if role == "prefill" else self.packing.decode
-        return units(pool) if routing == "pack" else alone(pool)
+    def _prefill_units(self) -> list[Unit[WorkerInfo]]:
+        """The serving prefill workers grouped as `prefill_routing` sees them."""
+        pool = self.serving("prefill")
+        return units(pool) if self.packing.prefill == "pack" else alone(pool)
+
+
+def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,
+                  cached: int) -> tuple[float, bool, int, int]:
+    """A prompt's cost on a prefill worker of `unit`, least first: the tokens its CPUs have to
+    compute per slot; then, among workers sharing them, whether its KV is full, and the
+    busiest first; then the fewest requests."""
+    work = (unit.held_tokens + prompt_len - cached) / unit.slots
+    if len(unit.workers) == 1:
+        return work, False, 0, len(worker.active)
+    full = worker.held_tokens + prompt_len > worker.capacity_tokens
+    return work, full, -worker.held_tokens, len(worker.active)
 
 
 def _has_headroom(decode: WorkerInfo) -> bool:

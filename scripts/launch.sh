@@ -91,15 +91,19 @@ warn_shared() {  # warn_shared ROLE COUNT POOL_NAME HOW: one line when workers o
   local -n pool="$3"
   local cpus=${#pool[@]} role="$1" count="$2"
   [[ $PIN == 1 && $cpus -gt 0 && $count -gt $cpus ]] || return 0
-  local least=$(( count / cpus )) most=$(( (count + cpus - 1) / cpus )) share
-  share="$most"; [[ $least == "$most" ]] || share="$least or $most"
-  echo "[launch] warning: $count $role workers on $cpus CPU(s) ($(echo "${pool[@]}" | tr ' ' ,)):" \
-    "$share share each CPU and take turns on it; $4" >&2
+  local least=$(( count / cpus )) most=$(( (count + cpus - 1) / cpus ))
+  local where="1 CPU" each=""
+  if [[ $cpus -gt 1 ]]; then
+    where="$cpus CPUs" each=" $most to each,"
+    [[ $least == "$most" ]] || each=" $least or $most to each,"
+  fi
+  echo "[launch] warning: $count $role workers share $where ($(echo "${pool[@]}" | tr ' ' ,)),$each" \
+    "taking turns; $4" >&2
 }
-warn_shared prefill "$PREFILL" PREFILL_POOL "the gateway counts their queues as one and sends \
-prompts to the busiest with room (gateway.prefill_routing)"
-warn_shared decode "$DECODE" DECODE_POOL "the gateway packs new sequences onto one of them, \
-filling its batch before the next gets any (gateway.decode_routing)"
+warn_shared prefill "$PREFILL" PREFILL_POOL "the gateway counts a CPU's queues as one and sends \
+its prompts to the busiest worker with room (gateway.prefill_routing)"
+warn_shared decode "$DECODE" DECODE_POOL "the gateway packs new sequences onto one worker per \
+CPU, filling its batch before the next on that CPU gets any (gateway.decode_routing)"
 
 PIDS=()
 stop_all() {

@@ -498,8 +498,8 @@ def test_only_the_newest_membership_events_are_kept() -> None:
 
 def placed(worker_id: str, role: Role = "decode", cpus: tuple[int, ...] = (1,), threads: int = 1,
            max_running: int = 4, num_blocks: int = 100, host: str = "a") -> Register:
-    return Register(worker_id, "i0", role, "", FP, 16, num_blocks, host, list(cpus), threads,
-                    max_running if role == "decode" else 0)
+    return Register(worker_id, "i0", role, "", FP, 16, num_blocks, host, cpus=list(cpus),
+                    threads=threads, max_running=max_running if role == "decode" else 0)
 
 
 def packing_registry(decode: Routing = "pack", prefill: Routing = "pack",

@@ -1,0 +1,39 @@
+"""More decode workers than CPUs, as launch.sh starts them: a warning says so, the workers
+register the CPU they share, and the gateway packs every sequence onto one of them."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import launch
+
+pytestmark = pytest.mark.e2e
+
+
+def test_three_decode_workers_on_one_cpu_fill_one_batch(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    flags = ["--prefill-cpus", str(min(os.sched_getaffinity(0))), "--decode-cpus", str(cpu)]
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=3, flags=flags) as cluster:
+        workers = cluster.client.get("/v1/cluster").json()["workers"]
+        decode = {w["id"]: (w["cpus"], w["threads"]) for w in workers if w["role"] == "decode"}
+        assert decode == {f"decode-{i}": ([cpu], 1) for i in range(3)}
+
+        def complete(prompt: str) -> int:
+            body = {"model": cluster.model, "prompt": prompt, "max_tokens": 8,
+                    "ignore_eos": True}
+            return cluster.client.post("/v1/completions", json=body).status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            statuses = list(pool.map(complete, [f"Count to {n}:" for n in range(6)]))
+        assert statuses == [200] * 6
+        routed = re.findall(r"decode on (decode-\d)", cluster.log("gateway"))
+    assert routed == ["decode-0"] * 6
+    launched = (tmp_path / "run" / "launch.log").read_text()
+    assert launched.count("[launch] warning: 3 decode workers") == 1
+    assert "gateway.decode_routing" in launched and "prefill workers" not in launched
