@@ -27,6 +27,11 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // floats per vector
 
+// 2^f for |f| <= 1/2, highest power first (Horner): the exp of both vector widths below.
+constexpr int kExpTerms = 7;
+constexpr float kExpSeries[kExpTerms] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f,
+                                         5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
+
 #if defined(__AVX512F__)
 using Lanes = __m512;
 inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
@@ -58,10 +63,8 @@ inline Lanes exp_lanes(Lanes x) {
   const Lanes t = _mm512_mul_ps(_mm512_max_ps(x, splat(-87.0f)), splat(1.44269504f));
   const Lanes n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const Lanes f = _mm512_sub_ps(t, n);
-  Lanes p = splat(1.5403530e-4f);
-  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
-                  1.0f})
-    p = fma(p, f, splat(c));
+  Lanes p = splat(kExpSeries[0]);
+  for (int i = 1; i < kExpTerms; ++i) p = fma(p, f, splat(kExpSeries[i]));
   return _mm512_scalef_ps(p, n);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -118,10 +121,9 @@ inline __m256 exp8(__m256 x) {
                                  _mm256_set1_ps(1.44269504f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5403530e-4f);
-  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
-                  1.0f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  __m256 p = _mm256_set1_ps(kExpSeries[0]);
+  for (int i = 1; i < kExpTerms; ++i)
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpSeries[i]));
   const __m256i power = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));

@@ -20,19 +20,26 @@
 
 #include "lanes.h"
 
-#if defined(__AVX512BF16__)
 namespace {
 
-constexpr int64_t kKeys = 16;       // keys per tile: one score vector per query row
+constexpr int64_t kKeys = kLanes;   // keys per tile: one score vector per query row
 constexpr int64_t kPositions = 16;  // query positions per work item
-constexpr int64_t kMaxChunks = 8;   // head dimensions up to 128 (16 values per accumulator)
 
+// One call's prompt chunk: its heads, where it starts, how many new tokens, the score scale.
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, start, new_tokens;
   float scale;
   int64_t context() const { return start + new_tokens; }
   int64_t tiles() const { return (context() + kKeys - 1) / kKeys; }
 };
+
+}  // namespace
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int64_t kMaxChunks = 8;   // head dimensions up to 128 (16 values per accumulator)
+
 
 // The context of KV head `g`, packed: keys[tile][pair][lane] is elements 2 pair, 2 pair + 1 of
 // key 16 tile + lane; values[key pair][element] is that element of keys 2 pair and 2 pair + 1.
@@ -175,10 +182,7 @@ void attend_rows(const at::BFloat16* q, const Packed& packed, const Shape& s, in
 // The bf16 walk (a head dimension of 32, 64, 96 or 128).
 torch::Tensor bf16_prefill(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, const torch::Tensor& table,
-                           int64_t start, int64_t block_size) {
-  const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
-                1.0f / std::sqrt(static_cast<float>(q.size(2)))};
-  TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
+                           const Shape& s) {
   auto out = torch::empty_like(q);
   const auto* qp = q.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -211,16 +215,8 @@ namespace {
 
 namespace lanes {
 
-constexpr int64_t kKeys = kLanes;   // keys per tile: one score vector per query row
-constexpr int64_t kPositions = 16;  // query positions per work item
 constexpr int64_t kMaxChunks = 16;  // head dimensions up to 256
 
-struct Shape {
-  int64_t heads, kv_heads, dim, block_size, start, new_tokens;
-  float scale;
-  int64_t context() const { return start + new_tokens; }
-  int64_t tiles() const { return (context() + kKeys - 1) / kKeys; }
-};
 
 // The context of KV head `g` in fp32: keys[tile][element][lane] is that element of key
 // 16 tile + lane (so a query element times 16 keys is one vector operation); values[key] are
@@ -305,25 +301,21 @@ void attend_rows(const T* q, const Packed& packed, const Shape& s, int64_t g, in
 
 template <typename T>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, const torch::Tensor& table, int64_t start,
-                     int64_t block_size) {
-  const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
-                1.0f / std::sqrt(static_cast<float>(q.size(2)))};
-  TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
+                     const torch::Tensor& v_cache, const torch::Tensor& table, const Shape& s) {
   auto out = torch::empty_like(q);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   std::vector<Packed> packed(s.kv_heads);
   at::parallel_for(0, s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      packed[g] = pack(k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), table.data_ptr<int64_t>(),
-                       s, g);
+      packed[g] = lanes::pack(k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                              table.data_ptr<int64_t>(), s, g);
   });
   const int64_t row_groups = (s.new_tokens + kPositions - 1) / kPositions;
   at::parallel_for(0, s.kv_heads * row_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
-      attend_rows(qp, packed[item % s.kv_heads], s, item % s.kv_heads,
-                  item / s.kv_heads * kPositions, op);
+      lanes::attend_rows(qp, packed[item % s.kv_heads], s, item % s.kv_heads,
+                         item / s.kv_heads * kPositions, op);
   });
   return out;
 }
@@ -344,11 +336,14 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
               "paged_prefill needs a head dimension that is a multiple of 16, at most 256");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous());
+  const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
+                1.0f / std::sqrt(static_cast<float>(q.size(2)))};
+  TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
 #if defined(__AVX512BF16__)
   if (dtype == torch::kBFloat16 && q.size(2) % 32 == 0 && q.size(2) <= kMaxChunks * kLanes)
-    return bf16_prefill(q, k_cache, v_cache, table, start, block_size);
+    return bf16_prefill(q, k_cache, v_cache, table, s);
 #endif
   if (dtype == torch::kBFloat16)
-    return lanes::attend<at::BFloat16>(q, k_cache, v_cache, table, start, block_size);
-  return lanes::attend<float>(q, k_cache, v_cache, table, start, block_size);
+    return lanes::attend<at::BFloat16>(q, k_cache, v_cache, table, s);
+  return lanes::attend<float>(q, k_cache, v_cache, table, s);
 }
