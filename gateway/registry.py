@@ -255,7 +255,7 @@ class Registry:
                 chains[worker.block_size] = block_hashes(prompt, worker.block_size, salt)
             return chains[worker.block_size]
 
-        def cost(worker: WorkerInfo) -> tuple[float, bool, int, int]:
+        def cost(worker: WorkerInfo) -> tuple[float, bool, int, int, str]:
             cached = min(worker.prefixes.matched(chain(worker)) * worker.block_size,
                          max(len(prompt) - 1, 0))
             return _prefill_cost(worker, unit_of[worker.worker_id], len(prompt), cached)
@@ -320,15 +320,16 @@ class Registry:
 
 
 def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,
-                  cached: int) -> tuple[float, bool, int, int]:
+                  cached: int) -> tuple[float, bool, int, int, str]:
     """A prompt's cost on a prefill worker of `unit`, least first: the tokens its CPUs have to
     compute per slot; then, among workers sharing them, whether its KV is full, and the
-    busiest first; then the fewest requests."""
+    busiest first; then the fewest requests; then the id, so that a tie does not depend on
+    which worker registered first."""
     work = (unit.held_tokens + prompt_len - cached) / unit.slots
     if len(unit.workers) == 1:
-        return work, False, 0, len(worker.active)
+        return work, False, 0, len(worker.active), worker.worker_id
     full = worker.held_tokens + prompt_len > worker.capacity_tokens
-    return work, full, -worker.held_tokens, len(worker.active)
+    return work, full, -worker.held_tokens, len(worker.active), worker.worker_id
 
 
 def _has_headroom(decode: WorkerInfo) -> bool:

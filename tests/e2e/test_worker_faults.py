@@ -70,7 +70,7 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reference = greedy_reference(tiny_model_dir)
     prompts = [f"Request number {i} says" for i in range(8)]
-    pid = cluster.pids()["prefill-0"]
+    pid = cluster.pids()["prefill-0"]  # the first that ties go to, whichever registered first
     os.kill(pid, signal.SIGSTOP)  # requests routed to it now wait there
     started = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:

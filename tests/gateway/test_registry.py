@@ -661,3 +661,11 @@ def test_prefill_workers_sharing_a_cpu_are_saturated_together() -> None:
     assert route_path(reg, 50)[2] == "local_saturated"
     reg.packing = Packing("pack", "spread", 0.9)
     assert route_path(reg, 50)[2] == "disaggregated"
+
+
+def test_prefill_ties_go_by_id_not_by_registration_order() -> None:
+    reg = packing_registry()
+    reg.register(placed("decode-0", cpus=(1,)))
+    for worker_id in ("prefill-1", "prefill-0"):  # the second started registers first
+        reg.register(placed(worker_id, "prefill", cpus=(0,)))
+    assert {prefill for prefill, _ in dispatch(reg, 3)} == {"prefill-0"}
