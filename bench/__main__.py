@@ -7,6 +7,7 @@
     python -m bench attention --contexts 256x8,3400 --dtype bfloat16
     python -m bench prefill-attention --chunks 256@0,256@2816
     python -m bench quant --rows 1,4,8,16 --dtype bfloat16
+    python -m bench fidelity --variant dense --variant quant --variant int8
     python -m bench transfer --tokens 512,2048,8192
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
@@ -25,12 +26,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import get_args
 
 import torch
 from tqdm import tqdm
 
 from bench import attention as decode_attention
 from bench import chunked as chunked_prefill
+from bench import fidelity as greedy_fidelity
 from bench import goodput as slo_goodput
 from bench import handoff as kv_handoff
 from bench import overload as flood
@@ -49,7 +52,7 @@ from bench.results import ServeResults
 from bench.serve import Plan, Target, check_reachable, measure, prompt_maker
 from bench.stats import Slo
 from bench.workloads import WORKLOADS, Workload, build
-from core.config import KV_BACKENDS, ModelConfig
+from core.config import KV_BACKENDS, ModelConfig, QuantInputs
 from engine.kernels.cpu.build import use_isa
 from engine.kernels.isa import ISA_NAMES, cpu_name
 from engine.model.linear import measure_quant_rows
@@ -296,6 +299,8 @@ def quant_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inputs", choices=get_args(QuantInputs), default="exact",
+                        help="what the quant products multiply (model.quant_inputs)")
     parser.set_defaults(prepare=prepare_quant)
 
 
@@ -306,12 +311,44 @@ def prepare_quant(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[],
     dtype = torch_dtype(args.dtype)
 
     def job() -> int:
-        matrices = quant_products.load_matrices(args.model, ModelConfig().cache_dir, dtype)
+        matrices = quant_products.load_matrices(args.model, ModelConfig().cache_dir, dtype,
+                                                args.inputs)
         figures = quant_products.measure(matrices, dtype, args.rows, args.repeats)
         measured = measure_quant_rows(matrices, dtype)
         size = quant_products.quant_bytes(matrices)
         read = quant_products.memory_read_gbps(size, args.repeats)
-        print(quant_products.markdown(figures, args.dtype, args.threads, measured, size, read))
+        print(quant_products.markdown(figures, args.dtype, args.threads, args.inputs, measured,
+                                      size, read))
+        return 0
+    return job
+
+
+def fidelity_parser(commands: argparse._SubParsersAction) -> None:
+    """`python -m bench fidelity`: our greedy tokens against transformers', per variant."""
+    parser = commands.add_parser("fidelity", help="greedy tokens against transformers'",
+                                 description=greedy_fidelity.__doc__)
+    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    parser.add_argument("--variant", action="append", choices=sorted(greedy_fidelity.VARIANTS),
+                        help="how the products run (repeatable; default: all)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--max-tokens", type=int, default=32, help="answer tokens per question")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.set_defaults(prepare=prepare_fidelity)
+
+
+def prepare_fidelity(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    set_threads(args.threads)
+    dtype = torch_dtype(args.dtype)
+    variants = args.variant or list(greedy_fidelity.VARIANTS)
+
+    def job() -> int:
+        folder = resolve_model(args.model, ModelConfig().cache_dir)
+        answers = greedy_fidelity.reference_answers(folder, dtype, args.max_tokens)
+        verdicts = {variant: greedy_fidelity.measure(folder, dtype, answers, variant)
+                    for variant in tqdm(variants, desc="variants", unit="variant")}
+        print(greedy_fidelity.markdown(verdicts, args.dtype, args.max_tokens))
         return 0
     return job
 
@@ -436,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     attention_parser(commands)
     prefill_attention_parser(commands)
     quant_parser(commands)
+    fidelity_parser(commands)
     transfer_parser(commands)
     handoff_parser(commands)
     overload_parser(commands)

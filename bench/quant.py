@@ -1,10 +1,11 @@
 """Every weight product of one forward step, over the GGUF's quant blocks against dense.
 
-    python -m bench quant [--rows 1,2,4,8,16,32] [--dtype bfloat16] [--threads 1]
+    python -m bench quant [--rows 1,2,4,8,16,32] [--dtype bfloat16] [--threads 1] [--inputs int8]
 
 The real model's 211 matrices (30 layers' q/k/v, o, gate/up and down, and the LM head), as a
 worker holds them: dense in the layout its dtype gets (packed for oneDNN in bf16 on a CPU with
-bf16 instructions, the mapped file in fp32), and as 4-bit (layers) and 8-bit (LM head) quant blocks.
+bf16 instructions, the mapped file in fp32), and as 4-bit (layers) and 8-bit (LM head) quant blocks,
+multiplied with the inputs as they are or, with `--inputs int8`, quantized to 8 bits.
 Each row count is timed both ways, the median of `repeats` passes over every matrix; the last
 lines give the row count `model.quant_rows: -1` measures on this machine, and the bytes read per
 second: every block once per pass (one row: a decode step of one sequence must read them all)
@@ -22,6 +23,7 @@ from functools import partial
 import torch
 
 from bench.report import table
+from core.config import QuantInputs
 from engine.model.linear import Matrices, dense_products, quant_products
 from engine.model.llama import LlamaModel
 from engine.weights.folder import resolve_model
@@ -49,16 +51,18 @@ def quant_bytes(matrices: list[Matrices]) -> int:
 
 
 def memory_read_gbps(size: int, repeats: int) -> float:
-    """GB/s of summing `size` bytes of int32 memory, too big for the caches, with torch's
-    current threads: how fast this machine streams memory."""
-    data = torch.ones(max(size // 4, 1), dtype=torch.int32)
+    """GB/s of summing `size` bytes of float32 memory, too big for the caches, with torch's
+    current threads: how fast this machine streams memory (torch sums int32 through int64,
+    at a twentieth of the speed)."""
+    data = torch.ones(max(size // 4, 1), dtype=torch.float32)
     return size / _median_ms(data.sum, repeats) / 1e6
 
 
-def load_matrices(model: str, cache_dir: str, dtype: torch.dtype) -> list[Matrices]:
+def load_matrices(model: str, cache_dir: str, dtype: torch.dtype,
+                  inputs: QuantInputs = "exact") -> list[Matrices]:
     """The model's matrices as a worker holds them, dense and in quant blocks."""
     folder = resolve_model(model, cache_dir)
-    quant = load_quant_blocks(folder)
+    quant = load_quant_blocks(folder, inputs == "int8")
     if not quant:
         raise ValueError(f"{folder} has no quant blocks")
     weights = load_weights(folder, dtype)
@@ -95,11 +99,12 @@ def _median_ms(function: Callable[[], object], repeats: int) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def markdown(figures: list[ProductFigure], dtype: str, threads: int, measured: int,
-             blocks_bytes: int, read_gbps: float) -> str:
+def markdown(figures: list[ProductFigure], dtype: str, threads: int, inputs: QuantInputs,
+             measured: int, blocks_bytes: int, read_gbps: float) -> str:
     rows = [[str(f.rows), f"{f.dense_ms:.1f}", f"{f.quant_ms:.1f}", f"{f.speedup:.2f}x",
              f"{blocks_bytes / f.quant_ms / 1e6:.1f}"] for f in figures]
-    header = [f"rows ({dtype}, {threads} thread{'s' * (threads > 1)})", "dense ms",
+    header = [f"rows ({dtype}, {threads} thread{'s' * (threads > 1)}, {inputs} inputs)",
+              "dense ms",
               "quant ms", "dense / quant", "quant blocks GB/s"]
     return (table(header, rows) +
             f"\n\nrows taken over the quant blocks (model.quant_rows: -1): {measured}"

@@ -31,6 +31,8 @@ ToolCallParser = Literal["", "hermes", "llama3_json"]
 KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 # How the gateway spreads new work over workers pinned to the same CPUs (gateway/packing.py).
 Routing = Literal["pack", "spread"]
+# What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).
+QuantInputs = Literal["exact", "int8"]
 
 
 def setting(default: T, help: str) -> T:
@@ -50,6 +52,11 @@ class ModelConfig:
                                   "sequences) read the GGUF's 4-/8-bit quant blocks, where the "
                                   "weights are exactly those; -1: as many as is faster, "
                                   "measured once per machine; 0: never")
+    quant_inputs: QuantInputs = setting("exact", "exact: those products multiply the inputs as "
+                                                 "they are (results equal the dense product's "
+                                                 "up to summation order); int8: inputs quantized "
+                                                 "to 8-bit blocks and multiplied in integers, as "
+                                                 "llama.cpp does (faster, less exact)")
 
     def __post_init__(self) -> None:
         if self.quant_rows < -1:

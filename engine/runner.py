@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from core.config import EngineConfig, ModelConfig, PoolConfig
+from core.config import EngineConfig, ModelConfig, PoolConfig, QuantInputs
 from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
@@ -51,15 +51,17 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         quant_rows: int | None = None,
+        quant_inputs: QuantInputs = "exact",
     ) -> None:
         """`quant_rows`: products of at most this many rows read the model's quant blocks
         where it has them (engine.weights.quant_blocks); None: measured here at load, 0:
-        never."""
+        never. `quant_inputs`: what those products multiply (`model.quant_inputs`)."""
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
         self.model = LlamaModel(self.spec, load_weights(self.model_dir, dtype),
-                                quant=load_quant_blocks(self.model_dir), quant_rows=quant_rows)
+                                quant=load_quant_blocks(self.model_dir, quant_inputs == "int8"),
+                                quant_rows=quant_rows)
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype)
         self.allocator = BlockAllocator(num_blocks)
 
@@ -95,10 +97,12 @@ def load_runner(model: ModelConfig, pool: PoolConfig,
     log.info("kernels: %s (%s) on %s; CPU flags %s", level.name,
              "built" if built else f"torch ops instead: {build_problem()}", cpu_name() or "?",
              " ".join(sorted(cpu_flags() & ISA_FLAGS)))
-    measured = MeasuredQuantRows(folder)
+    measured = MeasuredQuantRows(folder, model.quant_inputs)
     rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
-    runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows)
+    runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows,
+                         model.quant_inputs)
     if rows is None:  # measured just now
         measured.put(dtype, runner.model.quant_rows)
-    log.info("products of up to %d rows read the weights' quant blocks", runner.model.quant_rows)
+    log.info("products of up to %d rows read the weights' quant blocks (inputs: %s)",
+             runner.model.quant_rows, model.quant_inputs)
     return runner

@@ -32,10 +32,13 @@ QUANT_BLOCK_BYTES = {4: 20, 8: 34}  # by bits per value: Q4_1, Q8_0
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """A `[rows, columns]` weight as uint8 `[rows, columns // 32 * bytes per quant block]`."""
+    """A `[rows, columns]` weight as uint8 `[rows, columns // 32 * bytes per quant block]`;
+    `int8_inputs`: its products quantize their inputs to 8-bit blocks too (`model.quant_inputs:
+    int8`, llama.cpp's integer products) instead of multiplying them as they are."""
 
     packed: torch.Tensor
     bits: int
+    int8_inputs: bool = False
 
     def __post_init__(self) -> None:
         assert self.bits in QUANT_BLOCK_BYTES, f"no {self.bits}-bit quant format"
@@ -48,10 +51,13 @@ class QuantMatrix:
         return self.packed.shape[0], per_row * QUANT_BLOCK
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T for fp32 or bf16 `x` `[rows, columns]`, in x's dtype (C++ kernel:
-        engine/kernels/cpu/csrc/quant_linear.cpp; the caller checks `kernels_for(x)` first)."""
+        """x @ weight.T for fp32 or bf16 `x` `[rows, columns]`, in x's dtype (C++ kernels:
+        engine/kernels/cpu/csrc/quant_linear.cpp, quant_int8.cpp; the caller checks
+        `kernels_for(x)` first)."""
         module = kernels_for(x)
         assert module is not None, "quant products need the C++ kernels"
+        if self.int8_inputs:
+            return module.quant_linear_int8(x, self.packed, self.bits)
         return module.quant_linear(x, self.packed, self.bits)
 
 
@@ -127,13 +133,14 @@ def write_quant_blocks(folder: Path) -> int:
     return len(found)
 
 
-def load_quant_blocks(folder: Path) -> dict[str, QuantMatrix]:
+def load_quant_blocks(folder: Path, int8_inputs: bool = False) -> dict[str, QuantMatrix]:
     """The quant blocks in the folder's quant file by weight name, memory-mapped (so every
-    worker on a host shares one copy); none if the file is absent."""
+    worker on a host shares one copy); none if the file is absent. `int8_inputs`: see
+    `QuantMatrix`."""
     path = Path(folder) / QUANT_FILE
     if not path.exists():
         return {}
     with safe_open(str(path), framework="pt", device="cpu") as f:
         bits = f.metadata() or {}
-        return {name: QuantMatrix(f.get_tensor(name), int(bits[name]))
+        return {name: QuantMatrix(f.get_tensor(name), int(bits[name]), int8_inputs)
                 for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)

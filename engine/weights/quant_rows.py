@@ -1,8 +1,9 @@
 """The quant row counts measured on this machine, kept in the model folder.
 
 A product of at most `quant_rows` input rows reads the weights' quant blocks; how many rows that
-pays for depends on the CPU, the dtype and the thread count, so it is timed once per machine
-(engine.model.linear.measure_quant_rows) and kept by those in `quant_rows.json`. Workers that
+pays for depends on the CPU, the dtype, the thread count and what the products multiply
+(`model.quant_inputs`), so it is timed once per machine (engine.model.linear.measure_quant_rows)
+and kept by those in `quant_rows.json`. Workers that
 start together and each time their own products do so against each other's memory traffic:
 they measured 0-4 rows where one alone measures 32. `python -m engine`, which `launch.sh` runs
 first and alone, measures once for all of them.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from core.config import QuantInputs
 from engine.kernels.cpu.build import chosen_isa, kernels_digest
 from engine.kernels.isa import cpu_flags
 from engine.weights.files import QUANT_ROWS_FILE
@@ -27,13 +29,17 @@ log = logging.getLogger(__name__)
 
 
 class MeasuredQuantRows:
-    """The row counts measured here, by dtype and thread count, in the model folder."""
+    """The row counts measured here for products of `inputs`, by dtype and thread count, in
+    the model folder."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, inputs: QuantInputs = "exact") -> None:
         self.path = Path(folder) / QUANT_ROWS_FILE
+        self.inputs = inputs
 
     def key(self, dtype_name: str) -> str:
-        return f"{dtype_name}|threads={torch.get_num_threads()}|{machine_fingerprint()}"
+        inputs = "" if self.inputs == "exact" else f"|inputs={self.inputs}"
+        return (f"{dtype_name}|threads={torch.get_num_threads()}{inputs}|"
+                f"{machine_fingerprint()}")
 
     def get(self, dtype_name: str) -> int | None:
         value = self._known().get(self.key(dtype_name))

@@ -90,6 +90,35 @@ def test_bf16_product_stays_within_bf16_rounding(every_isa: str, rows: int) -> N
                                atol=1e-2)
 
 
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 products see it: each quant block of 32 values rounded to 255 steps of
+    its largest magnitude."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127)
+    return (q * d).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_equals_the_product_of_the_rounded_inputs(every_isa: str, bits: int,
+                                                              rows: int,
+                                                              dtype: torch.dtype) -> None:
+    weight = quantize(random_weight(22, 160, seed=rows), bits)  # 22 rows: a partial group of 4
+    matrix = QuantMatrix(weight.packed, bits, int8_inputs=True)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(7 + rows)).to(dtype)
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    out = matrix.multiply(x)
+    assert out.shape == (rows, 22) and out.dtype == dtype
+    expected = F.linear(int8_rows(x.float()), dequantize(weight))
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    exact = F.linear(x.float(), dequantize(weight))
+    assert (out.float() - exact).norm() <= 0.01 * exact.norm()  # what 8-bit inputs cost
+
+
 @needs_kernels
 def test_the_kernel_refuses_a_weight_of_the_wrong_width(cpu_kernels: ModuleType) -> None:
     matrix = quantize(random_weight(8, 64), 4)

@@ -30,3 +30,12 @@ def test_a_damaged_quant_rows_file_is_measured_again(tmp_path: Path) -> None:
     assert MeasuredQuantRows(tmp_path).get("bfloat16") is None
     MeasuredQuantRows(tmp_path).put("bfloat16", 8)
     assert MeasuredQuantRows(tmp_path).get("bfloat16") == 8
+
+
+def test_int8_inputs_are_measured_apart_from_exact_ones(tmp_path: Path) -> None:
+    MeasuredQuantRows(tmp_path).put("float32", 16)
+    int8 = MeasuredQuantRows(tmp_path, "int8")
+    assert int8.get("float32") is None
+    int8.put("float32", 48)
+    assert MeasuredQuantRows(tmp_path).get("float32") == 16
+    assert MeasuredQuantRows(tmp_path, "int8").get("float32") == 48

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "lanes.h"
+#include "quant_format.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // values per block
 constexpr int kOutputs = 4;     // weight rows multiplied together: four independent sums each
 constexpr int kRows = 4;        // input rows multiplied together: each block widened once
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -30,20 +30,8 @@ constexpr int kWideRows = 8;
 #endif
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead in a weight row to prefetch
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-// llama.cpp's Q4_1: fp16 d, fp16 m, 16 bytes whose low nibbles are values 0-15 of the block
-// and high nibbles values 16-31; value = d * q + m.
-struct Q4_1 {
-  static constexpr int64_t kBytes = 20;
+struct Q4_1 {  // quant_format.h
+  static constexpr int64_t kBytes = kQ4_1Bytes;
   static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
     const float d = half_to_float(block), m = half_to_float(block + 2);
     const uint8_t* q = block + 4;
@@ -72,9 +60,8 @@ struct Q4_1 {
   }
 };
 
-// llama.cpp's Q8_0: fp16 d, 32 signed bytes; value = d * q.
-struct Q8_0 {
-  static constexpr int64_t kBytes = 34;
+struct Q8_0 {  // quant_format.h
+  static constexpr int64_t kBytes = kQ8_0Bytes;
   static void widen(const uint8_t* block, Lanes& low, Lanes& high) {
     const float d = half_to_float(block);
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
@@ -309,10 +296,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) 
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "quant_linear takes fp32 or bf16 inputs");
-  const int64_t block_bytes = bits == 4 ? Q4_1::kBytes : Q8_0::kBytes;
   TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
-              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes,
-              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes, "]");
+              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes(bits),
+              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes(bits), "]");
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
   // Up to kRows rows the fp32 path is faster: widening is the cost, and it widens less.
   if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows) {
