@@ -1,5 +1,6 @@
 """`python -m decode --config configs/default.yaml --worker-id decode-0`"""
 
+import core.threads  # noqa: F401 (first: it sets how OpenMP threads wait, before torch loads)
 from core.config import Config
 from core.process import worker_main
 from decode.worker import DecodeWorker

@@ -1,5 +1,6 @@
 """`python -m prefill --config configs/default.yaml --worker-id prefill-0`"""
 
+import core.threads  # noqa: F401 (first: it sets how OpenMP threads wait, before torch loads)
 from core.config import Config
 from core.process import worker_main
 from engine.runner import load_runner
