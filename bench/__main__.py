@@ -289,15 +289,20 @@ def prepare_prefill_attention(args: argparse.Namespace, argv: Sequence[str]
     return job
 
 
+def _add_model_flags(parser: argparse.ArgumentParser, dtype: str, threads: int | None) -> None:
+    """--model, --dtype and --threads of the benchmarks that load the real model in-process."""
+    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=dtype)
+    parser.add_argument("--threads", type=int, default=threads, help="torch threads")
+
+
 def quant_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench quant`: weight products over the GGUF's quant blocks against dense."""
     parser = commands.add_parser("quant", help="weight products: quant blocks vs dense",
                                  description=quant_products.__doc__)
-    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    _add_model_flags(parser, dtype="bfloat16", threads=1)
     parser.add_argument("--rows", type=numbers(int), default=quant_products.DEFAULT_ROWS,
                         metavar="R1,R2,...", help="input rows (sequences in a decode step)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--inputs", choices=get_args(QuantInputs), default="exact",
                         help="what the quant products multiply (model.quant_inputs)")
@@ -327,12 +332,10 @@ def fidelity_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench fidelity`: our greedy tokens against transformers', per variant."""
     parser = commands.add_parser("fidelity", help="greedy tokens against transformers'",
                                  description=greedy_fidelity.__doc__)
-    parser.add_argument("--model", default=ModelConfig().name, help="model name or folder")
+    _add_model_flags(parser, dtype="float32", threads=None)
     parser.add_argument("--variant", action="append", choices=sorted(greedy_fidelity.VARIANTS),
                         help="how the products run (repeatable; default: all)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--max-tokens", type=int, default=32, help="answer tokens per question")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.set_defaults(prepare=prepare_fidelity)
 
 
