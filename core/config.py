@@ -134,7 +134,8 @@ class PoolConfig:
     block_size: int = setting(16, "tokens per KV block")
     # Prompts are prefilled earliest deadline first: arrival + this much per prompt token.
     ttft_ms_per_token: float = setting(5.0, "a prompt's deadline: arrival + this per token")
-    threads: int = setting(0, "torch intra-op threads; 0: torch's default")
+    threads: int = setting(0, "torch intra-op threads; 0: one per CPU the worker may run on "
+                              "(those it is pinned to)")
     cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
     heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
 

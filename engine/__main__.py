@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from core.cli import ConfigParser
+from core.config import PoolConfig
+from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import kernels, use_isa
 from engine.runner import load_runner
 from engine.weights.folder import resolve_model
@@ -24,11 +26,17 @@ def main() -> None:
     use_isa(config.engine.isa)
     kernels()
     if config.model.quant_rows < 0:
-        for threads in sorted({config.prefill.threads or 1, config.decode.threads or 1}):
+        for threads in sorted({*thread_counts(config.prefill), *thread_counts(config.decode)}):
             tiny_pool = dataclasses.replace(config.decode, threads=threads, cpus="",
                                             num_kv_blocks=1)
             load_runner(config.model, tiny_pool, config.engine)
     print(folder)
+
+
+def thread_counts(pool: PoolConfig) -> tuple[int, ...]:
+    """The thread counts a worker of `pool` may run with: `threads`, or for 0 (one per CPU it
+    is pinned to) one, as a worker pinned to a CPU of its own, or every CPU here, as one alone."""
+    return (pool.threads,) if pool.threads else (1, len(pinned_cpus()))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from core.config import EngineConfig, ModelConfig, PoolConfig, QuantInputs
+from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
@@ -85,10 +86,11 @@ class ModelRunner:
 def load_runner(model: ModelConfig, pool: PoolConfig,
                 engine: EngineConfig | None = None) -> ModelRunner:
     """The runner a worker of `pool` serves `model` with: its dtype resolved on this CPU, its
-    threads set, the kernels built at the level `engine.isa` picks, the quant row count as
-    measured on this machine (measured now, and kept, the first time)."""
+    threads set (`pool.threads`, or one per CPU this process may run on), the kernels built at
+    the level `engine.isa` picks, the quant row count as measured on this machine (measured
+    now, and kept, the first time)."""
     dtype = resolve_dtype(model.dtype)
-    set_threads(pool.threads or None)
+    set_threads(pool.threads or len(pinned_cpus()))
     folder = resolve_model(model.name, model.cache_dir)
     level = use_isa((engine or EngineConfig()).isa)
     # Found, or built if stale, before the worker registers: built inside its first decode

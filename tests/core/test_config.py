@@ -43,7 +43,7 @@ def test_config_is_frozen() -> None:
 def test_default_yaml_loads_with_its_values() -> None:
     config = load_config(DEFAULT_YAML)
     assert config.model.max_model_len == 8192
-    assert config.prefill.num_kv_blocks == 640 and config.prefill.threads == 1
+    assert config.prefill.num_kv_blocks == 640 and config.prefill.threads == 0
     assert config.decode.num_kv_blocks == 1024 and config.decode.max_running == 64
     assert config.gateway.heartbeat_timeout_s == 2.5
     assert config.prefill.heartbeat_interval_s == PrefillConfig().heartbeat_interval_s

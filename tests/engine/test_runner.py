@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from core.config import DecodeConfig, ModelConfig
+from engine.__main__ import thread_counts
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner, load_runner, set_threads
 from engine.weights.quant_rows import MeasuredQuantRows
@@ -75,3 +77,22 @@ def test_a_worker_measures_once_and_later_ones_read_it(quant_model_dir: Path,
         assert load_runner(fixed, pool).model.quant_rows == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_threads_zero_is_one_per_cpu_the_worker_may_run_on(tiny_model_dir: Path) -> None:
+    model = ModelConfig(name=str(tiny_model_dir), dtype="float32", quant_rows=0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        load_runner(model, DecodeConfig(num_kv_blocks=4, threads=0))
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        load_runner(model, DecodeConfig(num_kv_blocks=4, threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_preparation_measures_each_thread_count_a_worker_may_run_with() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert thread_counts(DecodeConfig(threads=3)) == (3,)
+    assert thread_counts(DecodeConfig(threads=0)) == (1, cpus)
