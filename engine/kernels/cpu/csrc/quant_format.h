@@ -6,6 +6,7 @@
 #pragma once
 
 #include <c10/util/Half.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,19 @@ constexpr int64_t kQ4_1Bytes = 20;
 constexpr int64_t kQ8_0Bytes = 34;
 
 inline int64_t block_bytes(int64_t bits) { return bits == 4 ? kQ4_1Bytes : kQ8_0Bytes; }
+
+// Both products' operands: x [rows, K] fp32 or bf16, K a multiple of 32; weight contiguous
+// uint8 [N, K / 32 * block bytes] of `bits`-bit blocks.
+inline void check_operands(const char* kernel, const torch::Tensor& x,
+                           const torch::Tensor& weight, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, kernel, " takes 4-bit or 8-bit blocks");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              kernel, " takes fp32 or bf16 inputs");
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
+              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes(bits),
+              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes(bits), "]");
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;

@@ -292,13 +292,7 @@ void product(const at::BFloat16* x, int64_t rows, int64_t width, const uint8_t* 
 // x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
 // 4-bit (Q4_1) or 8-bit (Q8_0) blocks. Returns x @ weight.T as [rows, N] in x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear takes 4-bit or 8-bit blocks");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
-              "quant_linear takes fp32 or bf16 inputs");
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
-              weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes(bits),
-              "weight must be contiguous uint8 [N, K / 32 * ", block_bytes(bits), "]");
+  check_operands("quant_linear", x, weight, bits);
   auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
   // Up to kRows rows the fp32 path is faster: widening is the cost, and it widens less.
   if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows) {
