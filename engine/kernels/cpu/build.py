@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("module.cpp", "quant_linear.cpp", "quant_int8.cpp", "paged_decode.cpp",
             "paged_prefill.cpp", "pointwise.cpp")
-_HEADERS = ("lanes.h", "quant_format.h")
+_HEADERS = ("lanes.h", "quant_format.h", "tensor.h")
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes
 

@@ -3,8 +3,7 @@
 // Shared by the kernels in engine/kernels/cpu/csrc.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,16 +1,20 @@
-// The Python module of raging's C++ kernels (engine/kernels.py builds it).
-#include <torch/extension.h>
+// The Python module of raging's C++ kernels (engine/kernels/cpu/build.py builds it).
+// pybind.h has the casters between Python tensors and at::Tensor; torch/extension.h would add
+// the whole C++ frontend, which quadrupled this file's build.
+#include <torch/csrc/utils/pybind.h>
+
+#include "tensor.h"
 
 #include "lanes.h"
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor contexts, int64_t block_size);
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor table, int64_t start, int64_t block_size);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits);
-torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor weight, int64_t bits);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor tables, at::Tensor contexts, int64_t block_size);
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor table, int64_t start, int64_t block_size);
+at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t bits);
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor weight, int64_t bits);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = RAGING_LANES;  // the vectors its arithmetic runs in

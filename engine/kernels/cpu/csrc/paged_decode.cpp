@@ -1,7 +1,6 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and
 // values read where they lie (a block at a time), so no gathered copy of the context is made.
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstring>
@@ -275,12 +274,12 @@ void attend_sequence(const at::BFloat16* q, const at::BFloat16* k_cache,
 }  // namespace
 
 template <typename T>
-torch::Tensor attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& tables,
-                           const torch::Tensor& contexts, int64_t block_size) {
+at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& tables,
+                        const at::Tensor& contexts, int64_t block_size) {
   const Shape shape{q.size(1), k_cache.size(1), q.size(2), block_size,
                     1.0f / std::sqrt(static_cast<float>(q.size(2)))};
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -309,17 +308,17 @@ torch::Tensor attend_batch(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 // q [B, H, D]; k_cache, v_cache [slots, Hkv, D], all three fp32 or all bf16, D a multiple of
 // 16; tables [B, max_blocks]; contexts [B]. Returns [B, H, D] in q's dtype (computed in fp32).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor contexts, int64_t block_size) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor tables, at::Tensor contexts, int64_t block_size) {
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == kv_type && v_cache.scalar_type() == kv_type &&
-              (kv_type == torch::kFloat32 || kv_type == torch::kBFloat16),
+              (kv_type == at::kFloat || kv_type == at::kBFloat16),
               "paged_decode takes fp32 or bf16 queries and cache, both alike");
   TORCH_CHECK(q.size(2) % kLanes == 0, "paged_decode needs a head dimension divisible by 16");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && tables.is_contiguous());
-  TORCH_CHECK(contexts.dtype() == torch::kInt64 && contexts.is_contiguous());
-  if (kv_type == torch::kBFloat16)
+  TORCH_CHECK(tables.dtype() == at::kLong && tables.is_contiguous());
+  TORCH_CHECK(contexts.dtype() == at::kLong && contexts.is_contiguous());
+  if (kv_type == at::kBFloat16)
     return attend_batch<at::BFloat16>(q, k_cache, v_cache, tables, contexts, block_size);
   return attend_batch<float>(q, k_cache, v_cache, tables, contexts, block_size);
 }

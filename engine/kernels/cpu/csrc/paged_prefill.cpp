@@ -9,8 +9,7 @@
 // tokens' elements interleaved. Then each group of query rows (every query head that shares the
 // KV head, 16 positions) walks the packed context 16 keys at a time with a running softmax; a
 // 16-key tile is read from L1 by all 48 rows before the next is touched.
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -180,10 +179,10 @@ void attend_rows(const at::BFloat16* q, const Packed& packed, const Shape& s, in
 
 
 // The bf16 walk (a head dimension of 32, 64, 96 or 128).
-torch::Tensor bf16_prefill(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& table,
-                           const Shape& s) {
-  auto out = torch::empty_like(q);
+at::Tensor bf16_prefill(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& table,
+                        const Shape& s) {
+  auto out = at::empty_like(q);
   const auto* qp = q.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   std::vector<Packed> packed(s.kv_heads);
@@ -300,9 +299,9 @@ void attend_rows(const T* q, const Packed& packed, const Shape& s, int64_t g, in
 }
 
 template <typename T>
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, const torch::Tensor& table, const Shape& s) {
-  auto out = torch::empty_like(q);
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& table, const Shape& s) {
+  auto out = at::empty_like(q);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   std::vector<Packed> packed(s.kv_heads);
@@ -326,24 +325,24 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache,
 // q [T, H, D]: the prompt's new tokens at positions start..start+T-1, whose K and V are in the
 // cache already; k_cache, v_cache [slots, Hkv, D]; all fp32 or all bf16. table [blocks] covering
 // the context. D a multiple of 16, at most 256. Returns [T, H, D] in q's dtype.
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor table, int64_t start, int64_t block_size) {
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                         at::Tensor table, int64_t start, int64_t block_size) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
               k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "paged_prefill takes fp32 or bf16 queries and cache, both alike");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= lanes::kMaxChunks * kLanes,
               "paged_prefill needs a head dimension that is a multiple of 16, at most 256");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(table.dtype() == torch::kInt64 && table.is_contiguous());
+  TORCH_CHECK(table.dtype() == at::kLong && table.is_contiguous());
   const Shape s{q.size(1), k_cache.size(1), q.size(2), block_size, start, q.size(0),
                 1.0f / std::sqrt(static_cast<float>(q.size(2)))};
   TORCH_CHECK(table.numel() * block_size >= s.context(), "the table does not cover the context");
 #if defined(__AVX512BF16__)
-  if (dtype == torch::kBFloat16 && q.size(2) % 32 == 0 && q.size(2) <= kMaxChunks * kLanes)
+  if (dtype == at::kBFloat16 && q.size(2) % 32 == 0 && q.size(2) <= kMaxChunks * kLanes)
     return bf16_prefill(q, k_cache, v_cache, table, s);
 #endif
-  if (dtype == torch::kBFloat16)
+  if (dtype == at::kBFloat16)
     return lanes::attend<at::BFloat16>(q, k_cache, v_cache, table, s);
   return lanes::attend<float>(q, k_cache, v_cache, table, s);
 }

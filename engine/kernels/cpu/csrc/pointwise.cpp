@@ -1,7 +1,6 @@
 // Row-wise operations of a decode step that torch runs as several small kernels each: one
 // pass each here, computed in fp32 and rounded once to the input's dtype.
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <cmath>
 
@@ -44,19 +43,19 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, i
     }
 }
 
-void check_float_or_bf16(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, what,
+void check_float_or_bf16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
               " must be fp32 or bf16");
 }
 
 }  // namespace
 
 // x [N, H] (rows may be strided), weight [H] of x's dtype. Returns a new contiguous [N, H].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_float_or_bf16(x, "rms_norm's input");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1));
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                   x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
@@ -66,13 +65,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // x [N, heads, D] (tokens and heads may be strided), cos and sin [N, D] of x's dtype.
 // Returns a new contiguous [N, heads, D].
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_float_or_bf16(x, "rope's input");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type() && cos.numel() == x.size(0) * x.size(2) &&
               sin.numel() == cos.numel());
-  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
     rope_rows(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
               out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1));

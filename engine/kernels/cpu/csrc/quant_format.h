@@ -6,7 +6,7 @@
 #pragma once
 
 #include <c10/util/Half.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <cstdint>
 #include <cstring>
@@ -25,13 +25,13 @@ inline int64_t block_bytes(int64_t bits) { return bits == 4 ? kQ4_1Bytes : kQ8_0
 
 // Both products' operands: x [rows, K] fp32 or bf16, K a multiple of 32; weight contiguous
 // uint8 [N, K / 32 * block bytes] of `bits`-bit blocks.
-inline void check_operands(const char* kernel, const torch::Tensor& x,
-                           const torch::Tensor& weight, int64_t bits) {
+inline void check_operands(const char* kernel, const at::Tensor& x,
+                           const at::Tensor& weight, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, kernel, " takes 4-bit or 8-bit blocks");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, K], K a multiple of 32");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               kernel, " takes fp32 or bf16 inputs");
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 &&
               weight.is_contiguous() && weight.size(1) == x.size(1) / kBlock * block_bytes(bits),
               "weight must be contiguous uint8 [N, K / 32 * ", block_bytes(bits), "]");
 }

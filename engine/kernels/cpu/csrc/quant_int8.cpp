@@ -4,8 +4,7 @@
 // multiply-adds (vpmaddubsw, or vpdpbusd with AVX512-VNNI) scaled once by d_weight * d_x.
 // Less arithmetic than widening each weight to fp32 (quant_linear.cpp), but every input value
 // is rounded to one of 255 steps of its block: opt-in (`model.quant_inputs: int8`).
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -206,11 +205,11 @@ void product(const QuantizedRows& x, int64_t rows, int64_t width, const uint8_t*
 
 // x [rows, K] fp32 or bf16; weight uint8 [N, K / 32 * block bytes] of 4-bit (Q4_1) or 8-bit
 // (Q8_0) blocks. Returns x @ weight.T as [rows, N] in x's dtype, x quantized to 8-bit blocks.
-torch::Tensor quant_linear_int8(torch::Tensor x, torch::Tensor weight, int64_t bits) {
+at::Tensor quant_linear_int8(at::Tensor x, at::Tensor weight, int64_t bits) {
   check_operands("quant_linear_int8", x, weight, bits);
-  const auto wide = x.to(torch::kFloat32).contiguous();
+  const auto wide = x.to(at::kFloat).contiguous();
   const QuantizedRows rows = quantize_rows(wide.data_ptr<float>(), x.size(0), x.size(1));
-  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear_int8", [&] {
     const auto run = bits == 4 ? product<Q4_1, scalar_t> : product<Q8_0, scalar_t>;
     run(rows, x.size(0), x.size(1), weight.data_ptr<uint8_t>(), weight.size(0),

@@ -3,8 +3,7 @@
 // constants. A block is widened to fp32 in registers and multiplied there, so a matrix-vector
 // product reads a quarter (4-bit) or half (8-bit) of the bf16 bytes, and the values multiplied
 // are exactly those of the dequantized weight (d * q + m is exact in fp32 for fp16 d, m).
-#include <ATen/Parallel.h>
-#include <torch/types.h>
+#include "tensor.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -291,11 +290,11 @@ void product(const at::BFloat16* x, int64_t rows, int64_t width, const uint8_t* 
 
 // x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
 // 4-bit (Q4_1) or 8-bit (Q8_0) blocks. Returns x @ weight.T as [rows, N] in x's dtype.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t bits) {
   check_operands("quant_linear", x, weight, bits);
-  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
   // Up to kRows rows the fp32 path is faster: widening is the cost, and it widens less.
-  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kRows) {
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) > kRows) {
     const auto rows = x.contiguous();
     const auto args = std::make_tuple(rows.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
                                       weight.data_ptr<uint8_t>(), weight.size(0),
@@ -312,7 +311,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor weight, int64_t bits) 
     return out;
 #endif
   }
-  const auto wide = x.to(torch::kFloat32).contiguous();
+  const auto wide = x.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
     const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
                                       weight.data_ptr<uint8_t>(), weight.size(0),
