@@ -51,12 +51,17 @@ def use_isa(name: str) -> IsaLevel:
 
 def chosen_isa() -> IsaLevel:
     """The level this process runs its kernels at."""
-    return _selected or resolve_isa("auto", cpu_flags())
+    return _selected or _auto_isa()
+
+
+@cache
+def _auto_isa() -> IsaLevel:
+    return resolve_isa("auto", cpu_flags())
 
 
 def kernels() -> ModuleType | None:
     """The compiled module at the chosen level, or None (logged once) where it cannot be
-    built here."""
+    built here. Every kernel call asks, so it is a lookup (~0.3 us)."""
     return kernels_at(chosen_isa())[0]
 
 
@@ -136,11 +141,12 @@ def build_digest(flags: list[str]) -> str:
 
 def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
     """The module if it reads `tensors` (all fp32 or all bf16, on the CPU), else None."""
-    first = tensors[0]
-    if first.dtype not in KERNEL_DTYPES or first.device.type != "cpu":
+    dtype = tensors[0].dtype
+    if dtype not in KERNEL_DTYPES:
         return None
-    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
-        return None
+    for tensor in tensors:  # a loop, not any(): every kernel call asks
+        if tensor.dtype is not dtype or not tensor.is_cpu:
+            return None
     return kernels()
 
 

@@ -90,14 +90,16 @@ struct Q8_0 {  // quant_format.h
 };
 
 // How a tile multiplies a widened block by rows of x. Fp32: the block's two halves against x
-// in fp32, two fused multiply-adds per row (the exact weights).
+// in fp32, two fused multiply-adds per row (the exact weights); bf16 x is widened to fp32 as
+// it is loaded, which is exact.
+template <typename InputT>
 struct Fp32Math {
-  using X = float;
+  using X = InputT;
   struct Weights {
     Lanes low, high;
   };
   static Weights weights(Lanes low, Lanes high) { return {low, high}; }
-  static Lanes multiply_add(Lanes acc, const Weights& w, const float* x) {
+  static Lanes multiply_add(Lanes acc, const Weights& w, const X* x) {
     return fma(w.high, load_lanes(x + kLanes), fma(w.low, load_lanes(x), acc));
   }
 };
@@ -286,6 +288,14 @@ void product(const at::BFloat16* x, int64_t rows, int64_t width, const uint8_t* 
 }  // namespace amx
 #endif
 
+// out = x @ weight.T in fp32 arithmetic, for x (and out) of type T.
+template <typename T>
+void fp32_product(const at::Tensor& x, const at::Tensor& weight, int64_t bits, at::Tensor& out) {
+  const auto args = std::make_tuple(x.data_ptr<T>(), x.size(0), x.size(1),
+                                    weight.data_ptr<uint8_t>(), weight.size(0), out.data_ptr<T>());
+  std::apply(bits == 4 ? product<Q4_1, Fp32Math<T>, T> : product<Q8_0, Fp32Math<T>, T>, args);
+}
+
 }  // namespace
 
 // x [rows, K] fp32 or bf16 (rows may be strided); weight uint8 [N, K / 32 * block bytes] of
@@ -311,15 +321,9 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor weight, int64_t bits) {
     return out;
 #endif
   }
-  const auto wide = x.to(at::kFloat).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear", [&] {
-    const auto args = std::make_tuple(wide.data_ptr<float>(), x.size(0), x.size(1),
-                                      weight.data_ptr<uint8_t>(), weight.size(0),
-                                      out.data_ptr<scalar_t>());
-    if (bits == 4)
-      std::apply(product<Q4_1, Fp32Math, scalar_t>, args);
-    else
-      std::apply(product<Q8_0, Fp32Math, scalar_t>, args);
-  });
+  if (x.scalar_type() == at::kBFloat16)
+    fp32_product<at::BFloat16>(x.contiguous(), weight, bits, out);
+  else
+    fp32_product<float>(x.contiguous(), weight, bits, out);
   return out;
 }
