@@ -1,5 +1,5 @@
-"""Weight layouts: the packed bf16 product equals the plain one, and is chosen only where the
-CPU has bf16 instructions."""
+"""Weight layouts: the packed products equal the plain ones, and are chosen for fp32 where
+oneDNN is and for bf16 only where the CPU has bf16 instructions."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from engine.model.linear import (
     PACKED,
     PLAIN,
     WeightLayout,
+    can_pack,
     can_pack_bf16,
     fast_bf16,
     layout_for,
@@ -23,6 +24,7 @@ from engine.model.linear import (
 )
 from engine.weights.quant_blocks import QuantMatrix, dequantize, quantize
 
+needs_mkldnn = pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN")
 needs_mkldnn_bf16 = pytest.mark.skipif(not can_pack_bf16(),
                                        reason="oneDNN has no bf16 path on this CPU")
 needs_kernels = pytest.mark.kernels
@@ -43,9 +45,9 @@ def test_no_cpuinfo_means_no_native_bf16(tmp_path: Path) -> None:
     assert native_bf16(tmp_path / "missing") is False
 
 
-def test_layout_is_packed_only_for_bf16_on_a_bf16_cpu() -> None:
+def test_layout_is_packed_for_fp32_and_for_bf16_on_a_bf16_cpu() -> None:
     cpu = torch.device("cpu")
-    assert layout_for(torch.float32, cpu) is PLAIN
+    assert layout_for(torch.float32, cpu) is (PACKED if can_pack() else PLAIN)
     assert layout_for(torch.float16, cpu) is PLAIN
     expected = PACKED if fast_bf16() else PLAIN
     assert layout_for(torch.bfloat16, cpu) is expected
@@ -60,6 +62,16 @@ def test_packed_product_equals_plain(rows: int) -> None:
     packed = PACKED.product(x, PACKED.prepare(weight))
     assert packed.shape == (rows, 96) and packed.dtype == torch.bfloat16
     torch.testing.assert_close(packed, F.linear(x, weight), atol=2e-2, rtol=2e-2)
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [1, 5, 16, 40, 300])
+def test_packed_fp32_product_equals_plain(rows: int) -> None:
+    torch.manual_seed(rows)
+    weight, x = torch.randn(96, 64), torch.randn(rows, 64)
+    packed = PACKED.product(x, PACKED.prepare(weight))
+    assert packed.shape == (rows, 96) and packed.dtype == torch.float32
+    torch.testing.assert_close(packed, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_plain_layout_keeps_the_weight_itself() -> None:
