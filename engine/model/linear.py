@@ -186,6 +186,5 @@ def layout_for(dtype: torch.dtype, device: torch.device) -> WeightLayout:
     plain otherwise."""
     if device.type != "cpu":
         return PLAIN
-    if dtype == torch.float32 and can_pack() or dtype == torch.bfloat16 and fast_bf16():
-        return PACKED
-    return PLAIN
+    packs = can_pack() if dtype == torch.float32 else dtype == torch.bfloat16 and fast_bf16()
+    return PACKED if packs else PLAIN
