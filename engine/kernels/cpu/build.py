@@ -61,7 +61,7 @@ def _auto_isa() -> IsaLevel:
 
 def kernels() -> ModuleType | None:
     """The compiled module at the chosen level, or None (logged once) where it cannot be
-    built here. Every kernel call asks, so it is a lookup (~0.3 us)."""
+    built here. Every kernel call asks, so it is a lookup (under a microsecond)."""
     return kernels_at(chosen_isa())[0]
 
 
