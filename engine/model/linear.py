@@ -118,8 +118,9 @@ def measure_quant_rows(weights: Sequence[Matrices], dtype: torch.dtype,
     """The most input rows (of `candidates`, in order) for which the quant products of all of
     `weights` together take less time than their dense products: 0 if none. Timed over every
     matrix (a few layers stay warm in cache and flatter the dense ones), because it depends on
-    the CPU, the dtype and the dense layout (here: 32 rows against packed bf16 and against
-    plain fp32); engine.weights.quant_rows keeps the result per machine."""
+    the CPU, the dtype and the dense layout (on an AVX-512 EPYC, two threads: 8-16 rows against
+    packed bf16, 12-64 against packed fp32, from run to run); engine.weights.quant_rows keeps
+    the result per machine."""
     timed = [matrices for matrices in weights if matrices.quant]
     if not timed:
         return 0
