@@ -119,7 +119,7 @@ def measure_quant_rows(weights: Sequence[Matrices], dtype: torch.dtype,
     `weights` together take less time than their dense products: 0 if none. Timed over every
     matrix (a few layers stay warm in cache and flatter the dense ones), because it depends on
     the CPU, the dtype and the dense layout (on an AVX-512 EPYC, two threads: 8-16 rows against
-    packed bf16, 12-64 against packed fp32, from run to run); engine.weights.quant_rows keeps
+    packed bf16, 12-48 against packed fp32, from run to run); engine.weights.quant_rows keeps
     the result per machine."""
     timed = [matrices for matrices in weights if matrices.quant]
     if not timed:
