@@ -40,16 +40,26 @@ struct Q4_1 {  // quant_format.h
     low = fma(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), splat(d), splat(m));
     high = fma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), splat(d), splat(m));
 #elif defined(__AVX2__)
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i nibble = _mm_set1_epi8(0xF);
-    const __m128i first = _mm_and_si128(raw, nibble);
-    const __m128i second = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-    const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
-    const auto widen8 = [&](__m128i bytes) {  // the low eight bytes as d * q + m
-      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, offset);
+    // The 16 bytes in both halves; one byte shuffle puts bytes 0-7 (and one bytes 8-15) in the
+    // low byte of each 32-bit lane, so each value is a mask or a shift away (a zero-extension
+    // per eight values took 6 shuffles a block and bound the loop: 1.15-1.2x slower, measured
+    // at 1-16 rows on a Zen 2 EPYC).
+    const __m256i raw = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const auto pick = [](char a) {  // bytes a..a+3 | a+4..a+7 to 32-bit lanes (-1: zero)
+      return _mm256_setr_epi8(a, -1, -1, -1, a + 1, -1, -1, -1, a + 2, -1, -1, -1, a + 3, -1,
+                              -1, -1, a + 4, -1, -1, -1, a + 5, -1, -1, -1, a + 6, -1, -1, -1,
+                              a + 7, -1, -1, -1);
     };
-    low = {widen8(first), widen8(_mm_srli_si128(first, 8))};
-    high = {widen8(second), widen8(_mm_srli_si128(second, 8))};
+    const __m256i first = _mm256_shuffle_epi8(raw, pick(0));
+    const __m256i second = _mm256_shuffle_epi8(raw, pick(8));
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(m);
+    const auto value = [&](__m256i q32) {  // d * q + m
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), scale, offset);
+    };
+    low = {value(_mm256_and_si256(first, nibble)), value(_mm256_and_si256(second, nibble))};
+    high = {value(_mm256_srli_epi32(first, 4)), value(_mm256_srli_epi32(second, 4))};
 #else
     for (int64_t i = 0; i < kLanes; ++i) {
       low.v[i] = d * static_cast<float>(q[i] & 0xF) + m;
@@ -72,14 +82,13 @@ struct Q8_0 {  // quant_format.h
     low = mul(load(q), splat(d));
     high = mul(load(q + kLanes), splat(d));
 #elif defined(__AVX2__)
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m128i first = _mm256_castsi256_si128(raw), second = _mm256_extracti128_si256(raw, 1);
     const __m256 scale = _mm256_set1_ps(d);
-    const auto widen8 = [&](__m128i bytes) {  // the low eight bytes as d * q
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+    const auto eight = [&](const int8_t* p) {  // d * q of eight values, widened as loaded
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), scale);
     };
-    low = {widen8(first), widen8(_mm_srli_si128(first, 8))};
-    high = {widen8(second), widen8(_mm_srli_si128(second, 8))};
+    low = {eight(q), eight(q + 8)};
+    high = {eight(q + 16), eight(q + 24)};
 #else
     for (int64_t i = 0; i < kLanes; ++i) {
       low.v[i] = d * static_cast<float>(q[i]);
