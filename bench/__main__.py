@@ -270,6 +270,7 @@ def prefill_attention_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunks", type=lambda text: text.split(","),
                         default=prefill_attention.DEFAULT_CHUNKS.split(","),
                         help="chunks, comma-separated, each NEW@CACHED tokens")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
     parser.set_defaults(prepare=prepare_prefill_attention)
@@ -284,7 +285,9 @@ def prepare_prefill_attention(args: argparse.Namespace, argv: Sequence[str]
     set_threads(args.threads)
 
     def job() -> int:
-        print(prefill_attention.markdown(prefill_attention.measure(args.chunks, args.repeats)))
+        figures = prefill_attention.measure(args.chunks, args.repeats,
+                                            dtype=torch_dtype(args.dtype))
+        print(prefill_attention.markdown(figures))
         return 0
     return job
 

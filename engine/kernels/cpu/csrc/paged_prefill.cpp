@@ -251,10 +251,15 @@ struct Row {
   std::vector<Lanes> acc;
 };
 
-// Folds keys tile * 16 .. (the first `visible` of them) into one row.
-void fold_tile(Row& row, const float* keys, const float* values, int64_t visible, int64_t dim) {
-  Lanes scores = splat(0.0f);
-  for (int64_t e = 0; e < dim; ++e) scores = fma(splat(row.q[e]), load_lanes(keys + e * kKeys), scores);
+// Query rows folded together: each key and value vector is loaded once for all of them, and
+// their independent sums keep both FMA units busy. One row at a time waited on one chain of
+// sums: 224 ms for a 512-token prompt's attention at AVX2 on two cores, against 105 ms now
+// (4 rows: 108 ms) and 135 ms for torch's SDPA.
+constexpr int kRows = 6;
+
+// Turns one row's scores of a tile into weights e^(s - best) over its first `visible` keys
+// (zero after), rescaling the row to the new best.
+void weigh(Row& row, Lanes scores, int64_t visible, float (&weights)[kKeys]) {
   float s[kKeys];
   store(s, scores);
   const float best = std::max(row.best, max_of(s, visible));
@@ -264,38 +269,73 @@ void fold_tile(Row& row, const float* keys, const float* values, int64_t visible
     row.total *= shrink;
     row.best = best;
   }
-  const Lanes weights = first_lanes(exp_lanes(add(scores, splat(-best))), visible);
-  row.total += sum(weights);
-  float w[kKeys];
-  store(w, weights);
-  const int64_t chunks = dim / kLanes;
-  for (int64_t c = 0; c < chunks; ++c) {
-    Lanes acc = row.acc[c];
-    for (int64_t j = 0; j < visible; ++j)
-      acc = fma(splat(w[j]), load_lanes(values + j * dim + c * kLanes), acc);
-    row.acc[c] = acc;
+  const Lanes w = first_lanes(exp_lanes(add(scores, splat(-best))), visible);
+  row.total += sum(w);
+  store(weights, w);
+}
+
+// Folds a tile of 16 keys into kRows rows. `visible[r]`: how many of the tile's keys row r
+// sees (none: the row is left as it was).
+void fold_tile(Row* (&rows)[kRows], const int64_t (&visible)[kRows], const float* keys,
+               const float* values, int64_t dim) {
+  Lanes scores[kRows];
+  for (int r = 0; r < kRows; ++r) scores[r] = splat(0.0f);
+  for (int64_t e = 0; e < dim; ++e) {
+    const Lanes k = load_lanes(keys + e * kKeys);
+    for (int r = 0; r < kRows; ++r) scores[r] = fma(splat(rows[r]->q[e]), k, scores[r]);
+  }
+  float weights[kRows][kKeys] = {};
+  int64_t seen = 0;  // keys any row sees
+  for (int r = 0; r < kRows; ++r)
+    if (visible[r] > 0) {
+      weigh(*rows[r], scores[r], visible[r], weights[r]);
+      seen = std::max(seen, visible[r]);
+    }
+  for (int64_t c = 0; c < dim / kLanes; ++c) {
+    Lanes acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = rows[r]->acc[c];
+    for (int64_t j = 0; j < seen; ++j) {
+      const Lanes v = load_lanes(values + j * dim + c * kLanes);
+      for (int r = 0; r < kRows; ++r) acc[r] = fma(splat(weights[r][j]), v, acc[r]);
+    }
+    for (int r = 0; r < kRows; ++r)
+      if (visible[r] > 0) rows[r]->acc[c] = acc[r];
   }
 }
 
-// Positions first..first+15 (those that exist) of every query head sharing KV head g.
+// Positions first..first+15 (those that exist) of every query head sharing KV head g, as rows
+// position by position; each 16-key tile is read by all of them before the next is touched.
 template <typename T>
 void attend_rows(const T* q, const Packed& packed, const Shape& s, int64_t g, int64_t first,
                  T* out) {
   const int64_t group = s.heads / s.kv_heads, chunks = s.dim / kLanes;
-  const int64_t positions = std::min(kPositions, s.new_tokens - first);
-  for (int64_t index = 0; index < positions * group; ++index) {
-    const int64_t offset = ((first + index / group) * s.heads + g * group + index % group) * s.dim;
-    Row row{std::vector<float>(s.dim), -std::numeric_limits<float>::infinity(), 0.0f,
-            std::vector<Lanes>(chunks, splat(0.0f))};
-    for (int64_t e = 0; e < s.dim; ++e) row.q[e] = static_cast<float>(q[offset + e]) * s.scale;
-    const int64_t position = s.start + first + index / group;
-    for (int64_t tile = 0; tile * kKeys <= position; ++tile)
-      fold_tile(row, packed.keys.data() + tile * s.dim * kKeys,
-                packed.values.data() + tile * kKeys * s.dim,
-                std::min(kKeys, position + 1 - tile * kKeys), s.dim);
+  const int64_t positions = std::min(kPositions, s.new_tokens - first), count = positions * group;
+  const auto offset = [&](int64_t index) {
+    return ((first + index / group) * s.heads + g * group + index % group) * s.dim;
+  };
+  std::vector<Row> rows(count, Row{std::vector<float>(s.dim), -std::numeric_limits<float>::infinity(),
+                                   0.0f, std::vector<Lanes>(chunks, splat(0.0f))});
+  for (int64_t index = 0; index < count; ++index)
+    for (int64_t e = 0; e < s.dim; ++e)
+      rows[index].q[e] = static_cast<float>(q[offset(index) + e]) * s.scale;
+  const int64_t last_key = s.start + first + positions - 1;
+  for (int64_t tile = 0; tile * kKeys <= last_key; ++tile)
+    for (int64_t index = 0; index < count; index += kRows) {
+      Row* block[kRows];
+      int64_t visible[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t at = std::min(index + r, count - 1);  // past the last: a copy, unused
+        block[r] = &rows[at];
+        const int64_t position = s.start + first + at / group;
+        visible[r] = index + r < count ? std::min(kKeys, position + 1 - tile * kKeys) : 0;
+      }
+      fold_tile(block, visible, packed.keys.data() + tile * s.dim * kKeys,
+                packed.values.data() + tile * kKeys * s.dim, s.dim);
+    }
+  for (int64_t index = 0; index < count; ++index)
     for (int64_t c = 0; c < chunks; ++c)
-      store_as(out + offset + c * kLanes, mul(row.acc[c], splat(1.0f / row.total)));
-  }
+      store_as(out + offset(index) + c * kLanes,
+               mul(rows[index].acc[c], splat(1.0f / rows[index].total)));
 }
 
 template <typename T>
