@@ -15,6 +15,7 @@
     python -m bench chunked --long-len 4000 --short-len 50
     python -m bench goodput --quick
     python -m bench peers --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
+    python -m bench gpu decode --model /tmp/raging-gpu-models/llama-1b-shape
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bench import attention as decode_attention
 from bench import chunked as chunked_prefill
 from bench import fidelity as greedy_fidelity
 from bench import goodput as slo_goodput
+from bench import gpu as on_gpu
 from bench import handoff as kv_handoff
 from bench import overload as flood
 from bench import peers as side_by_side
@@ -368,6 +370,9 @@ def transfer_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--curve", action="store_true",
                         help="over CURVE-authenticated, encrypted sockets (as launch.sh runs)")
+    parser.add_argument("--backends", type=lambda text: tuple(text.split(",")), default=(),
+                        help="only these backends, comma-separated (zmq, shm, cuda_ipc; "
+                             "default: every one this host runs)")
     parser.set_defaults(prepare=prepare_transfer)
 
 
@@ -376,7 +381,8 @@ def prepare_transfer(args: argparse.Namespace, argv: Sequence[str]) -> Callable[
         raise ValueError("--repeats and every --tokens entry must be >= 1")
 
     def job() -> int:
-        figures = kv_transfer.measure(args.tokens, args.repeats, curve=args.curve)
+        figures = kv_transfer.measure(args.tokens, args.repeats, curve=args.curve,
+                                      only=args.backends)
         print(kv_transfer.markdown(figures))
         return 0
     return job
@@ -487,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo_goodput.add_parser(commands)
     chunked_prefill.add_parser(commands)
     side_by_side.add_parser(commands)
+    on_gpu.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         level = use_isa(args.isa)

@@ -191,9 +191,10 @@ def cuda_ready() -> bool:
 
 
 def measure(token_counts: tuple[int, ...], repeats: int, min_mb: int = 128,
-            curve: bool = False) -> list[TransferFigure]:
+            curve: bool = False, only: tuple[str, ...] = ()) -> list[TransferFigure]:
     """Sender and receiver each get one core and one thread, as the workers do; `curve`:
-    over CURVE sockets."""
+    over CURVE sockets; `only`: the backends whose names start with one of these (all when
+    empty)."""
     pin_to(_SENDER_CPUS)
     torch.set_num_threads(1)
     figures = []
@@ -203,6 +204,8 @@ def measure(token_counts: tuple[int, ...], repeats: int, min_mb: int = 128,
             generate(Path(keys_dir))
         for tokens in token_counts:
             for backend in backends(Path(folder), keys_dir):
+                if only and not backend.name.startswith(only):
+                    continue
                 requests = requests_of(tokens, min_mb * 2**20, backend.device)
                 baseline = memcpy_gb_per_s(requests, repeats)
                 rate = transfer_gb_per_s(backend, requests, repeats)

@@ -24,6 +24,8 @@ T = TypeVar("T")
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVBackend = Literal["zmq", "shm", "cuda_ipc"]
 KV_BACKENDS: tuple[KVBackend, ...] = typing.get_args(KVBackend)
+# "auto": cuda_ipc from a worker whose model is on a GPU, else shm (kvtransfer.make_sender).
+KVBackendSetting = Literal["auto", "zmq", "shm", "cuda_ipc"]
 LogFormat = Literal["text", "json"]
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
@@ -33,6 +35,14 @@ KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 Routing = Literal["pack", "spread"]
 # What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).
 QuantInputs = Literal["exact", "int8"]
+
+
+def is_device_name(name: str) -> bool:
+    """Whether `name` is a `model.device`: auto, cpu, cuda or cuda:N."""
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and index:
+        return index.isdigit()
+    return name in ("auto", "cpu", "cuda")
 
 
 def setting(default: T, help: str) -> T:
@@ -45,8 +55,10 @@ class ModelConfig:
     name: str = setting("SmolLM2-135M-Instruct",
                         "packaged model name or local Hugging Face folder")
     cache_dir: str = setting("~/.cache/raging/models", "where packaged models are prepared")
-    dtype: ModelDtype = setting("auto", "auto: bfloat16 where the CPU multiplies bf16 in "
-                                        "hardware (AMX, AVX512-BF16), else float32")
+    dtype: ModelDtype = setting("auto", "auto: bfloat16 on a GPU and where the CPU multiplies "
+                                        "bf16 in hardware (AMX, AVX512-BF16), else float32")
+    device: str = setting("auto", "where weights, KV cache and sampling live: cpu, cuda, "
+                                  "cuda:N, or auto (cuda where torch sees a GPU, else cpu)")
     max_model_len: int = setting(0, "0: the model's own max_position_embeddings")
     quant_rows: int = setting(-1, "products of at most this many rows (decode steps of few "
                                   "sequences) read the GGUF's 4-/8-bit quant blocks, where the "
@@ -59,6 +71,9 @@ class ModelConfig:
                                                  "llama.cpp does (faster, less exact)")
 
     def __post_init__(self) -> None:
+        if not is_device_name(self.device):
+            raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, "
+                             f"not {self.device!r}")
         if self.quant_rows < -1:
             raise ValueError(f"model.quant_rows must be -1 (measured), 0 (never) or more, "
                              f"not {self.quant_rows}")
@@ -66,11 +81,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a worker's kernels run on its CPU (engine.kernels.isa)."""
+    """How a worker's kernels run: on its CPU (engine.kernels.isa), or on a GPU."""
 
     isa: KernelIsa = setting("auto", "the instruction set the C++ kernels are built for and run "
                                      "at: auto (the highest this CPU runs), or one level to "
                                      "force it (refused where the CPU lacks it)")
+    cuda_graphs: bool = setting(True, "on a GPU, replay decode steps as captured CUDA graphs "
+                                      "(small batches are bound by kernel launches otherwise)")
 
 
 @dataclass(frozen=True)
@@ -138,10 +155,14 @@ class PoolConfig:
                               "(those it is pinned to)")
     cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
     heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
+    gpu_memory_fraction: float = setting(0.0, "on a GPU, the share of its memory each worker "
+                                              "may take (workers sharing one GPU); 0: no cap")
 
     def __post_init__(self) -> None:
         if self.ttft_ms_per_token < 0:
             raise ValueError("ttft_ms_per_token must be >= 0")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -170,8 +191,9 @@ class DecodeConfig(PoolConfig):
 class KVTransferConfig:
     """How prefill workers send KV; decode workers accept every backend."""
 
-    backend: KVBackend = setting("shm", "zmq (tcp/ipc, any host), shm (one host), cuda_ipc "
-                                        "(one GPU)")
+    backend: KVBackendSetting = setting("auto", "zmq (tcp/ipc, any host), shm (one host), "
+                                               "cuda_ipc (GPUs of one host), or auto: cuda_ipc "
+                                               "from a worker on a GPU, else shm")
     buffer_mb: int = setting(64, "the shm / cuda_ipc staging buffer of each prefill worker")
     lease_s: float = setting(30.0, "a staged chunk not released by then is reclaimed")
     chunk_mb: float = setting(8.0, "layers of a request go together until a chunk holds this")

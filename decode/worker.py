@@ -155,7 +155,8 @@ class DecodeWorker(Worker):
         sequence.num_generated += 1
         task = sequence.request.task
         if sequence.num_generated == 1:  # prefilled here: the rest draws as decode would
-            sequence.generator = make_generator(_decode_seed(task.sampling.seed))
+            sequence.generator = make_generator(_decode_seed(task.sampling.seed),
+                                                self.runner.device)
         if sequence.constraint is not None:
             sequence.constraint.advance(token.token_id)
         eos = self.runner.spec.eos_token_ids
@@ -261,7 +262,8 @@ class DecodeWorker(Worker):
                 tokens=[*task.prompt_ids, *([] if first is None else [first])],
                 num_generated=0 if first is None else 1,
                 generator=make_generator(task.sampling.seed if first is None
-                                         else _decode_seed(task.sampling.seed)),
+                                         else _decode_seed(task.sampling.seed),
+                                         self.runner.device),
                 deadline=time.monotonic() + self.ttft_s_per_token * len(task.prompt_ids)))
         return choices
 

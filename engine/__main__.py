@@ -3,8 +3,8 @@ workers, and print its folder.
 
 Prepares the packaged model's folder if needed (engine.weights.folder), builds the C++ kernels
 once, so that workers starting together need not, and times the quant products for each pool's
-thread count (engine.weights.quant_rows), so that workers starting together need not either.
-`launch.sh` runs it before any worker.
+thread count (engine.weights.quant_rows), so that workers starting together need not either
+(on a GPU, neither applies). `launch.sh` runs it before any worker.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from core.cli import ConfigParser
 from core.config import PoolConfig
 from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import kernels, use_isa
-from engine.runner import load_runner
+from engine.runner import load_runner, torch_device
 from engine.weights.folder import resolve_model
 
 
@@ -23,6 +23,9 @@ def main() -> None:
     parser = ConfigParser("python -m engine", "Prepare a model folder and kernels for raging.")
     config = parser.config(parser.parse_args())
     folder = resolve_model(config.model.name, config.model.cache_dir)
+    if torch_device(config.model.device).type != "cpu":  # on a GPU: no CPU kernels, no quant
+        print(folder)
+        return
     use_isa(config.engine.isa)
     kernels()
     if config.model.quant_rows < 0:

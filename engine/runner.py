@@ -16,6 +16,7 @@ from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
+from engine.model.graphs import DecodeGraphs
 from engine.model.llama import LlamaModel
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
@@ -27,10 +28,38 @@ from engine.weights.spec import kv_fingerprint, load_spec
 log = logging.getLogger(__name__)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype `model.dtype` names ("auto" resolved on this CPU)."""
-    dtype: torch.dtype = getattr(torch, resolve_dtype(name))
+def torch_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype `model.dtype` names ("auto" resolved for `device`, by default this
+    CPU)."""
+    dtype: torch.dtype = getattr(torch, resolve_dtype(name, device.type if device else "cpu"))
     return dtype
+
+
+def torch_device(name: str) -> torch.device:
+    """The device `model.device` names; "auto" is the current GPU where torch sees one."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device is {name}, but this torch ({torch.__version__}) "
+                             "sees no GPU")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"model.device is {name}, but {torch.cuda.device_count()} GPUs "
+                             "are visible")
+        device = torch.device("cuda", index)
+    return device
+
+
+def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`weights` copied to `device`, a tensor named twice (tied embeddings) copied once."""
+    if device.type == "cpu":
+        return weights
+    copies: dict[int, torch.Tensor] = {}
+    return {name: copies.setdefault(id(tensor), tensor.to(device))
+            for name, tensor in weights.items()}
 
 
 def set_threads(n: int | None) -> None:
@@ -53,22 +82,35 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         quant_rows: int | None = None,
         quant_inputs: QuantInputs = "exact",
+        device: torch.device | str = "cpu",
+        cuda_graphs: bool = True,
     ) -> None:
         """`quant_rows`: products of at most this many rows read the model's quant blocks
         where it has them (engine.weights.quant_blocks); None: measured here at load, 0:
-        never. `quant_inputs`: what those products multiply (`model.quant_inputs`)."""
+        never. `quant_inputs`: what those products multiply (`model.quant_inputs`).
+        `device`: where weights, cache and step inputs live; on a GPU, decode steps replay
+        CUDA graphs unless `cuda_graphs` is off."""
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
-        self.model = LlamaModel(self.spec, load_weights(self.model_dir, dtype),
-                                quant=load_quant_blocks(self.model_dir, quant_inputs == "int8"),
-                                quant_rows=quant_rows)
-        self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype)
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        quant = load_quant_blocks(self.model_dir, quant_inputs == "int8") if on_cpu else {}
+        self.model = LlamaModel(self.spec, on_device(load_weights(self.model_dir, dtype),
+                                                     self.device),
+                                quant=quant, quant_rows=quant_rows if on_cpu else 0)
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype, self.device,
+                                  pad_block=graphed)
         self.allocator = BlockAllocator(num_blocks)
+        self.graphs = DecodeGraphs(self.model, self.cache) if graphed else None
 
     @property
     def kernel_isa(self) -> str:
-        """The instruction-set level its C++ kernels run at ("torch": none built here)."""
+        """The instruction-set level its C++ kernels run at ("torch": none built here; "cuda":
+        the model is on a GPU)."""
+        if self.device.type == "cuda":
+            return "cuda"
         return chosen_isa().name if kernels() is not None else "torch"
 
     @property
@@ -79,7 +121,12 @@ class ModelRunner:
     def forward(
         self, batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token (see LlamaModel)."""
+        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token (see LlamaModel),
+        on the runner's device."""
+        if self.graphs is not None and layer_hook is None:
+            logits = self.graphs.replay(batch)
+            if logits is not None:
+                return logits
         return self.model.forward(batch, self.cache, layer_hook)
 
 
@@ -89,8 +136,11 @@ def load_runner(model: ModelConfig, pool: PoolConfig,
     threads set (`pool.threads`, or one per CPU this process may run on), the kernels built at
     the level `engine.isa` picks, the quant row count as measured on this machine (measured
     now, and kept, the first time)."""
-    dtype = resolve_dtype(model.dtype)
+    device = torch_device(model.device)
+    dtype = resolve_dtype(model.dtype, device.type)
     set_threads(pool.threads or len(pinned_cpus()))
+    if device.type == "cuda":
+        return _load_cuda_runner(model, pool, engine or EngineConfig(), device, dtype)
     folder = resolve_model(model.name, model.cache_dir)
     level = use_isa((engine or EngineConfig()).isa)
     # Found, or built if stale, before the worker registers: built inside its first decode
@@ -107,4 +157,17 @@ def load_runner(model: ModelConfig, pool: PoolConfig,
         measured.put(dtype, runner.model.quant_rows)
     log.info("products of up to %d rows read the weights' quant blocks (inputs: %s)",
              runner.model.quant_rows, model.quant_inputs)
+    return runner
+
+
+def _load_cuda_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig,
+                      device: torch.device, dtype: str) -> ModelRunner:
+    torch.cuda.set_device(device)  # CUDA IPC handles open on the current device
+    if pool.gpu_memory_fraction > 0:
+        torch.cuda.set_per_process_memory_fraction(pool.gpu_memory_fraction, device)
+    folder = resolve_model(model.name, model.cache_dir)
+    runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype, device),
+                         0, model.quant_inputs, device, engine.cuda_graphs)
+    log.info("model on %s (%s), %s; CUDA graphs %s", device, torch.cuda.get_device_name(device),
+             dtype, "on" if runner.graphs is not None else "off")
     return runner

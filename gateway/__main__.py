@@ -14,6 +14,7 @@ from core.cli import ConfigParser
 from core.config import Config, GatewayConfig
 from core.logs import setup_logging
 from core.tracing import make_tracer
+from engine.device import device_type
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
 from engine.weights.spec import kv_fingerprint, load_spec
@@ -43,7 +44,8 @@ def gateway_app(config: Config) -> Starlette:
     configured API keys are unusable."""
     folder = resolve_model(config.model.name, config.model.cache_dir)
     spec = load_spec(folder)
-    fingerprint = kv_fingerprint(spec, resolve_dtype(config.model.dtype))
+    fingerprint = kv_fingerprint(spec, resolve_dtype(config.model.dtype,
+                                                     device_type(config.model.device)))
     registry = make_registry(config.gateway, fingerprint)
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)

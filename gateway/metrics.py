@@ -96,7 +96,8 @@ class Metrics:
                               ["worker"], registry=r)
         self.kernels = Gauge("raging_worker_kernels_info", "1 for the instruction set each "
                              "worker's kernels run at (isa: generic, avx2, avx512, avx512_bf16, "
-                             "amx; torch where none built)", ["worker", "isa"], registry=r)
+                             "amx; torch where none built; cuda on a GPU)", ["worker", "isa"],
+                             registry=r)
         self.stalled = Gauge("raging_worker_stalled",
                              "1 while the worker has work but computes nothing (not routed to)",
                              ["worker"], registry=r)

@@ -7,7 +7,9 @@ import functools
 import hashlib
 import importlib.metadata
 import time
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -51,5 +53,10 @@ class GatewayState:
 
 
 def server_version() -> str:
-    """The installed raging package's version."""
-    return importlib.metadata.version("raging")
+    """The installed raging package's version; run from a source tree that was never installed
+    (a GPU machine without network, say), the version its pyproject.toml names."""
+    try:
+        return importlib.metadata.version("raging")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import zmq
 
 from core.config import KVTransferConfig
@@ -18,17 +19,22 @@ __all__ = [
 
 
 def make_sender(context: zmq.Context, config: KVTransferConfig | None = None,
-                keys: CurveKeys | None = None) -> KVSender:
+                keys: CurveKeys | None = None, device: torch.device | None = None) -> KVSender:
     """The configured backend's sender (plain ZeroMQ when no config is given); with `keys`, a
-    CURVE client of the receivers."""
+    CURVE client of the receivers. "auto" is cuda_ipc for KV computed on a GPU (`device`),
+    shm otherwise; chunks a backend cannot stage go inline through the host either way."""
     config = config or KVTransferConfig(backend="zmq")
     buffer_bytes = config.buffer_mb * 2**20
-    if config.backend == "shm":
+    backend = config.backend
+    if backend == "auto":
+        backend = "cuda_ipc" if device is not None and device.type == "cuda" else "shm"
+    if backend == "shm":
         from kvtransfer.shm import ShmKVSender
         return ShmKVSender(context, buffer_bytes, config.lease_s, keys)
-    if config.backend == "cuda_ipc":
+    if backend == "cuda_ipc":
         from kvtransfer.cuda_ipc import CudaIpcKVSender
-        return CudaIpcKVSender(context, buffer_bytes, config.lease_s, keys=keys)
+        index = device.index if device is not None and device.type == "cuda" else None
+        return CudaIpcKVSender(context, buffer_bytes, config.lease_s, index or 0, keys=keys)
     return KVSender(context, keys)
 
 

@@ -171,9 +171,6 @@ class CudaIpcKVSender(StagedKVSender):
     def _stageable(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         return k.is_cuda and v.is_cuda and self.memory is not None
 
-    def _inline(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k.contiguous().cpu(), v.contiguous().cpu()
-
     def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Copy K then V to `offset` on the device's current stream; their checksum, once the
         stream has finished (so the region is complete before its header is sent)."""

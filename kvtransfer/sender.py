@@ -99,8 +99,8 @@ class KVSender:
         return None
 
     def _inline(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as host tensors that can go in a message."""
-        return k, v
+        """K and V as contiguous host tensors that can go in a message (copied off a GPU)."""
+        return k.contiguous().cpu(), v.contiguous().cpu()
 
     def _writable(self, address: str) -> zmq.Socket:
         socket = self._socket(address)

@@ -82,6 +82,7 @@ class ShmKVSender(StagedKVSender):
     def _stage(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> int:
         region = self.buffer.array[offset:offset + k.nbytes + v.nbytes]
         k_part, v_part = region[:k.nbytes], region[k.nbytes:]
+        k, v = self._inline(k, v)  # host copies of KV computed on a GPU
         return copy_and_hash([(k_part, byte_array(k)), (v_part, byte_array(v))])
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ class PrefillWorker(Worker):
                                           config.prefill.chunk_tokens,
                                           config.prefill.ttft_ms_per_token / 1000,
                                           ChunkCost.of(runner.spec))
-        self.sender = make_sender(self.context, config.kv_transfer, self.keys)
+        self.sender = make_sender(self.context, config.kv_transfer, self.keys, runner.device)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
         self.stream = LayerStream(self.sender, runner.cache, identity.fingerprint,
                                   int(config.kv_transfer.chunk_mb * 2**20))
@@ -227,7 +227,7 @@ class PrefillWorker(Worker):
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
-        generators = [make_generator(r.task.sampling.seed) for r in batch]
+        generators = [make_generator(r.task.sampling.seed, self.runner.device) for r in batch]
         return draw(logits, params, generators, [self._history(r.task) for r in batch])
 
     def _history(self, task: GenerationTask) -> History:

@@ -17,11 +17,14 @@ class PagedKVCache:
     """K and V of every layer, each `[num_blocks * block_size, num_kv_heads, head_dim]`.
 
     Token position p of a sequence with block table t lives in slot
-    `t[p // block_size] * block_size + p % block_size`.
+    `t[p // block_size] * block_size + p % block_size`. With `pad_block`, one block more than
+    `num_blocks` is kept at index `num_blocks`, never handed out: where the padding rows of a
+    fixed-shape step (a CUDA graph's) write and read.
     """
 
     def __init__(
-        self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype
+        self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu", pad_block: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"bad num_blocks={num_blocks} / block_size={block_size}")
@@ -29,10 +32,13 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.num_layers = spec.num_layers
-        shape = (spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.pad_block = num_blocks if pad_block else None
+        rows = (num_blocks + pad_block) * block_size
+        shape = (spec.num_layers, rows, spec.num_kv_heads, spec.head_dim)
         # One tensor per kind, so reads and writes of all layers are one indexing op each.
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = self.k.device
         self.bytes_per_token = spec.kv_bytes_per_token(dtype)
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -41,7 +47,8 @@ class PagedKVCache:
             capacity = len(block_table) * self.block_size
             raise ValueError(f"positions {start}..{end} do not fit a table of {capacity} slots")
         table = torch.tensor(block_table, dtype=torch.long)
-        return slot_mapping(table, torch.arange(start, end), self.block_size)
+        slots = slot_mapping(table, torch.arange(start, end), self.block_size)
+        return slots.to(self.device, non_blocking=True)
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy every layer's K and V of block `source` into block `target` (copy-on-write)."""
@@ -74,6 +81,7 @@ class PagedKVCache:
             raise ValueError(f"layers {layer_start}..{layer_start + layers} are not in the cache")
         num_tokens = self._check_incoming(k, v, (layers,))
         slots = self.slots(block_table, start, start + num_tokens)
+        k, v = self._here(k), self._here(v)
         self.k[layer_start:layer_start + layers].index_copy_(1, slots, k)
         self.v[layer_start:layer_start + layers].index_copy_(1, slots, v)
 
@@ -85,9 +93,14 @@ class PagedKVCache:
         self.store(layer, self.slots(block_table, start, start + num_tokens), k, v)
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's `[T, H, D]` K and V at the given flat slots."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Store one layer's `[T, H, D]` K and V at the given flat slots (on the cache's
+        device)."""
+        self.k[layer].index_copy_(0, slots, self._here(k))
+        self.v[layer].index_copy_(0, slots, self._here(v))
+
+    def _here(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the cache's device (KV received from another device or the host)."""
+        return tensor.to(self.device, non_blocking=True)
 
     def _check_incoming(self, k: torch.Tensor, v: torch.Tensor, layers: tuple[int, ...]) -> int:
         """The number of tokens in K and V, after checking their shapes and dtypes."""

@@ -9,8 +9,9 @@ prefix + new tokens, straight from the cache where engine.kernels.cpu.paged_pref
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,16 @@ from engine.kv.allocator import blocks_needed
 from engine.kv.cache import slot_mapping
 from engine.model.batch import ForwardBatch
 from engine.model.workspace import Workspace
+
+_Plan = TypeVar("_Plan", "DecodePlan", "PrefillPlan")
+
+
+def _moved(plan: _Plan, device: torch.device) -> _Plan:
+    """`plan` with each of its tensors on `device` (copied without waiting, as a step's inputs
+    are)."""
+    moves: dict[str, Any] = {f.name: value.to(device, non_blocking=True) for f in fields(plan)
+                             if isinstance(value := getattr(plan, f.name), torch.Tensor)}
+    return replace(plan, **moves)
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,24 @@ class AttentionPlan:
     decode: DecodePlan | None
     prefills: tuple[PrefillPlan, ...]
 
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The same plan with its tensors on `device` (itself where they are already)."""
+        if device.type == "cpu":
+            return self
+        tensors = {name: getattr(self, name).to(device, non_blocking=True)
+                   for name in ("token_ids", "positions", "slots", "last_rows")}
+        decode = _moved(self.decode, device) if self.decode is not None else None
+        return replace(self, **tensors, decode=decode,
+                       prefills=tuple(_moved(prefill, device) for prefill in self.prefills))
+
 
 def plan_attention(
-    batch: ForwardBatch, block_size: int, dtype: torch.dtype = torch.float32
+    batch: ForwardBatch, block_size: int, dtype: torch.dtype = torch.float32,
+    decode_blocks: int | None = None,
 ) -> AttentionPlan:
-    """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks."""
+    """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks;
+    decode steps attend over `decode_blocks` blocks of their tables (masked past each
+    context), by default as many as the longest context fills."""
     tables = _padded_tables(batch, block_size)
     lengths = [len(tokens) for tokens in batch.token_ids]
     begins = list(accumulate(lengths, initial=0))
@@ -81,7 +105,7 @@ def plan_attention(
         slots=slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0],
         last_rows=ends - 1,
         decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size,
-                            dtype),
+                            dtype, decode_blocks),
         prefills=prefills,
     )
 
@@ -101,12 +125,13 @@ def _padded_tables(batch: ForwardBatch, block_size: int) -> torch.Tensor:
 
 def _plan_decode(
     tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, num_blocks: int | None,
 ) -> DecodePlan | None:
     if len(tables) == 0:
         return None
     context = starts + 1
-    num_blocks = blocks_needed(int(context.max()), block_size)
+    num_blocks = num_blocks or blocks_needed(int(context.max()), block_size)
+    assert num_blocks <= tables.shape[1]
     keys = torch.arange(num_blocks * block_size)
     visible = (keys[None, :] < context[:, None])[:, None, None, :]
     # Additive and built once per step: SDPA would convert a boolean mask in every layer.

@@ -119,8 +119,9 @@ class LlamaModel:
         self.quant_rows = quant_rows
         self.lm_head = replace(self.lm_head, quant_rows=quant_rows)
         self.layers = [layer.with_quant_rows(quant_rows) for layer in self.layers]
-        self.rope = RotaryEmbedding(spec, self.dtype)
-        self.workspace = Workspace()
+        self.device = self.embed.device
+        self.rope = RotaryEmbedding(spec, self.dtype, self.device)
+        self.workspace = Workspace(self.device)
 
     @torch.inference_mode()
     def forward(
@@ -136,7 +137,14 @@ class LlamaModel:
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
         plan = plan_attention(batch, cache.block_size, cache.dtype)
-        self._check_inputs(plan)
+        self.check_inputs(plan)
+        return self.run(plan.to(cache.device), cache, layer_hook)
+
+    @torch.inference_mode()
+    def run(self, plan: AttentionPlan, cache: PagedKVCache,
+            layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """`forward` of a planned batch, its tensors on the model's device: the part a CUDA
+        graph captures (engine.model.graphs)."""
         step = _Step(plan, *self.rope.lookup(plan.positions), cache, layer_hook)
         x = F.embedding(plan.token_ids, self.embed)
         for index, layer in enumerate(self.layers):
@@ -148,7 +156,8 @@ class LlamaModel:
         """Every weight matrix (timing a few layers, warm in cache, favours the dense ones)."""
         return [self.lm_head, *(matrices for layer in self.layers for matrices in layer.matrices())]
 
-    def _check_inputs(self, plan: AttentionPlan) -> None:
+    def check_inputs(self, plan: AttentionPlan) -> None:
+        """Refuse positions past the model's and token ids outside its vocabulary."""
         if int(plan.positions.max()) >= self.spec.max_position_embeddings:
             raise ValueError(f"positions exceed {self.spec.max_position_embeddings}")
         if not 0 <= int(plan.token_ids.min()) <= int(plan.token_ids.max()) < self.spec.vocab_size:

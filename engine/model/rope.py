@@ -43,12 +43,13 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables for every position up to max_position_embeddings."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         positions = torch.arange(spec.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inverse_frequencies(spec)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[N, 1, head_dim]` of token `positions` `[N]`, broadcastable over heads."""

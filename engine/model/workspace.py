@@ -12,7 +12,12 @@ import torch
 
 
 class Workspace:
-    def __init__(self) -> None:
+    """Buffers kept on the CPU; on a GPU each `take` is a fresh tensor, since its caching
+    allocator already reuses memory and a tensor kept here could be freed under a captured
+    CUDA graph that still writes it."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -20,6 +25,8 @@ class Workspace:
 
         Its contents are whatever the last user left: callers overwrite it completely.
         """
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
         numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:

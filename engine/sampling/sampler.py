@@ -34,9 +34,10 @@ class Draw:
     top: list[TopLogprob] = field(default_factory=list)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded with `seed`, or from fresh entropy when None."""
-    generator = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` (where the logits it samples are) seeded with `seed`, or from
+    fresh entropy when None."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
@@ -66,8 +67,20 @@ def draw(
     model's own numbers."""
     rows = histories if histories is not None else [NO_HISTORY] * len(params)
     assert logits.dim() == 2 and len(params) == len(generators) == len(rows) == logits.shape[0]
-    return [_draw_row(logits[row].float(), p, generators[row], rows[row])
+    # Plain greedy rows take one argmax together: on a GPU, one copy to the host, not one each.
+    plain = [_plain_greedy(p, history) for p, history in zip(params, rows, strict=True)]
+    argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
+    return [Draw(argmax[row]) if plain[row]
+            else _draw_row(logits[row].float(), p, generators[row], rows[row])
             for row, p in enumerate(params)]
+
+
+def _plain_greedy(params: Sampling, history: History) -> bool:
+    """Whether the row's draw is the argmax of its logits as they are."""
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1
+            and not params.frequency_penalty and not params.presence_penalty
+            and params.allowed_token_ids is None and not params.bad_words
+            and history.allowed is None and not history.banned)
 
 
 def _draw_row(
@@ -98,12 +111,11 @@ def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torc
     request's allowed and bad tokens, the grammar's mask and the ban; the same tensor when
     none applies. Ids outside the vocabulary are skipped. The request's restrictions yield
     when, with the grammar's, they would leave no token."""
-    vocab = logits.shape[0]
     if params.repetition_penalty != 1:
-        seen = _ids(history.tokens, vocab).unique()
+        seen = _ids(history.tokens, logits).unique()
         logits = _repetition(logits, seen, params.repetition_penalty)
     if params.frequency_penalty or params.presence_penalty:
-        output = _ids(history.tokens[history.output_start:], vocab)
+        output = _ids(history.tokens[history.output_start:], logits)
         logits = _frequency_presence(logits, output, params)
     restricted = _restricted(logits, params, history)
     masked = _grammar_masked(restricted, history)
@@ -115,19 +127,19 @@ def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torc
 def _grammar_masked(logits: torch.Tensor, history: History) -> torch.Tensor:
     if history.allowed is None:
         return logits
-    return logits.masked_fill(~history.allowed, float("-inf"))
+    return logits.masked_fill(~history.allowed.to(logits.device), float("-inf"))
 
 
 def _restricted(logits: torch.Tensor, params: Sampling, history: History) -> torch.Tensor:
     """Only allowed_token_ids may be drawn; nor a bad word's last token after the rest."""
     vocab = logits.shape[0]
     if params.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool)
-        keep[_ids(params.allowed_token_ids, vocab)] = True
+        keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        keep[_ids(params.allowed_token_ids, logits)] = True
         logits = logits.masked_fill(~keep, float("-inf"))
     bad = _bad_word_ends(params.bad_words, history)
     if bad:
-        logits = logits.index_fill(0, _ids(bad, vocab), float("-inf"))
+        logits = logits.index_fill(0, _ids(bad, logits), float("-inf"))
     return logits
 
 
@@ -148,15 +160,16 @@ def _banned(logits: torch.Tensor, history: History) -> torch.Tensor:
     must end, min_tokens or not."""
     if not history.banned:
         return logits
-    banned = logits.index_fill(0, _ids(history.banned, logits.shape[0]), float("-inf"))
+    banned = logits.index_fill(0, _ids(history.banned, logits), float("-inf"))
     if history.allowed is not None and not bool(banned.isfinite().any()):
         return logits
     return banned
 
 
-def _ids(tokens: Sequence[int], vocab: int) -> torch.Tensor:
+def _ids(tokens: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    """The ids among `tokens` inside the vocabulary of `logits` `[V]`, on its device."""
     ids = torch.as_tensor(tokens, dtype=torch.long)
-    return ids[(ids >= 0) & (ids < vocab)]
+    return ids[(ids >= 0) & (ids < logits.shape[0])].to(logits.device)
 
 
 def _repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

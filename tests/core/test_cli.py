@@ -36,7 +36,7 @@ def test_a_flag_takes_its_type_and_help_from_the_field() -> None:
 
 def test_a_flag_of_a_choice_lists_it() -> None:
     parser, _ = parsed([])
-    assert "{" + ",".join(KV_BACKENDS) + "}" in parser.format_help()
+    assert "{" + ",".join(("auto", *KV_BACKENDS)) + "}" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-backend", "rdma"])
 

@@ -265,7 +265,8 @@ COUNT = 6
 
 
 def start_sender(address: str, ending: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.Popen(
         [sys.executable, __file__, address, str(COUNT), ending], cwd=ROOT, env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
