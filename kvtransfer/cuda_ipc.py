@@ -4,8 +4,9 @@ The sender owns one device staging buffer (cudaMalloc'd by cupy, outside every m
 exports its IPC handle once and names it in every header; it copies each chunk into a region of
 it device to device. The receiver opens the handle once per sender, copies the chunk out device
 to device, verifies it and releases the region. Handles are closed when the receiver closes,
-when its cache of open handles evicts one, or once the sending process is gone; the sender
-frees its buffer on `close`, after waiting briefly for its receivers to release what they hold.
+when its cache of open handles evicts one, once the sending process is gone or once no chunk
+has named it for two minutes (a PID proves nothing from another PID namespace); the sender frees
+its buffer on `close`, once its receivers have released every region or the lease ran out.
 
 Checksums are computed on the device (hashing on the host would need a host copy): a sum modulo
 2**64 of splitmix64((index << 16) | word) over the little-endian 16-bit words of K's bytes then
@@ -43,7 +44,6 @@ from kvtransfer.wire import DTYPES, KVHeader, Placement, nbytes_of
 log = logging.getLogger(__name__)
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-_CLOSE_GRACE_S = 1.0  # how long a closing sender waits for its regions to be released
 _MASK = 2**64 - 1
 _THREADS = 256  # the kernel's block size (its shared array is this long)
 _MAX_BLOCKS = 1024
@@ -100,7 +100,7 @@ def cuda_problem() -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available on this worker"
     if _import_cupy() is None:
-        return "cupy is not installed on this worker (the `cuda` extra: cupy-cuda12x)"
+        return "cupy is not installed on this worker (the `cuda` extra: cupy-cuda13x)"
     return None
 
 
@@ -187,11 +187,11 @@ class CudaIpcKVSender(StagedKVSender):
         return device_checksum([(start, k.nbytes + v.nbytes)], stream, self.device)
 
     def close(self) -> None:
-        """Close the sockets and free the buffer, after waiting briefly for regions in use."""
-        deadline = time.monotonic() + _CLOSE_GRACE_S
-        while self.ring.in_use and self.sockets and time.monotonic() < deadline:
-            self._take_releases()
-            time.sleep(0.005)
+        """Close the sockets and free the buffer once every staged region is released, or its
+        lease has run out (a receiver that never releases is gone or stuck)."""
+        deadline = time.monotonic() + self.ring.lease_s
+        while self.sockets and self.staged and time.monotonic() < deadline:
+            time.sleep(0.005)  # `staged` takes the receivers' releases
         super().close()
         _EXPORTED.pop(self.segment, None)
         self.memory = None  # cudaFree

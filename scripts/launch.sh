@@ -11,7 +11,9 @@
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
 # More workers than a pool has CPUs share them (a warning says how many); the gateway then packs
 # work onto as few as the CPUs run at once (docs/scheduling.md, "Workers sharing CPUs").
-# --kv-backend picks how prefill hands KV to decode: shm (default, one host), zmq, cuda_ipc.
+# --kv-backend picks how prefill hands KV to decode: auto (default: cuda_ipc from a worker on a
+# GPU, else shm), shm (one host), zmq, cuda_ipc. On a host with several GPUs, workers spread
+# over them round robin, prefill first (unless --set model.device=... says where).
 # Internal sockets are authenticated and encrypted (CURVE) with keys made fresh in <run>/curve.
 # --api-key / --api-key-file go to the gateway only; with neither (nor auth: in the config)
 # the API is open. Prefer the file: other users can read command lines with ps.
@@ -105,6 +107,18 @@ its prompts to the busiest worker with room (gateway.prefill_routing)"
 warn_shared decode "$DECODE" DECODE_POOL "the gateway packs new sequences onto one worker per \
 CPU, filling its batch before the next on that CPU gets any (gateway.decode_routing)"
 
+GPUS=0  # GPUs to spread workers over: those CUDA_VISIBLE_DEVICES names, else nvidia-smi lists
+if [[ " ${SETTINGS[*]} " != *" model.device="* ]]; then
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    IFS=, read -ra VISIBLE <<<"$CUDA_VISIBLE_DEVICES"; GPUS=${#VISIBLE[@]}
+  else
+    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  fi
+fi
+device_args() {  # device_args INDEX: where worker INDEX (over both pools) runs, if GPUs are many
+  if [[ $GPUS -gt 1 ]]; then echo "--set model.device=cuda:$(( $1 % GPUS ))"; fi
+}
+
 PIDS=()
 stop_all() {
   local rc="${1:-$?}"
@@ -136,10 +150,12 @@ start() {  # start NAME ARGS...: one process, logged to its own file
 start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
   --expect-prefill "$PREFILL" --expect-decode "$DECODE" "${GATEWAY_AUTH[@]}"
 for i in $(seq 0 $((PREFILL - 1))); do
-  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i" "$PREFILL")
+  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i" "$PREFILL") \
+    $(device_args "$i")
 done
 for i in $(seq 0 $((DECODE - 1))); do
-  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i" "$DECODE")
+  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i" "$DECODE") \
+    $(device_args "$((PREFILL + i))")
 done
 
 URL="http://$HOST:$PORT"

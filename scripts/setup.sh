@@ -37,7 +37,8 @@ fi
 case "$setup_kind" in
   cpu|cuda) setup_variant="$setup_kind" ;;
   system|none)
-    setup_base="$(command -v "$setup_base")" || { echo "[setup] no python $setup_base" >&2; false; }
+    setup_found="$(command -v "$setup_base")" || { echo "[setup] no python $setup_base" >&2; false; }
+    setup_base="$setup_found"
     setup_variant="$setup_kind:$setup_base" ;;
   *) echo "[setup] RAGING_INSTALL=$setup_kind: one of auto, cpu, cuda, system, none" >&2; false ;;
 esac
