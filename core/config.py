@@ -154,6 +154,7 @@ class PoolConfig:
     threads: int = setting(0, "torch intra-op threads; 0: one per CPU the worker may run on "
                               "(those it is pinned to)")
     cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
+    prefix_caching: bool = setting(True, "keep full KV blocks for later prompts to reuse")
     heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
     gpu_memory_fraction: float = setting(0.0, "on a GPU, the share of its memory each worker "
                                               "may take (workers sharing one GPU); 0: no cap")
@@ -174,7 +175,6 @@ class PrefillConfig(PoolConfig):
                                           "step at most")
     chunk_tokens: int = setting(256, "a prompt longer than a step is prefilled in chunks of "
                                      "at most this much, others between")
-    prefix_caching: bool = setting(True, "keep full KV blocks for later prompts to reuse")
 
 
 @dataclass(frozen=True)

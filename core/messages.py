@@ -303,6 +303,7 @@ class TokenEvent(Keyed):
     # The stages the sender measured that ended with this token (its first token's or its
     # first decode step's), once per epoch; empty on every other token.
     stages: list[StageTime] = field(default_factory=list)
+    cached_tokens: int = 0  # on a first token drawn by decode: prompt tokens it found cached
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ sequence's recompute. A step's chunks share one budget, costed as the prefill wo
 never holds the running sequences' next tokens back by more than one chunk's time; they go
 earliest deadline first (see prefill/scheduler.py), so a short prompt does not wait for a long
 one to finish.
+
+With prefix caching, a sequence that leaves (finished, aborted or preempted) leaves the full
+blocks of its computed KV, prompt and generated tokens alike, in the worker's `PrefixCache`;
+a sequence computed here (a prompt prefilled here, a preempted one's recompute) starts from the
+longest cached prefix of its tokens. Idle cached blocks are evicted when live sequences need
+room, before any of them is preempted.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import TYPE_CHECKING
 from core.messages import DecodeRequest, RequestKey
 from core.timeline import Timeline
 from engine.kv.allocator import BlockAllocator, blocks_needed
+from engine.kv.block_hash import block_hashes
+from engine.kv.prefix_cache import PrefixCache
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 
 if TYPE_CHECKING:
@@ -35,6 +43,7 @@ class DecodeSequence:
     generator: torch.Generator | None = None  # this request's own random stream
     received_kv: list[ReceivedKV] | None = None  # as received, written in at admission
     num_cached: int = 0
+    num_reused: int = 0  # of its prompt's tokens, those found in the prefix cache
     num_scheduled: int = 0  # tokens this step feeds, from num_cached on
     blocks: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # its grammar's state, when it asked for one
@@ -48,9 +57,12 @@ class DecodeSequence:
 
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
-                 chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY) -> None:
+                 chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY,
+                 prefix_caching: bool = False) -> None:
         assert chunk_tokens > 0
         self.allocator = allocator
+        self.cache = PrefixCache(allocator)
+        self.prefix_caching = prefix_caching
         self.block_size = block_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
@@ -77,10 +89,10 @@ class DecodeScheduler:
         admitted: list[DecodeSequence] = []
         while self.waiting and len(self.running) < self.max_running:
             sequence = self.waiting[0]
-            if not self.allocator.can_allocate(self._need(sequence)):
+            if not self._can_allocate(self._need(sequence)):
                 break
             self.waiting.popleft()
-            sequence.blocks = self.allocator.allocate(self._need(sequence))
+            self._allocate(sequence)
             self.running.append(sequence)
             admitted.append(sequence)
         return admitted, list(self.running)
@@ -118,12 +130,12 @@ class DecodeScheduler:
         assert parent in self.running and child.num_cached <= parent.num_cached
         shared = child.num_cached // self.block_size
         fresh = self._need(child) - shared
-        if len(self.running) >= self.max_running or not self.allocator.can_allocate(fresh):
+        if len(self.running) >= self.max_running or not self._can_allocate(fresh):
             child.num_cached = 0
             self.waiting.append(child)
             return None
         self.allocator.incref(parent.blocks[:shared])
-        child.blocks = parent.blocks[:shared] + self.allocator.allocate(fresh)
+        child.blocks = parent.blocks[:shared] + self.cache.allocate(fresh)
         self.running.append(child)
         if child.num_cached % self.block_size == 0:
             return None
@@ -146,13 +158,13 @@ class DecodeScheduler:
             if sequence not in self.running:
                 continue  # preempted earlier in this loop: it must not preempt others
             extra = self._need(sequence) - len(sequence.blocks)
-            while extra > 0 and not self.allocator.can_allocate(extra):
+            while extra > 0 and not self._can_allocate(extra):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is sequence:
                     break
             if extra > 0 and sequence in self.running:
-                sequence.blocks += self.allocator.allocate(extra)
+                sequence.blocks += self.cache.allocate(extra)
 
     def _preempt(self, sequence: DecodeSequence) -> None:
         self.running.remove(sequence)
@@ -161,8 +173,33 @@ class DecodeScheduler:
         self.waiting.appendleft(sequence)
         self.preemptions += 1
 
+    def _can_allocate(self, n: int) -> bool:
+        """Whether `n` blocks are free, or can be once idle cached blocks are evicted."""
+        return self.allocator.can_allocate(n) or 0 <= n <= self.cache.num_available
+
+    def _allocate(self, sequence: DecodeSequence) -> None:
+        """Its blocks: for one to be computed here, its longest cached prefix (short of its
+        last token, which a step must feed) first."""
+        reused: list[int] = []
+        if self.prefix_caching and sequence.received_kv is None and sequence.num_cached == 0:
+            tokens = sequence.tokens
+            chain = self._chain(sequence, len(tokens) - 1)
+            reused = self.cache.match(chain)
+            sequence.num_cached = len(reused) * self.block_size
+            if sequence.num_generated == 0:
+                sequence.num_reused = sequence.num_cached
+        sequence.blocks = reused + self.cache.allocate(self._need(sequence) - len(reused))
+
+    def _chain(self, sequence: DecodeSequence, num_tokens: int) -> list[bytes]:
+        """The block hashes of the full blocks of its first `num_tokens` tokens."""
+        salt = sequence.request.task.cache_salt
+        return block_hashes(sequence.tokens[:num_tokens], self.block_size, salt)
+
     def _release(self, sequence: DecodeSequence) -> None:
+        """Free its blocks, leaving those of its computed KV in the prefix cache."""
         if sequence.blocks:
-            self.allocator.free(sequence.blocks)
+            if self.prefix_caching and sequence.received_kv is None:
+                self.cache.insert(self._chain(sequence, sequence.num_cached), sequence.blocks)
+            self.cache.release(sequence.blocks)
         sequence.blocks = []
         sequence.received_kv = None

@@ -56,7 +56,7 @@ class DecodeWorker(Worker):
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running, config.decode.chunk_tokens,
-                                         ChunkCost.of(runner.spec))
+                                         ChunkCost.of(runner.spec), config.decode.prefix_caching)
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
@@ -168,8 +168,9 @@ class DecodeWorker(Worker):
             self.scheduler.remove(sequence)
             self.phases.end(sequence.key, time.monotonic())
             self._trace_end(sequence, reason)
+        cached = sequence.num_reused if sequence.num_generated == 1 else 0
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
-                          token.logprob, token.top, stages)
+                          token.logprob, token.top, stages, cached)
 
     def _stages_done(self, sequence: DecodeSequence) -> list[StageTime]:
         """The stages the token just drawn ends: its prompt's, when prefilled here (token 0);
@@ -381,7 +382,7 @@ class DecodeWorker(Worker):
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id,
             queued_tokens=self.scheduler.prompt_tokens_pending,
-            free_blocks=self.runner.allocator.num_free, running=len(self.scheduler.running),
+            free_blocks=self.scheduler.cache.num_available, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
             transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],
             dropped_chunks=[DropCount(reason, n) for reason, n in sorted(dropped.items())],

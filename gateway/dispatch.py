@@ -182,9 +182,11 @@ class Dispatcher:
     def on_message(self, worker_id: str, message: Message) -> None:
         if isinstance(message, TokenBatch):
             for event in message.events:
+                if event.index == 0:
+                    self._note_cached(event.request_id, event.epoch, event.cached_tokens)
                 self._on_token(worker_id, event)
         elif isinstance(message, FirstToken):
-            self._note_cached(message)
+            self._note_cached(message.request_id, message.epoch, message.cached_tokens)
             self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
                                                  message.token_id, message.finish_reason,
                                                  message.logprob, message.top, message.stages))
@@ -204,12 +206,13 @@ class Dispatcher:
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
 
-    def _note_cached(self, first: FirstToken) -> None:
-        """The prompt tokens the prefill worker found cached, as the client's usage reports
-        them: from the first epoch that reaches the client (a resumed one's prompt is longer)."""
-        handle = self.requests.get(first.request_id)
-        if handle is not None and handle.epoch == first.epoch and not handle.output.delivered:
-            handle.cached_tokens = min(first.cached_tokens, len(handle.task.prompt_ids))
+    def _note_cached(self, request_id: str, epoch: int, cached_tokens: int) -> None:
+        """The prompt tokens the worker that prefilled found cached, as the client's usage
+        reports them: from the first epoch that reaches the client (a resumed one's prompt is
+        longer)."""
+        handle = self.requests.get(request_id)
+        if handle is not None and handle.epoch == epoch and not handle.output.delivered:
+            handle.cached_tokens = min(cached_tokens, len(handle.task.prompt_ids))
 
     def _on_register(self, worker_id: str, message: Register) -> None:
         if worker_id != message.worker_id:

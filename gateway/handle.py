@@ -108,7 +108,7 @@ class RequestHandle(Keyed):
     retries: Retries = field(default_factory=Retries)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     done: bool = False
-    cached_tokens: int = 0  # prompt tokens the prefill worker had cached (the client's usage)
+    cached_tokens: int = 0  # prompt tokens found cached where it prefilled (the client's usage)
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
     timing: RequestTiming = field(default_factory=RequestTiming)
     traceparent: str = ""  # its gateway span's, for the workers' spans; "": not traced

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole server on one host: 1 gateway + N prefill + M decode workers.
 #   scripts/launch.sh --prefill 2 --decode 6 [--host H] [--port P] [--config FILE] [--model M]
-#                     [--prefill-cpus 0] [--decode-cpus 1-3] [--no-pin] [--kv-backend shm]
+#                     [--prefill-cpus 0] [--decode-cpus 1-3] [--pin|--no-pin] [--kv-backend shm]
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
 #                     [--otlp-endpoint URL] [--log-format text|json]
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
@@ -9,8 +9,11 @@
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
-# More workers than a pool has CPUs share them (a warning says how many); the gateway then packs
-# work onto as few as the CPUs run at once (docs/scheduling.md, "Workers sharing CPUs").
+# More workers than the host has CPUs (--prefill 2 --decode 6 on two cores) are not pinned
+# unless --pin or --prefill-cpus/--decode-cpus says so: every worker runs on every CPU, its
+# OpenMP threads sleep between parallel regions, and the gateway packs each pool's work onto as
+# few workers as the CPUs run at once (docs/scheduling.md, "Workers sharing CPUs"). Pinned
+# workers beyond a pool's CPUs share them (a warning says how many), packed the same way.
 # --kv-backend picks how prefill hands KV to decode: auto (default: cuda_ipc from a worker on a
 # GPU, else shm), shm (one host), zmq, cuda_ipc. On a host with several GPUs, workers spread
 # over them round robin, prefill first (unless --set model.device=... says where).
@@ -24,7 +27,7 @@ if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) ))
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
-RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=1 KV_BACKEND="" LOG_FORMAT=""
+RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=auto KV_BACKEND="" LOG_FORMAT=""
 GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP=""
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
@@ -41,6 +44,7 @@ while [[ $# -gt 0 ]]; do
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --prefill-cpus) PREFILL_CPUS="$2"; shift 2 ;;
     --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
+    --pin) PIN=1; shift ;;
     --no-pin) PIN=0; shift ;;
     --kv-backend) KV_BACKEND="$2"; shift 2 ;;
     --otlp-endpoint) OTLP="$2"; shift 2 ;;
@@ -83,6 +87,20 @@ HALF=$(( ${#CPUS[@]} / 2 > 0 ? ${#CPUS[@]} / 2 : 1 ))
 PREFILL_POOL=($(expand_cpus "${PREFILL_CPUS:-$(echo "${CPUS[@]:0:$HALF}" | tr ' ' ,)}"))
 DECODE_POOL=($(expand_cpus "${DECODE_CPUS:-$(echo "${CPUS[@]:$HALF}" | tr ' ' ,)}"))
 [[ ${#DECODE_POOL[@]} -gt 0 ]] || DECODE_POOL=("${PREFILL_POOL[@]}")
+WORKERS=$(( PREFILL + DECODE ))
+if [[ $PIN == auto ]]; then  # pinned, unless the workers outnumber the CPUs and none were named
+  PIN=1
+  if [[ $COLOCATED == 0 && -z "$PREFILL_CPUS$DECODE_CPUS" && $WORKERS -gt ${#CPUS[@]} ]]; then
+    PIN=0
+    echo "[launch] $WORKERS workers on ${#CPUS[@]} CPUs: each runs on all of them, its threads" \
+      "sleeping between parallel regions, and the gateway packs each pool's work onto as few" \
+      "workers as the CPUs run at once (--pin keeps prefill and decode on CPUs of their own)" >&2
+  fi
+fi
+# Spinning threads of workers that share CPUs take them from the one with work (core/threads.py)
+WAIT_POLICY=ACTIVE
+[[ $PIN == 1 || $WORKERS -le ${#CPUS[@]} ]] || WAIT_POLICY=PASSIVE
+WAIT_POLICY="${OMP_WAIT_POLICY:-$WAIT_POLICY}"
 pin_args() {  # pin_args POOL_NAME INDEX COUNT: the --cpus flag for worker INDEX of COUNT
   [[ $PIN == 1 ]] || return 0
   local -n pool="$1"
@@ -142,7 +160,7 @@ trap stop_all EXIT
 
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
-  (cd "$ROOT" && exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
+  (cd "$ROOT" && OMP_WAIT_POLICY="$WAIT_POLICY" exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
   echo "$! $name" >> "$RUN_DIR/pids"
 }

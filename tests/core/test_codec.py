@@ -281,7 +281,7 @@ def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
 @pytest.mark.parametrize("events", [
     None, "events", [None],
     [["r", 0, 7, None]],  # the old shape, without an index
-    [["r", 0, 1, 7, None, None, [], [], 5]],  # a field too many
+    [["r", 0, 1, 7, None, None, [], [], 5, 6]],  # a field too many
     [["r", 0, "1", 7, None]],  # str where the index is
     [["r", 0, 1.0, 7, None]],  # float where the index is
     [["r", 0, None, 7, None]],  # no index
@@ -351,13 +351,13 @@ def test_a_codec_with_its_own_types() -> None:
 
 
 def test_a_token_batch_as_decode_sends_it_decodes() -> None:
-    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, [], []],
-                                    ["r", 0, 2, 8, "stop", -0.5, [[8, -0.5]],
-                                     [["first_decode", 0.25]]]])
+    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, [], [], 0],
+                                    ["r", 0, 0, 8, "stop", -0.5, [[8, -0.5]],
+                                     [["first_decode", 0.25]], 16]])
     assert decode(data) == TokenBatch([TokenEvent("r", 0, 1, 7, None),
-                                       TokenEvent("r", 0, 2, 8, "stop", -0.5,
+                                       TokenEvent("r", 0, 0, 8, "stop", -0.5,
                                                   [TopLogprob(8, -0.5)],
-                                                  [StageTime("first_decode", 0.25)])])
+                                                  [StageTime("first_decode", 0.25)], 16)])
 
 
 def test_leave_and_register_again_are_typed() -> None:

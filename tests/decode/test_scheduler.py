@@ -380,3 +380,83 @@ def test_a_chunk_deeper_than_the_whole_budget_still_gets_one_token() -> None:
     _, batch = scheduler.schedule()
     long.num_cached = 900  # one token here costs 91
     assert scheduler.chunk(batch) == [long] and long.num_scheduled == 1
+
+
+def prompt_here(request_id: str, prompt: list[int], salt: str = "") -> DecodeSequence:
+    """A prompt this worker prefills itself: nothing computed, no first token yet."""
+    task = GenerationTask(prompt, Sampling(), 8, [], False, cache_salt=salt)
+    return DecodeSequence(DecodeRequest(request_id, 0, task, "fp"), tokens=list(prompt),
+                          num_generated=0)
+
+
+def caching(num_blocks: int) -> tuple[DecodeScheduler, BlockAllocator]:
+    allocator = BlockAllocator(num_blocks)
+    return DecodeScheduler(allocator, BLOCK, 8, prefix_caching=True), allocator
+
+
+def computed_and_gone(scheduler: DecodeScheduler, seq: DecodeSequence) -> None:
+    """Admit it, compute every token, and let it finish."""
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_cached = len(seq.tokens)
+    scheduler.remove(seq)
+
+
+def test_a_prompt_computed_here_starts_from_the_full_blocks_one_that_left_computed() -> None:
+    scheduler, allocator = caching(10)
+    first = prompt_here("a", list(range(10)))
+    computed_and_gone(scheduler, first)
+    assert allocator.num_free == 8 and scheduler.cache.num_available == 10  # 2 full blocks kept
+    second = prompt_here("b", [*range(9), 99, 98, 97])
+    scheduler.add(second)
+    admitted, _ = scheduler.schedule()
+    assert admitted == [second]
+    assert second.num_cached == second.num_reused == 8  # the two full blocks 0-7
+    assert len(second.blocks) == 3
+    assert [allocator.ref_count(b) for b in second.blocks] == [2, 2, 1]
+    scheduler.chunk([second])
+    assert second.num_scheduled == 4  # only the rest is computed
+
+
+def test_a_cached_prompt_still_computes_its_last_token() -> None:
+    scheduler, _ = caching(10)
+    computed_and_gone(scheduler, prompt_here("a", list(range(8))))
+    again = prompt_here("b", list(range(8)))
+    scheduler.add(again)
+    scheduler.schedule()
+    assert again.num_cached == 4  # block 1 holds the last token, which the step must feed
+
+
+def test_tenants_never_reuse_each_others_blocks() -> None:
+    scheduler, _ = caching(10)
+    computed_and_gone(scheduler, prompt_here("a", list(range(10)), salt="alice"))
+    other = prompt_here("b", list(range(10)), salt="bob")
+    scheduler.add(other)
+    scheduler.schedule()
+    assert other.num_cached == other.num_reused == 0
+
+
+def test_idle_cached_blocks_give_way_to_a_sequence_that_needs_room() -> None:
+    scheduler, allocator = caching(4)
+    computed_and_gone(scheduler, prompt_here("a", list(range(8))))
+    assert allocator.num_free == 2
+    big = prompt_here("b", list(range(100, 116)))  # four blocks, none cached
+    scheduler.add(big)
+    admitted, _ = scheduler.schedule()
+    assert admitted == [big] and len(big.blocks) == 4 and big.num_cached == 0
+    assert scheduler.cache.evictions == 2 and allocator.num_free == 0
+
+
+def test_a_received_sequence_leaves_its_prompt_and_generated_blocks() -> None:
+    scheduler, allocator = caching(10)
+    seq = sequence("a", 9)  # 8 prompt tokens + the first token, KV of the 8 received
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.received_kv = None  # written, as the loop does at admission
+    step([seq], token=5)  # 10 tokens, 9 computed
+    scheduler.remove(seq)
+    assert allocator.num_free == 8  # blocks 0-1 (tokens 0-7) cached; the partial one freed
+    follow_up = prompt_here("b", [*seq.tokens, 11, 12])
+    scheduler.add(follow_up)
+    scheduler.schedule()
+    assert follow_up.num_cached == 8

@@ -48,12 +48,14 @@ Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing 
 
 
 @contextmanager
-def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512) -> Iterator[Served]:
+def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512,
+            prefix_caching: bool = True) -> Iterator[Served]:
     """A decode worker on the tiny model, and the ROUTER standing in for its gateway."""
     control = f"ipc://{folder}/control.sock"
     config: Config = load_config(None, {"gateway.control_address": control,
                                         "decode.kv_bind": f"ipc://{folder}/kv.sock",
-                                        "decode.chunk_tokens": str(chunk_tokens)})
+                                        "decode.chunk_tokens": str(chunk_tokens),
+                                        "decode.prefix_caching": str(prefix_caching).lower()})
     gateway: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
@@ -168,14 +170,14 @@ def test_a_request_joins_the_running_batch_at_the_next_step(worker) -> None:
 
 def test_a_finished_sequence_leaves_the_batch_in_the_same_step(worker) -> None:
     decode_worker, gateway = worker
-    free = decode_worker.runner.allocator.num_free
+    free = decode_worker.scheduler.cache.num_available
     arrive(decode_worker, "long", max_tokens=100)
     arrive(decode_worker, "short", max_tokens=2)  # the first token came from prefill
     assert events_of_next_step(decode_worker, gateway) == {"long": None, "short": "length"}
     assert [s.key[0] for s in decode_worker.scheduler.running] == ["long"]
     assert events_of_next_step(decode_worker, gateway) == {"long": None}
     held = len(decode_worker.scheduler.running[0].blocks)
-    assert decode_worker.runner.allocator.num_free == free - held
+    assert decode_worker.scheduler.cache.num_available == free - held
 
 
 def test_the_kv_written_into_the_cache_is_the_kv_received(worker: Served) -> None:
@@ -371,11 +373,11 @@ def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker)
     decode_worker, gateway = worker
     arrive(decode_worker, "r", max_tokens=100)
     assert events_of_next_step(decode_worker, gateway) == {"r": None}
-    free = decode_worker.runner.allocator.num_free
+    free = decode_worker.scheduler.cache.num_available
     arrive(decode_worker, "r", max_tokens=100)  # the same request and epoch, handed off again
     assert events_of_next_step(decode_worker, gateway) == {"r": None}
     assert len(decode_worker.scheduler.running) == 1 and not decode_worker.scheduler.waiting
-    assert decode_worker.runner.allocator.num_free == free
+    assert decode_worker.scheduler.cache.num_available == free
     assert decode_worker.incoming.dropped["duplicate request"] == 1
 
 
@@ -470,7 +472,7 @@ def test_a_prompt_prefilled_here_in_chunks_matches_one_pass(tiny_model_dir, tmp_
         with serving(tiny_model_dir, tmp_path / str(chunk_tokens), chunk_tokens) as (w, g):
             prefill_here(w, "r", prompt, max_tokens=12)
             outputs.append(output_of(w, g, "r"))
-            assert w.runner.allocator.num_free == 256 and not admitted(w)
+            assert w.scheduler.cache.num_available == 256 and not admitted(w)
     assert len(outputs[0]) == 12 and outputs[0] == outputs[1]
 
 
@@ -492,7 +494,7 @@ def test_an_abort_between_chunks_frees_the_prompt_blocks(tiny_model_dir, tmp_pat
         prefill_here(w, "long", list(range(5, 69)), max_tokens=4)
         assert w.step() and w.scheduler.running[0].num_cached == 16
         w.handle(Abort("long", 0))
-        assert not admitted(w) and w.runner.allocator.num_free == 256
+        assert not admitted(w) and w.scheduler.cache.num_available == 256
         assert not w.step()
         prefill_here(w, "long", list(range(5, 69)), max_tokens=4)  # a late repeat: stays dead
         w.handle(Abort("early", 0))  # an abort that beats its request
@@ -514,7 +516,7 @@ def test_n_choices_prefilled_here_fork_the_prompt_and_sample_apart(tiny_model_di
         assert len({b[2] for b in blocks}) == 3  # the partial block: copied
         assert [w.runner.allocator.ref_count(b) for b in blocks[0][:3]] == [3, 3, 1]
         choices = outputs_of(w, gateway, ["r", "r.1", "r.2"])
-        assert w.runner.allocator.num_free == 256 and not w.phases.forks
+        assert w.scheduler.cache.num_available == 256 and not w.phases.forks
         alone = []
         for i in range(3):
             prefill_here(w, f"alone{i}", prompt, 10, seeded.for_choice(i))
@@ -543,7 +545,7 @@ def test_n_choices_arriving_with_kv_fork_it_once_written(worker: Served) -> None
         assert torch.equal(cached_v, v[:, :PROMPT_LEN - 1])
     outputs = outputs_of(decode_worker, gateway, ["r.1", "r.2"])
     assert [len(o) for o in outputs] == [6, 6]
-    assert decode_worker.runner.allocator.num_free == 256
+    assert decode_worker.scheduler.cache.num_available == 256
 
 
 def events_of_steps(worker: DecodeWorker, gateway: zmq.Socket, steps: int) -> list[TokenEvent]:
@@ -592,3 +594,35 @@ def test_it_registers_its_cpus_threads_and_batch_bound(worker: Served) -> None:
     assert register.role == "decode" and register.cpus == sorted(os.sched_getaffinity(0))
     assert register.threads == torch.get_num_threads()
     assert register.max_running == decode_worker.scheduler.max_running == 64
+
+
+def first_events(worker: DecodeWorker, gateway: zmq.Socket) -> dict[str, TokenEvent]:
+    """Step until idle; each request's first token event."""
+    while worker.step():
+        pass
+    return {e.request_id: e for m in sent_to_gateway(worker, gateway)
+            if isinstance(m, TokenBatch) for e in m.events if e.index == 0}
+
+
+def test_prompts_prefilled_here_reuse_the_blocks_of_earlier_prompts_and_answers(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompt = list(range(3, 73))  # 70 tokens: 4 full blocks before its last token
+    (tmp_path / "cold").mkdir()
+    with serving(tiny_model_dir, tmp_path / "cold", prefix_caching=False) as (w, g):
+        prefill_here(w, "a", prompt, 12)
+        first = output_of(w, g, "a")
+        follow_up = [*prompt, *first, 5, 6]  # the answer's KV, and two tokens more
+        prefill_here(w, "c", follow_up, 12)
+        cold = output_of(w, g, "c")
+    (tmp_path / "warm").mkdir()
+    with serving(tiny_model_dir, tmp_path / "warm") as (w, g):
+        prefill_here(w, "a", prompt, 12)
+        assert output_of(w, g, "a") == first
+        prefill_here(w, "b", prompt, 12)
+        prefill_here(w, "c", follow_up, 12)
+        events = first_events(w, g)
+        assert events["b"].cached_tokens == 64  # the last token's block is computed again
+        assert events["c"].cached_tokens == 80  # prompt + 10 answer tokens: 5 full blocks
+        prefill_here(w, "c2", follow_up, 12)
+        assert output_of(w, g, "c2") == cold
+        assert w.scheduler.cache.num_available == 256 and not admitted(w)

@@ -72,9 +72,11 @@ def alive(pid: int) -> bool:
 @contextmanager
 def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
            config: dict[str, Any] | None = None, timeout_s: float = 180,
-           flags: Sequence[str] = (), api_key: str | None = None) -> Iterator[Cluster]:
+           flags: Sequence[str] = (), api_key: str | None = None,
+           cpus: Sequence[int] = ()) -> Iterator[Cluster]:
     """Run scripts/launch.sh (plus extra `flags`) until it reports ready; stop everything it
-    started afterwards. `api_key` is what the cluster's client sends (as Bearer)."""
+    started afterwards. `api_key` is what the cluster's client sends (as Bearer); `cpus`, if
+    any, the only CPUs launch.sh (and so every process it starts) may run on."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config or TEST_CONFIG))
@@ -82,6 +84,8 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
     command = [str(ROOT / "scripts/launch.sh"), "--prefill", str(prefill), "--decode", str(decode),
                "--port", str(port), "--config", str(config_path), "--model", str(model),
                "--run-dir", str(run_dir), *flags]
+    if cpus:
+        command = ["taskset", "-c", ",".join(map(str, cpus)), *command]
     log = (run_dir / "launch.log").open("wb")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:

@@ -1,5 +1,6 @@
-"""More decode workers than CPUs, as launch.sh starts them: a warning says so, the workers
-register the CPU they share, and the gateway packs every sequence onto one of them."""
+"""More workers than CPUs, as launch.sh starts them: pinned where asked (a warning says how
+many share a CPU, and the gateway packs every sequence onto one of them), else every worker on
+every CPU with its threads sleeping between parallel regions."""
 
 from __future__ import annotations
 
@@ -37,3 +38,26 @@ def test_three_decode_workers_on_one_cpu_fill_one_batch(
     launched = (tmp_path / "run" / "launch.log").read_text()
     assert launched.count("[launch] warning: 3 decode workers") == 1
     assert "gateway.decode_routing" in launched and "prefill workers" not in launched
+
+
+def test_workers_outnumbering_the_cpus_share_them_all(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    decode = len(cpus)  # with the prefill worker, one worker more than the CPUs
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=decode,
+                cpus=cpus) as cluster:
+        workers = cluster.client.get("/v1/cluster").json()["workers"]
+        assert sorted(w["id"] for w in workers) == sorted(
+            ["prefill-0", *(f"decode-{i}" for i in range(decode))])
+        assert all(w["cpus"] == cpus for w in workers)
+        for name, pid in cluster.pids().items():
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environment, name
+        body = {"model": cluster.model, "prompt": "Count to 5:", "max_tokens": 8,
+                "ignore_eos": True}
+        replies = [cluster.client.post("/v1/completions", json=body) for _ in range(3)]
+        assert [r.status_code for r in replies] == [200] * 3
+        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
+    launched = (tmp_path / "run" / "launch.log").read_text()
+    shared = f"[launch] {decode + 1} workers on {len(cpus)} CPUs: each runs on all of them"
+    assert shared in launched
+    assert "[launch] warning" not in launched

@@ -1,6 +1,7 @@
 """Tenant isolation of the prefix cache, probed from outside on the real model: a long prompt
 repeated by its tenant is a hit (cached_tokens, and a much shorter TTFT); the same prompt from
-another tenant is a miss on both counts."""
+another tenant is a miss on both counts; disaggregated (the prefill worker's cache) and
+colocated (the decode worker's)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789"}
 PROMPT = [100 + (i * 37) % 5000 for i in range(600)]  # 37 full blocks of 16, and 8 tokens more
 
 
-@pytest.fixture(scope="module")
-def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=[(), ("--colocated", "1")], ids=["p1d1", "colocated"])
+def cluster(request: pytest.FixtureRequest, real_model_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     flags = [arg for tenant, key in KEYS.items() for arg in ("--api-key", f"{key}:{tenant}")]
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir, flags=flags,
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, flags=[*flags, *request.param],
                 api_key=KEYS["alpha"]) as running:
         yield running
 
