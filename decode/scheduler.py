@@ -180,15 +180,14 @@ class DecodeScheduler:
     def _allocate(self, sequence: DecodeSequence) -> None:
         """Its blocks: for one to be computed here, its longest cached prefix (short of its
         last token, which a step must feed) first."""
-        reused: list[int] = []
-        if self.prefix_caching and sequence.received_kv is None and sequence.num_cached == 0:
-            tokens = sequence.tokens
-            chain = self._chain(sequence, len(tokens) - 1)
-            reused = self.cache.match(chain)
-            sequence.num_cached = len(reused) * self.block_size
+        computed_here = sequence.received_kv is None and sequence.num_cached == 0
+        chain = (self._chain(sequence, len(sequence.tokens) - 1)
+                 if self.prefix_caching and computed_here else [])
+        sequence.blocks, reused = self.cache.table(chain, self._need(sequence))
+        if reused:
+            sequence.num_cached = reused * self.block_size
             if sequence.num_generated == 0:
                 sequence.num_reused = sequence.num_cached
-        sequence.blocks = reused + self.cache.allocate(self._need(sequence) - len(reused))
 
     def _chain(self, sequence: DecodeSequence, num_tokens: int) -> list[bytes]:
         """The block hashes of the full blocks of its first `num_tokens` tokens."""

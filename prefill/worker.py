@@ -174,9 +174,9 @@ class PrefillWorker(Worker):
         token, which the forward pass must compute for the logits); allocate the rest."""
         prompt, size = request.task.prompt_ids, self.runner.block_size
         chain = block_hashes(prompt, size, request.task.cache_salt) if self.prefix_caching else []
-        reused = self.cache.match(chain[:(len(prompt) - 1) // size])
-        table = reused + self.cache.allocate(blocks_needed(len(prompt), size) - len(reused))
-        return _Job(request, chain, table, len(reused) * size)
+        table, reused = self.cache.table(chain[:(len(prompt) - 1) // size],
+                                         blocks_needed(len(prompt), size))
+        return _Job(request, chain, table, reused * size)
 
     def _drop(self, key: RequestKey) -> None:
         """Forget a prompt in progress (aborted): free its blocks, stop its stream."""

@@ -39,6 +39,17 @@ class PrefixCache:
         self.hits += len(found)
         return found
 
+    def table(self, hashes: Sequence[bytes], num_blocks: int) -> tuple[list[int], int]:
+        """A block table of `num_blocks` blocks, and how many of them were cached: those of
+        the longest prefix of `hashes` (referenced for the caller), then fresh ones. Raises
+        OutOfBlocks (changing nothing) when there is no room for the rest."""
+        reused = self.match(hashes)
+        try:
+            return reused + self.allocate(num_blocks - len(reused)), len(reused)
+        except OutOfBlocks:
+            self.release(reused)
+            raise
+
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks, evicting idle cached blocks (least recently used first) as
         needed; raises OutOfBlocks (changing nothing) when even that is not enough."""

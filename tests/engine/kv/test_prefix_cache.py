@@ -84,3 +84,17 @@ def test_inserting_a_known_hash_keeps_the_first_block() -> None:
     cache.insert(hashes([7] * 4), b)  # the same prefix computed twice in one batch
     cache.release(a + b)
     assert list(cache.blocks.values()) == a and cache.allocator.num_free == 7
+
+
+def test_a_table_reuses_the_cached_prefix_then_takes_fresh_blocks() -> None:
+    allocator = BlockAllocator(4)
+    cache = PrefixCache(allocator)
+    first = cache.allocate(2)
+    cache.insert([b"a", b"b"], first)
+    cache.release(first)
+    table, reused = cache.table([b"a", b"x"], 3)
+    assert (table[:1], reused, len(table)) == (first[:1], 1, 3)
+    cache.release(table)
+    with pytest.raises(OutOfBlocks):
+        cache.table([b"a"], 5)
+    assert cache.num_available == 4 and allocator.ref_count(first[0]) == 1  # nothing taken
