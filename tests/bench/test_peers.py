@@ -170,6 +170,20 @@ def test_llamacpp_is_rebuilt_for_another_cpu() -> None:
     assert llamacpp_key(frozenset({"avx2"})) != llamacpp_key(frozenset({"avx512f"}))
 
 
+def test_the_avx2_llamacpp_is_its_own_portable_build() -> None:
+    native, avx2 = peers.llamacpp_cmake("llamacpp"), peers.llamacpp_cmake("llamacpp-avx2")
+    assert "-DGGML_NATIVE=ON" in native and "-DGGML_NATIVE=OFF" not in native
+    assert "-DGGML_NATIVE=OFF" in avx2 and "-DGGML_AVX2=ON" in avx2
+    assert "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AMX_TILE=OFF" in avx2
+    flags = frozenset({"avx2", "fma"})
+    assert llamacpp_key(flags, "llamacpp") != llamacpp_key(flags, "llamacpp-avx2")
+    homes = {peers.llamacpp_home(Path("/p"), peer) for peer in ("llamacpp", "llamacpp-avx2")}
+    assert len(homes) == 2
+    server = llamacpp_server(Path("/b/llama-server"), Path("/m/x.gguf"), "M", 9000, (0, 1),
+                             slots=4, peer="llamacpp-avx2")
+    assert server.peer == "llamacpp-avx2" and server.label == "llama.cpp AVX2"
+
+
 def test_kernel_isa_from_metrics() -> None:
     page = ("# HELP raging_worker_kernels_info The kernels' ISA path per worker\n"
             "# TYPE raging_worker_kernels_info gauge\n"
