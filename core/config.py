@@ -88,6 +88,9 @@ class EngineConfig:
                                      "force it (refused where the CPU lacks it)")
     cuda_graphs: bool = setting(True, "on a GPU, replay decode steps as captured CUDA graphs "
                                       "(small batches are bound by kernel launches otherwise)")
+    cpu_turns_dir: str = setting("", "a folder of lock files through which workers on the same "
+                                     "CPUs compute in turn (core/turns.py; launch.sh gives its "
+                                     "run folder's); empty: each computes when it likes")
 
 
 @dataclass(frozen=True)

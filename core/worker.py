@@ -39,6 +39,7 @@ from core.messages import (
 )
 from core.pulse import Pulse
 from core.tracing import make_tracer
+from core.turns import CpuTurns
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
@@ -84,6 +85,8 @@ class Worker(ABC):
         self.stopping = False
         self.progress = 0  # model layers computed since start, reported in heartbeats
         self.tracer = make_tracer(config.tracing, f"raging-{identity.role}", self.worker_id)
+        # `with self.turns:` around a forward pass: workers on these CPUs compute in turn
+        self.turns = CpuTurns(config.engine.cpu_turns_dir, pinned_cpus())
 
     def registration(self) -> Register:
         i = self.identity
@@ -178,3 +181,4 @@ class Worker(ABC):
         self.context.term()
         if self.tracer is not None:
             self.tracer.shutdown()
+        self.turns.close()

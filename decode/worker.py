@@ -97,11 +97,12 @@ class DecodeWorker(Worker):
         for sequence in batch:
             if sequence.num_generated == 0:  # its prompt is computed here
                 sequence.timeline.start(now)
-        logits = self.runner.forward(ForwardBatch(
-            token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
-            start_positions=[s.num_cached for s in batch],
-            block_tables=[s.blocks for s in batch],
-        ), layer_hook=self.between_layers)
+        with self.turns:
+            logits = self.runner.forward(ForwardBatch(
+                token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
+                start_positions=[s.num_cached for s in batch],
+                block_tables=[s.blocks for s in batch],
+            ), layer_hook=self.between_layers)
         for sequence in batch:
             sequence.num_cached += sequence.num_scheduled
         rows = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]

@@ -201,11 +201,12 @@ class PrefillWorker(Worker):
             self.stream.send_layer(layer)
             self.between_layers(layer)
 
-        logits = self.runner.forward(ForwardBatch(
-            token_ids=[c.prompt.request.task.prompt_ids[c.start:c.end] for c in chunks],
-            start_positions=[c.start for c in chunks],
-            block_tables=[j.table for j in jobs],
-        ), layer_hook=after_layer)
+        with self.turns:
+            logits = self.runner.forward(ForwardBatch(
+                token_ids=[c.prompt.request.task.prompt_ids[c.start:c.end] for c in chunks],
+                start_positions=[c.start for c in chunks],
+                block_tables=[j.table for j in jobs],
+            ), layer_hook=after_layer)
         live = [i for i, c in enumerate(chunks) if c.prompt.key not in self.aborted_in_step]
         for i in live:
             self.scheduler.advance(chunks[i])

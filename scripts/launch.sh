@@ -10,10 +10,11 @@
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
 # the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
 # More workers than the host has CPUs (--prefill 2 --decode 6 on two cores) are not pinned
-# unless --pin or --prefill-cpus/--decode-cpus says so: every worker runs on every CPU, its
-# OpenMP threads sleep between parallel regions, and the gateway packs each pool's work onto as
-# few workers as the CPUs run at once (docs/scheduling.md, "Workers sharing CPUs"). Pinned
-# workers beyond a pool's CPUs share them (a warning says how many), packed the same way.
+# unless --pin or --prefill-cpus/--decode-cpus says so: every worker runs on every CPU, and the
+# gateway packs each pool's work onto as few workers as the CPUs run at once (docs/scheduling.md,
+# "Workers sharing CPUs"). Pinned workers beyond a pool's CPUs share them (a warning says how
+# many), packed the same way. Workers on the same CPUs compute in turn (lock files in
+# <run>/turns), each step at the full width of those CPUs.
 # --kv-backend picks how prefill hands KV to decode: auto (default: cuda_ipc from a worker on a
 # GPU, else shm), shm (one host), zmq, cuda_ipc. On a host with several GPUs, workers spread
 # over them round robin, prefill first (unless --set model.device=... says where).
@@ -61,7 +62,9 @@ source "$ROOT/scripts/setup.sh"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$RUN_DIR"
 CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
-COMMON=(--config "$CONFIG" --control-address "$CONTROL" "${SETTINGS[@]}")
+# Workers on the same CPUs compute in turn (core/turns.py), unless the settings say otherwise.
+COMMON=(--config "$CONFIG" --control-address "$CONTROL" --set "engine.cpu_turns_dir=$RUN_DIR/turns"
+        "${SETTINGS[@]}")
 [[ -n "$MODEL" ]] && COMMON+=(--model "$MODEL")
 [[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
 [[ -n "$OTLP" ]] && COMMON+=(--otlp-endpoint "$OTLP")
@@ -92,15 +95,11 @@ if [[ $PIN == auto ]]; then  # pinned, unless the workers outnumber the CPUs and
   PIN=1
   if [[ $COLOCATED == 0 && -z "$PREFILL_CPUS$DECODE_CPUS" && $WORKERS -gt ${#CPUS[@]} ]]; then
     PIN=0
-    echo "[launch] $WORKERS workers on ${#CPUS[@]} CPUs: each runs on all of them, its threads" \
-      "sleeping between parallel regions, and the gateway packs each pool's work onto as few" \
-      "workers as the CPUs run at once (--pin keeps prefill and decode on CPUs of their own)" >&2
+    echo "[launch] $WORKERS workers on ${#CPUS[@]} CPUs: each runs on all of them, they compute" \
+      "in turn, and the gateway packs each pool's work onto as few workers as the CPUs run at" \
+      "once (--pin keeps prefill and decode on CPUs of their own)" >&2
   fi
 fi
-# Spinning threads of workers that share CPUs take them from the one with work (core/threads.py)
-WAIT_POLICY=ACTIVE
-[[ $PIN == 1 || $WORKERS -le ${#CPUS[@]} ]] || WAIT_POLICY=PASSIVE
-WAIT_POLICY="${OMP_WAIT_POLICY:-$WAIT_POLICY}"
 pin_args() {  # pin_args POOL_NAME INDEX COUNT: the --cpus flag for worker INDEX of COUNT
   [[ $PIN == 1 ]] || return 0
   local -n pool="$1"
@@ -160,7 +159,7 @@ trap stop_all EXIT
 
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
-  (cd "$ROOT" && OMP_WAIT_POLICY="$WAIT_POLICY" exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
+  (cd "$ROOT" && exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
   echo "$! $name" >> "$RUN_DIR/pids"
 }

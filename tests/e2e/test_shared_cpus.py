@@ -1,9 +1,10 @@
 """More workers than CPUs, as launch.sh starts them: pinned where asked (a warning says how
 many share a CPU, and the gateway packs every sequence onto one of them), else every worker on
-every CPU with its threads sleeping between parallel regions."""
+every CPU; workers on the same CPUs compute in turn (core/turns.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.turns import turns_file
 from tests.e2e.cluster import launch
 
 pytestmark = pytest.mark.e2e
@@ -49,9 +51,13 @@ def test_workers_outnumbering_the_cpus_share_them_all(tiny_model_dir: Path, tmp_
         assert sorted(w["id"] for w in workers) == sorted(
             ["prefill-0", *(f"decode-{i}" for i in range(decode))])
         assert all(w["cpus"] == cpus for w in workers)
+        turns = tmp_path / "run" / "turns" / turns_file(Path(), cpus)
         for name, pid in cluster.pids().items():
-            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert b"OMP_WAIT_POLICY=PASSIVE" in environment, name
+            held = set()
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+                    held.add(os.readlink(fd))
+            assert (str(turns) in held) == (name != "gateway"), name
         body = {"model": cluster.model, "prompt": "Count to 5:", "max_tokens": 8,
                 "ignore_eos": True}
         replies = [cluster.client.post("/v1/completions", json=body) for _ in range(3)]
