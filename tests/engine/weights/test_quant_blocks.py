@@ -67,13 +67,15 @@ def test_a_quant_block_of_equal_values_is_exact() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 21])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 21, 33, 64])
 def test_fp32_product_equals_the_dequantized_product(every_isa: str, bits: int,
                                                     rows: int) -> None:
-    matrix = quantize(random_weight(22, 160, seed=rows), bits)  # 22 rows: a partial group of 4
+    """Tiles of up to 8 rows widen blocks in registers; more rows multiply panels of 24 or 32
+    widened weight rows: 50 rows end in a partial group of 4 and a partial panel."""
+    matrix = quantize(random_weight(50, 160, seed=rows), bits)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
     out = matrix.multiply(x)
-    assert out.shape == (rows, 22) and out.dtype == torch.float32
+    assert out.shape == (rows, 50) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x, dequantize(matrix)), rtol=1e-5, atol=1e-5)
 
 
