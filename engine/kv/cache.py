@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv import huge_pages
 from engine.weights.spec import ModelSpec
 
 
@@ -36,8 +37,8 @@ class PagedKVCache:
         rows = (num_blocks + pad_block) * block_size
         shape = (spec.num_layers, rows, spec.num_kv_heads, spec.head_dim)
         # One tensor per kind, so reads and writes of all layers are one indexing op each.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = (huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu"
+                          else torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
         self.device = self.k.device
         self.bytes_per_token = spec.kv_bytes_per_token(dtype)
 

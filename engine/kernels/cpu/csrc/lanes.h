@@ -43,6 +43,23 @@ inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
 inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
 inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
 inline float sum(Lanes a) { return _mm512_reduce_add_ps(a); }
+// v[0..16), vectors of partial sums, into one: lane i of the result is the sum of v[i].
+inline Lanes sum_each(const Lanes* v) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i)
+    halves[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(halves[2 * i]), b = _mm512_castps_pd(halves[2 * i + 1]);
+    quarters[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(eighths[0], eighths[1], 0x88),
+                       _mm512_shuffle_f32x4(eighths[0], eighths[1], 0xDD));
+}
 inline __mmask16 first_mask(int64_t n) {  // lanes 0..n-1
   return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(n, 0)) - 1);
 }
@@ -90,6 +107,19 @@ inline float sum8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 inline float sum(Lanes a) { return sum8(_mm256_add_ps(a.lo, a.hi)); }
+// Eight vectors into one: lane i of the result is the sum of v[i].
+inline __m256 sum8_each(const __m256* v) {
+  const __m256 quads[2] = {_mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3])),
+                           _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]))};
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+// v[0..16), vectors of partial sums, into one: lane i of the result is the sum of v[i].
+inline Lanes sum_each(const Lanes* v) {
+  __m256 halves[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) halves[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  return {sum8_each(halves), sum8_each(halves + 8)};
+}
 inline __m256 first_mask8(int64_t n) {  // all ones in lanes 0..n-1
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const auto count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
@@ -156,6 +186,11 @@ inline Lanes mul(Lanes a, Lanes b) {
   return a;
 }
 inline float sum(Lanes a) { return std::accumulate(a.v, a.v + kLanes, 0.0f); }
+inline Lanes sum_each(const Lanes* v) {
+  Lanes out;
+  for (int64_t i = 0; i < kLanes; ++i) out.v[i] = sum(v[i]);
+  return out;
+}
 inline Lanes first_lanes(Lanes a, int64_t n) {
   for (int64_t i = std::max<int64_t>(n, 0); i < kLanes; ++i) a.v[i] = 0.0f;
   return a;

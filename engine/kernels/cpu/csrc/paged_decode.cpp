@@ -15,6 +15,8 @@
 
 namespace {
 
+constexpr int kMaxChunks = 16;  // head dimensions up to 256
+
 struct Shape {  // the head dimension is a multiple of kLanes
   int64_t heads, kv_heads, dim, block_size;
   float scale;
@@ -30,18 +32,35 @@ struct GroupState {
         acc(group * chunks, splat(0.0f)) {}
 };
 
-// Each group head's scores against `count` cached keys, into scores[head * stride + token].
+// Blocks lie scattered in the cache, so the hardware prefetcher cannot guess the next one: a
+// token's row of the next block is fetched as the same token's row of this block is read,
+// which spreads the requests over the block's work (all of a block's at once stalled the core
+// until the memory had taken them).
 template <typename T>
-void score_block(const std::vector<Lanes>& q, const T* keys, int64_t count, int64_t row,
-                 int64_t chunks, float* scores, int64_t stride) {
-  const int64_t group = static_cast<int64_t>(q.size()) / chunks;
-  for (int64_t t = 0; t < count; ++t) {
-    const T* k = keys + t * row;
+inline void prefetch_row(const T* row, int64_t elements) {
+  constexpr int64_t line = 64 / sizeof(T);
+  for (int64_t i = 0; i < elements; i += line) __builtin_prefetch(row + i);
+}
+
+// Each group head's scores against `count` cached keys (rows `row` apart), into
+// scores[head * stride + token], sixteen tokens at a time: their dot products' partial sums
+// are added up together (a sum per token cost as much as its products).
+template <int Chunks, typename T>
+void score_block(const Lanes* q, int64_t group, const T* keys, const T* next_keys,
+                 int64_t count, int64_t row, float* scores, int64_t stride) {
+  for (int64_t first = 0; first < count; first += kLanes) {
+    const int64_t n = std::min(kLanes, count - first);
     for (int64_t h = 0; h < group; ++h) {
-      Lanes dot = mul(q[h * chunks], load_lanes(k));
-      for (int64_t c = 1; c < chunks; ++c)
-        dot = fma(q[h * chunks + c], load_lanes(k + c * kLanes), dot);
-      scores[h * stride + t] = sum(dot);
+      Lanes dots[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const T* k = keys + (first + t) * row;
+        if (h == 0 && t < n) prefetch_row(next_keys + (first + t) * row, Chunks * kLanes);
+        Lanes dot = splat(0.0f);
+        for (int c = 0; t < n && c < Chunks; ++c)
+          dot = fma(q[h * Chunks + c], load_lanes(k + c * kLanes), dot);
+        dots[t] = dot;
+      }
+      store(scores + h * stride + first, sum_each(dots));
     }
   }
 }
@@ -71,66 +90,68 @@ inline void weigh_block(GroupState& state, float* scores, int64_t count, int64_t
   }
 }
 
-// Folds one block into the running state: weigh its scores, add the weighted values.
-template <typename T>
-void fold_block(GroupState& state, float* scores, const T* values, int64_t count, int64_t row,
-                int64_t chunks, int64_t stride) {
+// Folds one block into the running state: weigh its scores, then add each head's weighted
+// values, its sums held in registers over the block's tokens.
+template <int Chunks, typename T>
+void fold_block(GroupState& state, float* scores, const T* values, const T* next_values,
+                int64_t count, int64_t row, int64_t stride) {
   const int64_t group = static_cast<int64_t>(state.best.size());
   weigh_block(state, scores, count, stride);
-  for (int64_t t = 0; t < count; ++t) {
-    const T* v = values + t * row;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const Lanes vc = load_lanes(v + c * kLanes);
-      for (int64_t h = 0; h < group; ++h) {
-        Lanes& acc = state.acc[h * chunks + c];
-        acc = fma(splat(scores[h * stride + t]), vc, acc);
-      }
+  for (int64_t h = 0; h < group; ++h) {
+    Lanes acc[Chunks];
+    for (int c = 0; c < Chunks; ++c) acc[c] = state.acc[h * Chunks + c];
+    for (int64_t t = 0; t < count; ++t) {
+      const T* v = values + t * row;
+      if (h == 0) prefetch_row(next_values + t * row, Chunks * kLanes);
+      const Lanes weight = splat(scores[h * stride + t]);
+      for (int c = 0; c < Chunks; ++c) acc[c] = fma(weight, load_lanes(v + c * kLanes), acc[c]);
     }
-  }
-}
-
-// Blocks lie scattered in the cache, so the hardware prefetcher cannot guess the next one.
-template <typename T>
-void prefetch_block(const T* keys, const T* values, int64_t elements) {
-  constexpr int64_t line = 64 / sizeof(T);
-  for (int64_t i = 0; i < elements; i += line) {
-    __builtin_prefetch(keys + i);
-    __builtin_prefetch(values + i);
+    for (int c = 0; c < Chunks; ++c) state.acc[h * Chunks + c] = acc[c];
   }
 }
 
 // One sequence's KV heads [first, last): softmax(q . K * scale) . V over `context` tokens.
 // Blocks are read in turn, each once (those heads' rows), so the memory is streamed; the
 // running maximum of each query head is rescaled once a block.
-template <typename T>
+template <int Chunks, typename T>
 void attend_heads(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                   int64_t context, const Shape& s, int64_t first, int64_t last, T* out) {
-  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim, chunks = s.dim / kLanes;
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
   const int64_t stride = (s.block_size + kLanes - 1) / kLanes * kLanes;
   std::vector<float> scores(group * stride, 0.0f);
-  std::vector<std::vector<Lanes>> group_q(s.kv_heads, std::vector<Lanes>(group * chunks));
-  std::vector<GroupState> states(s.kv_heads, GroupState(group, chunks));
-  for (int64_t g = first; g < last; ++g)
-    for (int64_t i = 0; i < group * chunks; ++i)
-      group_q[g][i] = mul(load_lanes(q + g * group * s.dim + i * kLanes), splat(s.scale));
-  for (int64_t start = 0; start < context; start += s.block_size) {
-    const int64_t count = std::min(s.block_size, context - start);
-    if (start + s.block_size < context) {
-      const int64_t next = table[start / s.block_size + 1] * s.block_size * row;
-      for (int64_t t = 0; t < s.block_size; ++t)
-        prefetch_block(k_cache + next + t * row + first * s.dim,
-                       v_cache + next + t * row + first * s.dim, (last - first) * s.dim);
-    }
+  std::vector<Lanes> group_q(s.kv_heads * group * Chunks);
+  std::vector<GroupState> states(s.kv_heads, GroupState(group, Chunks));
+  for (int64_t i = first * group * Chunks; i < last * group * Chunks; ++i)
+    group_q[i] = mul(load_lanes(q + i * kLanes), splat(s.scale));
+  const int64_t blocks = (context + s.block_size - 1) / s.block_size;
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t count = std::min(s.block_size, context - block * s.block_size);
+    const int64_t next = table[std::min(block + 1, blocks - 1)] * s.block_size * row;
     for (int64_t g = first; g < last; ++g) {
-      const int64_t offset = table[start / s.block_size] * s.block_size * row + g * s.dim;
-      score_block(group_q[g], k_cache + offset, count, row, chunks, scores.data(), stride);
-      fold_block(states[g], scores.data(), v_cache + offset, count, row, chunks, stride);
+      const int64_t offset = table[block] * s.block_size * row + g * s.dim;
+      score_block<Chunks>(&group_q[g * group * Chunks], group, k_cache + offset,
+                          k_cache + next + g * s.dim, count, row, scores.data(), stride);
+      fold_block<Chunks>(states[g], scores.data(), v_cache + offset, v_cache + next + g * s.dim,
+                         count, row, stride);
     }
   }
   for (int64_t g = first; g < last; ++g)
-    for (int64_t i = 0; i < group * chunks; ++i)
-      store_as(out + g * group * s.dim + i * kLanes,
-               mul(states[g].acc[i], splat(1.0f / states[g].total[i / chunks])));
+    for (int64_t i = 0; i < group * Chunks; ++i)
+      store_as(out + (g * group * Chunks + i) * kLanes,
+               mul(states[g].acc[i], splat(1.0f / states[g].total[i / Chunks])));
+}
+
+// attend_heads for a head dimension of 16 * chunks, chunks from 1 to Chunks.
+template <int Chunks, typename T>
+void attend_heads_of(int64_t chunks, const T* q, const T* k_cache, const T* v_cache,
+                     const int64_t* table, int64_t context, const Shape& s, int64_t first,
+                     int64_t last, T* out) {
+  if constexpr (Chunks > 1) {
+    if (chunks < Chunks)
+      return attend_heads_of<Chunks - 1>(chunks, q, k_cache, v_cache, table, context, s, first,
+                                         last, out);
+  }
+  attend_heads<Chunks>(q, k_cache, v_cache, table, context, s, first, last, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -143,24 +164,6 @@ constexpr int64_t kMaxVectors = 4;  // head dimensions up to 128
 
 inline __m512bh load_pairs(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
-}
-
-// Sixteen vectors of partial sums into one: lane i of the result is the sum of vector i.
-inline __m512 sum_each(const __m512 (&v)[16]) {
-  __m512 halves[8], quarters[4], eighths[2];
-  for (int i = 0; i < 8; ++i)
-    halves[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(halves[2 * i]), b = _mm512_castps_pd(halves[2 * i + 1]);
-    quarters[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    eighths[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0x88),
-                               _mm512_shuffle_f32x4(quarters[2 * i], quarters[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(eighths[0], eighths[1], 0x88),
-                       _mm512_shuffle_f32x4(eighths[0], eighths[1], 0xDD));
 }
 
 // Each group head's scaled scores against `count` keys, 16 tokens at a time; the lanes of a
@@ -308,8 +311,9 @@ at::Tensor attend_batch(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / split, first = task % split * shape.kv_heads / split;
       const int64_t last = (task % split + 1) * shape.kv_heads / split;
-      attend_heads<T>(qp + b * per_seq, kp, vp, tp + b * width, cp[b], shape, first, last,
-                      op + b * per_seq);
+      attend_heads_of<kMaxChunks, T>(shape.dim / kLanes, qp + b * per_seq, kp, vp,
+                                     tp + b * width, cp[b], shape, first, last,
+                                     op + b * per_seq);
     }
   });
   return out;
@@ -323,7 +327,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   TORCH_CHECK(q.scalar_type() == kv_type && v_cache.scalar_type() == kv_type &&
               (kv_type == at::kFloat || kv_type == at::kBFloat16),
               "paged_decode takes fp32 or bf16 queries and cache, both alike");
-  TORCH_CHECK(q.size(2) % kLanes == 0, "paged_decode needs a head dimension divisible by 16");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kMaxChunks * kLanes,
+              "paged_decode needs a head dimension divisible by 16, at most 256");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(tables.dtype() == at::kLong && tables.is_contiguous());
   TORCH_CHECK(contexts.dtype() == at::kLong && contexts.is_contiguous());
