@@ -6,41 +6,53 @@
 
 namespace {
 
+// Rows (tokens) per task: a prompt chunk's hundreds split over the threads, a decode step's
+// few stay on one (starting a task costs more than they do).
+constexpr int64_t kRowsPerTask = 16;
+
+template <typename T>
+void rms_norm_row(const T* in, const T* weight, T* out, int64_t width, float eps) {
+  float squares = 0.0f;
+  for (int64_t i = 0; i < width; ++i) {
+    const float value = static_cast<float>(in[i]);
+    squares += value * value;
+  }
+  const float scale = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; ++i)
+    out[i] = static_cast<T>(static_cast<float>(in[i]) * scale * static_cast<float>(weight[i]));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t width,
                    int64_t row_stride, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* in = x + r * row_stride;
-    float squares = 0.0f;
-    for (int64_t i = 0; i < width; ++i) {
-      const float value = static_cast<float>(in[i]);
-      squares += value * value;
-    }
-    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-    T* o = out + r * width;
-    for (int64_t i = 0; i < width; ++i)
-      o[i] = static_cast<T>(static_cast<float>(in[i]) * scale * static_cast<float>(weight[i]));
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(x + r * row_stride, weight, out + r * width, width, eps);
+  });
+}
+
+// out = in * cos + rotate_half(in) * sin for one head, rotate_half(v) = (-v2, v1).
+template <typename T>
+void rope_head(const T* in, const T* cos, const T* sin, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = static_cast<float>(in[i]), b = static_cast<float>(in[i + half]);
+    out[i] = static_cast<T>(a * static_cast<float>(cos[i]) - b * static_cast<float>(sin[i]));
+    out[i + half] = static_cast<T>(b * static_cast<float>(cos[i + half]) +
+                                   a * static_cast<float>(sin[i + half]));
   }
 }
 
-// out[t, h] = x[t, h] * cos[t] + rotate_half(x[t, h]) * sin[t], rotate_half(v) = (-v2, v1).
+// Every head of every token, by the token's cos and sin.
 template <typename T>
 void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads,
                int64_t dim, int64_t token_stride, int64_t head_stride) {
-  const int64_t half = dim / 2;
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* in = x + t * token_stride + h * head_stride;
-      const T* c = cos + t * dim;
-      const T* s = sin + t * dim;
-      T* o = out + (t * heads + h) * dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = static_cast<float>(in[i]), b = static_cast<float>(in[i + half]);
-        o[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
-        o[i + half] = static_cast<T>(b * static_cast<float>(c[i + half]) +
-                                     a * static_cast<float>(s[i + half]));
-      }
-    }
+  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        rope_head(x + t * token_stride + h * head_stride, cos + t * dim, sin + t * dim,
+                  out + (t * heads + h) * dim, dim);
+  });
 }
 
 void check_float_or_bf16(const at::Tensor& t, const char* what) {
