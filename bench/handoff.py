@@ -29,6 +29,7 @@ from bench.launcher import ROOT, launched
 from bench.prompts import TokenPrompts
 from bench.workloads import RequestSpec
 from core.config import PoolConfig, load_config
+from core.cpus import running_on
 from engine.kv.allocator import blocks_needed
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
@@ -60,14 +61,13 @@ class OneProcess:
         self.runner = ModelRunner(folder, config.num_kv_blocks, config.block_size)
 
     def first_two_tokens(self, ids: list[int]) -> tuple[float, float]:
-        mask, threads = os.sched_getaffinity(0), torch.get_num_threads()
-        os.sched_setaffinity(0, {self.cpu})
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _first_two_tokens(self.runner, ids)
+            with running_on(str(self.cpu)):
+                return _first_two_tokens(self.runner, ids)
         finally:
             torch.set_num_threads(threads)
-            os.sched_setaffinity(0, mask)
 
 
 def _first_two_tokens(runner: ModelRunner, ids: list[int]) -> tuple[float, float]:

@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from core.config import KVTransferConfig
-from core.cpus import pin_to
+from core.cpus import running_on
 from core.curve import generate, load
 from kvtransfer import KVSender, make_sender
 from kvtransfer.sender import layers_per_chunk
@@ -195,8 +195,17 @@ def measure(token_counts: tuple[int, ...], repeats: int, min_mb: int = 128,
     """Sender and receiver each get one core and one thread, as the workers do; `curve`:
     over CURVE sockets; `only`: the backends whose names start with one of these (all when
     empty)."""
-    pin_to(_SENDER_CPUS)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        with running_on(_SENDER_CPUS):
+            return _measure(token_counts, repeats, min_mb, curve, only)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(token_counts: tuple[int, ...], repeats: int, min_mb: int, curve: bool,
+             only: tuple[str, ...]) -> list[TransferFigure]:
     figures = []
     with tempfile.TemporaryDirectory(prefix="raging-transfer-") as folder:
         keys_dir = f"{folder}/keys" if curve else ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -33,3 +35,15 @@ def pin_to(spec: str) -> None:
 def pinned_cpus() -> list[int]:
     """The CPUs this process may run on, lowest first: its pinning, or every CPU it has."""
     return sorted(os.sched_getaffinity(0))
+
+
+@contextmanager
+def running_on(spec: str) -> Iterator[None]:
+    """The block runs on the CPUs `spec` names (all of them where it is empty); after it, the
+    process runs where it ran before."""
+    before = os.sched_getaffinity(0)
+    pin_to(spec)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

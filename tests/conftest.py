@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +42,17 @@ TINY_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 2,
 }
+
+
+@pytest.fixture(autouse=True)
+def same_cpus_and_threads() -> Iterator[None]:
+    """No test leaves this process on other CPUs or with other torch threads: every later test,
+    and every process it starts, would inherit them (a benchmark pinned the whole suite to one
+    CPU once, and libgomp in the clusters it started stopped spinning)."""
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    assert os.sched_getaffinity(0) == cpus, "the test left this process on other CPUs"
+    assert torch.get_num_threads() == threads, "the test left torch on other threads"
 
 
 DEFAULT_FUZZ_EXAMPLES = 1500

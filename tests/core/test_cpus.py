@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from core.cpus import parse_cpus, pin_to, pinned_cpus
+from core.cpus import parse_cpus, pin_to, pinned_cpus, running_on
 
 
 @pytest.mark.parametrize(("spec", "cpus"), [
@@ -44,3 +44,14 @@ def test_pinned_cpus_are_those_this_process_may_run_on() -> None:
             "print(pinned_cpus())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str([first])
+
+
+def test_running_on_gives_the_cpus_back() -> None:
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    with running_on(str(first)):
+        assert os.sched_getaffinity(0) == {first}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError), running_on(str(first)):
+        raise RuntimeError("the block fails")
+    assert os.sched_getaffinity(0) == before
