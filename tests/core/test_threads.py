@@ -12,44 +12,11 @@ from pathlib import Path
 import pytest
 
 from core.threads import SPIN_COUNT
+from tests.openmp_probe import needs_two_cpus, probe
 
 ROOT = Path(__file__).resolve().parents[2]
 READ = ("import core.threads, os; print(os.environ.get('OMP_WAIT_POLICY', '-'), "
         "os.environ.get('GOMP_SPINCOUNT', '-'))")
-# Two threads, 400 parallel regions back to back, then half a second with nothing to do: how
-# often the threads went to sleep during the regions, and the CPU seconds of the idle half
-# second (a thread spinning on would take all of it).
-SPIN_THEN_SLEEP = """
-import core.threads
-import os, resource, time
-import torch
-
-def sleeps():
-    total = 0
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/status") as status:
-            total += sum(int(line.split()[1]) for line in status
-                         if line.startswith("voluntary_ctxt_switches"))
-    return total
-
-def cpu_s():
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-torch.set_num_threads(2)
-x = torch.ones(1 << 20)
-x.sum()
-before = sleeps()
-for _ in range(400):
-    x.sum()
-during = sleeps() - before
-time.sleep(0.05)
-before = cpu_s()
-time.sleep(0.5)
-print(during, cpu_s() - before)
-"""
-
-
 def _without_policy() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
@@ -66,14 +33,11 @@ def test_a_short_spin_unless_the_environment_says_otherwise(
     assert out.stdout.strip() == expected
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
-                    reason="a team of two OpenMP threads spins only with two CPUs to spin on")
+@needs_two_cpus
 def test_threads_spin_through_a_step_and_sleep_when_idle() -> None:
-    out = subprocess.run([sys.executable, "-c", SPIN_THEN_SLEEP], env=_without_policy(),
-                         cwd=ROOT, check=True, capture_output=True, text=True, timeout=120)
-    sleeps, idle_cpu_s = out.stdout.split()
-    assert int(sleeps) < 40  # of 400 regions
-    assert float(idle_cpu_s) < 0.1  # of 0.5 s
+    waits = probe()
+    assert waits.sleeps < 40  # of 400 regions
+    assert waits.idle_cpu_s < 0.1  # of 0.5 s
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
