@@ -185,7 +185,7 @@ class DecodeConfig(PoolConfig):
     """Decode workers."""
 
     max_running: int = setting(64, "sequences in one batch at most")
-    chunk_tokens: int = setting(256, "prompt tokens per step when it prefills itself, beside "
+    chunk_tokens: int = setting(512, "prompt tokens per step when it prefills itself, beside "
                                      "the running sequences' next tokens")
     kv_bind: str = setting("tcp://127.0.0.1:*", "where it receives KV")
 
