@@ -312,14 +312,18 @@ def vllm_server(venv: Path, folder: Path, model: str, port: int,
 
 def llamacpp_server(binary: Path, gguf: Path, model: str, port: int, cpus: Sequence[int],
                     slots: int, slot_tokens: int = LLAMA_CPP_SLOT_TOKENS,
-                    peer: str = "llamacpp") -> PeerServer:
+                    peer: str = "llamacpp", flags: frozenset[str] = frozenset()) -> PeerServer:
     """llama-server (`peer`'s build) on `gguf`, pinned to `cpus` with a thread on each, `slots`
     parallel sequences of `slot_tokens` context each, continuous batching, the GGUF's chat
-    template."""
+    template. On a CPU with AMX (`flags`, the CPU's), its native build runs with its weights
+    as the file has them: repacked into AMX tiles, the GGUF's Q4_1 crashed it at start (SIGSEGV
+    in ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36's sources, 2026-12-05)."""
     threads = str(len(cpus))
+    unpacked = ("--no-repack",) if peer == "llamacpp" and "amx_int8" in flags else ()
     command = ("taskset", "-c", cpu_list(cpus), str(binary), "-m", str(gguf), "--alias", model,
                "--host", "127.0.0.1", "--port", str(port), "-t", threads, "-tb", threads,
-               "-np", str(slots), "-c", str(slots * slot_tokens), "--cont-batching", "--jinja")
+               "-np", str(slots), "-c", str(slots * slot_tokens), "--cont-batching", "--jinja",
+               *unpacked)
     return PeerServer(peer, PEER_LABELS[peer],
                       "llama-cpp-python " + LLAMA_CPP_SDIST.split("==")[1], command, {}, port,
                       str(gguf))
@@ -564,7 +568,7 @@ def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int) -> 
         return vllm_server(venv, folder, model.name, free_port(), cpus)
     binary = install_llamacpp(peers_dir, peer)
     return llamacpp_server(binary, packaged_gguf(model.name), model.name, free_port(), cpus,
-                           slots, peer=peer)
+                           slots, peer=peer, flags=cpu_flags())
 
 
 def run_peers(run: PeersRun) -> int:

@@ -184,6 +184,15 @@ def test_the_avx2_llamacpp_is_its_own_portable_build() -> None:
     assert server.peer == "llamacpp-avx2" and server.label == "llama.cpp AVX2"
 
 
+def test_the_native_llamacpp_keeps_its_weights_unpacked_on_a_cpu_with_amx() -> None:
+    def command(peer: str, flags: set[str]) -> tuple[str, ...]:
+        return llamacpp_server(Path("/b/llama-server"), Path("/m/x.gguf"), "M", 9000, (0,),
+                               slots=1, peer=peer, flags=frozenset(flags)).command
+    assert "--no-repack" in command("llamacpp", {"avx2", "amx_int8"})
+    assert "--no-repack" not in command("llamacpp", {"avx2", "avx512f"})
+    assert "--no-repack" not in command("llamacpp-avx2", {"avx2", "amx_int8"})
+
+
 def test_kernel_isa_from_metrics() -> None:
     page = ("# HELP raging_worker_kernels_info The kernels' ISA path per worker\n"
             "# TYPE raging_worker_kernels_info gauge\n"
