@@ -118,8 +118,16 @@ def offer(dealer: zmq.Socket, frames: list[bytes]) -> None:
 
 
 def rejected(cluster: Cluster) -> dict[str, float]:
-    return {name: cluster.metric("raging_internal_rejected_total", f'worker="{name}"')
-            for name in ["gateway", *(f"decode-{i}" for i in range(DECODE))]}
+    """Each internal socket's count of peers turned away; a decode worker's comes with its
+    loop's heartbeats, so this waits for the first (a busy machine may hold it back a while)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return {name: cluster.metric("raging_internal_rejected_total", f'worker="{name}"')
+                    for name in ["gateway", *(f"decode-{i}" for i in range(DECODE))]}
+        except KeyError:
+            assert time.monotonic() < deadline, "a decode worker never reported its load"
+            time.sleep(0.3)
 
 
 def wait_until_counted(cluster: Cluster, before: dict[str, float], at_least: int) -> None:
