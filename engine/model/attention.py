@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu.paged_decode import paged_decode
-from engine.kernels.cpu.paged_prefill import paged_prefill
+from engine.kernels.cpu.paged_prefill import kernel_is_faster, paged_prefill
 from engine.kv.allocator import blocks_needed
 from engine.kv.cache import slot_mapping
 from engine.model.batch import ForwardBatch
@@ -173,7 +173,7 @@ def attend(
         rows = slice(prefill.begin, prefill.end)
         start = prefill.context_len - (prefill.end - prefill.begin)
         direct = paged_prefill(q[rows], k_cache, v_cache, prefill.blocks, start,
-                               plan.block_size)
+                               plan.block_size) if kernel_is_faster(q.dtype) else None
         if direct is not None:
             out[rows] = direct
         elif prefill.mask is None:  # nothing cached before this prompt

@@ -30,7 +30,22 @@ struct Shape {
   float scale;
   int64_t context() const { return start + new_tokens; }
   int64_t tiles() const { return (context() + kKeys - 1) / kKeys; }
+  int64_t row_groups() const { return (new_tokens + kPositions - 1) / kPositions; }
 };
+
+// Work item `item` of kv_heads * row_groups: its KV head and first query position. A later
+// position attends to more keys, so the row groups are taken from both ends in turn, and every
+// contiguous range of items (at::parallel_for gives each thread one) costs about the same: in
+// position order the second of two threads got three quarters of a fresh prompt's work.
+struct Item {
+  int64_t kv_head, first;
+};
+
+inline Item item_of(int64_t item, const Shape& s) {
+  const int64_t k = item / s.kv_heads, groups = s.row_groups();
+  const int64_t group = k % 2 == 0 ? k / 2 : groups - 1 - k / 2;
+  return {item % s.kv_heads, group * kPositions};
+}
 
 }  // namespace
 
@@ -191,10 +206,9 @@ at::Tensor bf16_prefill(const at::Tensor& q, const at::Tensor& k_cache,
       packed[g] = pack(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                        table.data_ptr<int64_t>(), s, g);
   });
-  const int64_t row_groups = (s.new_tokens + kPositions - 1) / kPositions;
-  at::parallel_for(0, s.kv_heads * row_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item % s.kv_heads, first = item / s.kv_heads * kPositions;
+  at::parallel_for(0, s.kv_heads * s.row_groups(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [g, first] = item_of(index, s);
       switch (s.dim / kLanes) {
         case 2: attend_rows<2>(qp, packed[g], s, g, first, op); break;
         case 4: attend_rows<4>(qp, packed[g], s, g, first, op); break;
@@ -350,11 +364,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache,
       packed[g] = lanes::pack(k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                               table.data_ptr<int64_t>(), s, g);
   });
-  const int64_t row_groups = (s.new_tokens + kPositions - 1) / kPositions;
-  at::parallel_for(0, s.kv_heads * row_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item)
-      lanes::attend_rows(qp, packed[item % s.kv_heads], s, item % s.kv_heads,
-                         item / s.kv_heads * kPositions, op);
+  at::parallel_for(0, s.kv_heads * s.row_groups(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [g, first] = item_of(index, s);
+      lanes::attend_rows(qp, packed[g], s, g, first, op);
+    }
   });
   return out;
 }

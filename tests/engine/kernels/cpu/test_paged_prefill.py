@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu.paged_prefill import paged_prefill
+from engine.kernels.cpu.paged_prefill import kernel_is_faster, paged_prefill
 
 BLOCK = 16
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -84,3 +84,8 @@ def test_kernel_declines_what_it_cannot_read(q_dtype: torch.dtype, cache_dtype: 
     q = torch.randn(4, 2, head_dim, dtype=q_dtype)
     cache = torch.zeros(16, 2, head_dim, dtype=cache_dtype)
     assert paged_prefill(q, cache, cache, torch.tensor([0]), 0, BLOCK) is None
+
+
+def test_torch_attends_a_bf16_cache_where_the_kernels_run_at_amx(every_isa: str) -> None:
+    assert kernel_is_faster(torch.float32)
+    assert kernel_is_faster(torch.bfloat16) == (every_isa != "amx")
