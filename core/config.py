@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from core.codec import literal_values
+from core.netaddr import is_local_endpoint
 
 T = TypeVar("T")
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -161,10 +162,17 @@ class PoolConfig:
     heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
     gpu_memory_fraction: float = setting(0.0, "on a GPU, the share of its memory each worker "
                                               "may take (workers sharing one GPU); 0: no cap")
+    drain_timeout_s: float = setting(30.0, "a draining worker (SIGTERM, POST /admin/drain) "
+                                           "leaves after this long even with work left, "
+                                           "which resumes on other workers")
+    health_port: int = setting(0, "a health endpoint on 127.0.0.1 for probes inside its "
+                                  "container (python -m core.health); 0: none")
 
     def __post_init__(self) -> None:
         if self.ttft_ms_per_token < 0:
             raise ValueError("ttft_ms_per_token must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         if not 0 <= self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in [0, 1]")
 
@@ -187,7 +195,16 @@ class DecodeConfig(PoolConfig):
     max_running: int = setting(64, "sequences in one batch at most")
     chunk_tokens: int = setting(512, "prompt tokens per step when it prefills itself, beside "
                                      "the running sequences' next tokens")
-    kv_bind: str = setting("tcp://127.0.0.1:*", "where it receives KV")
+    kv_bind: str = setting("tcp://127.0.0.1:*", "where it receives KV: an address the prefill "
+                                                "workers can reach (an interface's own IP, not "
+                                                "0.0.0.0, since it is advertised as it is)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        host = urlsplit(self.kv_bind).hostname if "://" in self.kv_bind else None
+        if host in ("0.0.0.0", "::", "*"):
+            raise ValueError(f"decode.kv_bind {self.kv_bind!r} cannot be advertised to prefill "
+                             f"workers: bind one address they reach (tcp://10.0.0.5:*)")
 
 
 @dataclass(frozen=True)
@@ -204,6 +221,33 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.buffer_mb <= 0 or self.lease_s <= 0 or self.chunk_mb <= 0:
             raise ValueError("kv_transfer.buffer_mb, lease_s and chunk_mb must be positive")
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """The gateway's count of the workers each pool wants, `raging_pool_desired_workers{role}`
+    (gateway/autoscale.py): what an autoscaler (Kubernetes' HPA, launch.sh --autoscale) sizes
+    the pools by."""
+
+    ttft_slo_ms: float = setting(2000.0, "time to first token the prefill pool is sized to keep "
+                                         "(recent mean): over it, one worker more")
+    tpot_slo_ms: float = setting(250.0, "time per output token the decode pool is sized to "
+                                        "keep (recent mean): over it, one worker more")
+    prefill_queue_tokens: int = setting(4096, "prompt tokens waiting that one prefill worker "
+                                              "should have at most")
+    decode_kv_fraction: float = setting(0.8, "share of its KV blocks a decode worker should use "
+                                             "at most")
+    decode_batch_fraction: float = setting(0.8, "share of its batch (decode.max_running) a "
+                                                 "decode worker should fill at most")
+    scale_down_s: float = setting(60.0, "a pool shrinks, one worker at a time, only after "
+                                        "wanting fewer this long")
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0 and self.prefill_queue_tokens > 0
+                and 0 < self.decode_kv_fraction <= 1 and 0 < self.decode_batch_fraction <= 1
+                and self.scale_down_s >= 0):
+            raise ValueError("autoscale: SLOs and prefill_queue_tokens > 0, fractions in (0, 1], "
+                             "scale_down_s >= 0")
 
 
 @dataclass(frozen=True)
@@ -226,6 +270,8 @@ class InternalConfig:
 
     curve: bool = setting(False, "off: plain ZeroMQ, anyone who reaches a port may talk to it")
     keys_dir: str = setting("", "server.key_secret, client.key_secret, allowed_clients/*.key")
+    host: str = setting("", "the host this process reports: workers of one host hand KV over "
+                            "through shared memory, others over TCP; empty: the host name")
 
     def __post_init__(self) -> None:
         if self.curve and not self.keys_dir:
@@ -289,11 +335,19 @@ class Config:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     internal: InternalConfig = field(default_factory=InternalConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        for name, address in (("gateway.control_address", self.gateway.control_address),
+                              ("decode.kv_bind", self.decode.kv_bind)):
+            if not self.internal.curve and not is_local_endpoint(address):
+                raise ValueError(f"{name} {address!r} is reachable from other hosts: it needs "
+                                 f"internal.curve (launch.sh turns it on)")
 
     def pool(self, role: Role) -> PrefillConfig | DecodeConfig:
         """The section of the workers of `role`."""

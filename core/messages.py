@@ -225,6 +225,7 @@ class Heartbeat:
     progress: int = 0  # model layers computed since start: stops growing when the loop wedges
     holding: list[Held] = field(default_factory=list)  # every request the worker holds now
     rejected_peers: int = 0  # peers its server sockets turned away (CURVE), since start
+    draining: bool = False  # it takes no new work, and leaves once it holds none
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ class PrefillRequest(Keyed):
     # on decode, where choice i draws with `task.sampling.for_choice(i)` from its first token.
     siblings: list[str] = field(default_factory=list)
     traceparent: str = ""  # W3C trace context of the gateway's request span; "": not traced
+    decode_host: str = ""  # the decode worker's host: KV staged in shared memory only on its own
 
 
 @dataclass(frozen=True)
@@ -327,9 +329,24 @@ class RequestFailed(Keyed):
     retry: bool = False  # not the request's fault (its KV could not be handed off): serve it again
 
 
+@dataclass(frozen=True)
+class Drain:
+    """Gateway to worker (`POST /admin/drain/{worker}`), as SIGTERM is from its own host: take
+    no new work, finish what it holds, then leave."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Gateway to a draining worker: no request it was given is in flight any more (a decode
+    worker's next prompts may still be on a prefill worker, unknown to it; a prefill worker's
+    KV is in use once its decode worker has generated a token), so it may leave."""
+
+
 Message = (
     Register | RegisterReply | RegisterAgain | Leave | Heartbeat | PrefillRequest | DecodeRequest
-    | FirstToken | TokenBatch | Abort | RequestFailed | Alive
+    | FirstToken | TokenBatch | Abort | RequestFailed | Alive | Drain | Drained
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))
 encode = _CODEC.encode

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.channels import ControlServer
+from core.config import ROLES
 from core.curve import keys_for
 from gateway import auth
 from gateway.cluster import cluster_route
@@ -46,6 +47,7 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/health", service.health, methods=["GET"]),
             Route("/metrics", service.metrics, methods=["GET"]),
             Route("/v1/cluster", cluster_route(state), methods=["GET"]),
+            Route("/admin/drain/{worker}", service.drain, methods=["POST"]),
             *page_routes(),
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
@@ -67,16 +69,31 @@ class ServiceRoutes:
         registry = self.state.registry
         status = registry.health()
         stalled = sorted(w.worker_id for w in registry.workers.values() if w.stalled)
+        draining = sorted(w.worker_id for w in registry.workers.values() if w.draining)
         body = {"status": status, "prefill": len(registry.serving("prefill")),
-                "decode": len(registry.serving("decode")), "stalled": stalled}
+                "decode": len(registry.serving("decode")), "stalled": stalled,
+                "draining": draining}
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     async def metrics(self, request: Request) -> Response:
         dispatcher = self.state.dispatcher
+        desired = {role: self.state.autoscaler.desired(role) for role in ROLES}
         text = self.state.metrics.render(self.state.registry, dispatcher.control.dropped,
                                          dispatcher.aborts_sent, dispatcher.resumed,
-                                         rejected_peers=dispatcher.control.rejected_peers)
+                                         rejected_peers=dispatcher.control.rejected_peers,
+                                         desired=desired)
         return Response(text, media_type="text/plain; version=0.0.4")
+
+    async def drain(self, request: Request) -> Response:
+        """`POST /admin/drain/{worker}`: the worker takes no new work, finishes what it holds
+        and leaves (202; 404 for a worker not registered)."""
+        worker_id = request.path_params["worker"]
+        worker = self.state.dispatcher.drain(worker_id, "POST /admin/drain")
+        if worker is None:
+            raise not_found(f"no worker {worker_id[:100]!r} is registered")
+        return JSONResponse({"worker": worker.worker_id, "role": worker.role,
+                             "state": "draining", "requests": len(worker.active)},
+                            status_code=202)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": server_version()})

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 import re
 from collections.abc import Iterator, Sequence
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.config import AuthConfig, Config
+from core.netaddr import is_loopback
 from gateway.errors import APIError, error_response, unauthorized
 from gateway.page import PAGE_PATHS
 
@@ -219,16 +219,6 @@ def cache_salt(request: Request) -> str:
     """The prefix-cache salt of the request's tenant; "" when authentication is off."""
     tenant = tenant_of(request)
     return "" if tenant is None else tenant.cache_salt
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` serves this machine only (a host name counts as not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def log_auth_state(host: str, keys: KeyTable) -> None:

@@ -42,8 +42,11 @@ def worker_view(worker: WorkerInfo, now: float) -> dict[str, Any]:
 
 
 def _state(worker: WorkerInfo) -> str:
-    """"stalled" (not routed to), "unreachable" (its KV socket failed a sender until its next
-    heartbeat), "joining" (no heartbeat yet) or "serving"."""
+    """"draining" (finishing its work before it leaves), "stalled" (not routed to),
+    "unreachable" (its KV socket failed a sender until its next heartbeat), "joining" (no
+    heartbeat yet) or "serving"."""
+    if worker.draining:
+        return "draining"
     if worker.stalled:
         return "stalled"
     if worker.unreachable:

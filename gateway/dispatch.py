@@ -20,6 +20,8 @@ from core.logs import about
 from core.messages import (
     Abort,
     Alive,
+    Drain,
+    Drained,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -111,10 +113,19 @@ class Dispatcher:
                  extra=about(handle.key))
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
-            route.decode.kv_address, siblings or [], handle.traceparent))
+            route.decode.kv_address, siblings or [], handle.traceparent, route.decode.host))
         for worker in (route.prefill, route.decode):
             worker.active[handle.request_id] = len(task.prompt_ids)
             worker.active.update(dict.fromkeys(siblings or [], 0))
+
+    def drain(self, worker_id: str, why: str) -> WorkerInfo | None:
+        """Route nothing new to the worker, and ask it to finish what it holds and leave (None
+        when no such worker is registered)."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is not None:
+            self.registry.drain(worker, why)
+            self.control.send(worker_id, Drain(why))
+        return worker
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request that has not finished (client gone, stop string): tell its workers."""
@@ -139,16 +150,24 @@ class Dispatcher:
             await asyncio.sleep(interval_s)
             if time.monotonic() - started > interval_s + self.registry.heartbeat_timeout_s / 2:
                 continue  # this loop itself stalled: read the beats waiting before judging
-            for worker in self.registry.expire():
-                log.warning("%s sent no sign of life for %.1f s: declared dead",
-                            worker.worker_id, self.registry.heartbeat_timeout_s)
-                self._fail_worker_requests(worker, f"{worker.worker_id} died")
-            for worker in self.registry.newly_stalled():
-                log.error("%s is alive but has got nowhere for %.0f s: stalled",
-                          worker.worker_id, self.registry.stall_timeout_s)
-                self._fail_worker_requests(worker, f"{worker.worker_id} stalled")
-            self._resume_lost_tokens()
-            self._resume_unheld()
+            self.check_workers()
+
+    def check_workers(self) -> None:
+        """One round of the liveness watch: the requests of dead and stalled workers resume
+        elsewhere, lost tokens and requests no worker holds start over, and draining workers
+        with nothing in flight are told they may leave (every round: cheap, and never lost)."""
+        for worker in self.registry.expire():
+            log.warning("%s sent no sign of life for %.1f s: declared dead",
+                        worker.worker_id, self.registry.heartbeat_timeout_s)
+            self._fail_worker_requests(worker, f"{worker.worker_id} died")
+        for worker in self.registry.newly_stalled():
+            log.error("%s is alive but has got nowhere for %.0f s: stalled",
+                      worker.worker_id, self.registry.stall_timeout_s)
+            self._fail_worker_requests(worker, f"{worker.worker_id} stalled")
+        self._resume_lost_tokens()
+        self._resume_unheld()
+        for worker in self.registry.drained():
+            self.control.send(worker.worker_id, Drained())
 
     def _resume_lost_tokens(self) -> None:
         """A token that never came (its message lost) stalls its stream: start over from it."""

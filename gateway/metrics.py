@@ -16,7 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from core.config import ROLES
+from core.config import ROLES, Role
 from core.messages import STAGES, Stage
 from gateway.recent import RecentLatency
 from gateway.registry import ROUTE_PATHS, Registry
@@ -81,6 +81,11 @@ class Metrics:
         self.queued = Gauge("raging_requests_queued", "Requests waiting for their first token",
                             registry=r)
         self.workers = Gauge("raging_workers", "Live workers", ["role"], registry=r)
+        self.draining = Gauge("raging_workers_draining", "Live workers draining: no new work, "
+                              "they leave once done", ["role"], registry=r)
+        self.desired = Gauge("raging_pool_desired_workers", "Workers each pool wants, from the "
+                             "queues, KV use and latency against the SLOs (autoscale:)",
+                             ["role"], registry=r)
         self.kv_used = Gauge("raging_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_total = Gauge("raging_kv_blocks_total", "KV blocks", ["worker"], registry=r)
         self.running = Gauge("raging_worker_running", "Sequences running", ["worker"], registry=r)
@@ -118,7 +123,8 @@ class Metrics:
         self.stage.labels(stage).observe(seconds)
 
     def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
-               resumed: int = 0, rejected_peers: int = 0) -> bytes:
+               resumed: int = 0, rejected_peers: int = 0,
+               desired: dict[Role, int] | None = None) -> bytes:
         """The exposition text, with the per-worker gauges refreshed from the registry;
         `rejected_peers`: the gateway's own count of peers that failed CURVE authentication."""
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting,
@@ -126,7 +132,11 @@ class Metrics:
                       self.kernels):
             gauge.clear()
         for role in ROLES:
-            self.workers.labels(role).set(len(membership.alive(role)))
+            alive = membership.alive(role)
+            self.workers.labels(role).set(len(alive))
+            self.draining.labels(role).set(sum(w.draining for w in alive))
+            if desired is not None:
+                self.desired.labels(role).set(desired[role])
         for worker in membership.workers.values():
             name = worker.worker_id
             if worker.load is not None:

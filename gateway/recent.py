@@ -81,6 +81,16 @@ class RecentLatency:
     def _kept(self) -> int:
         return max(1, round(self.window_s / self.bucket_s))
 
+    def mean_s(self, series: str, last_s: float) -> float | None:
+        """The mean of `series` over the buckets of the last `last_s` (None without samples)."""
+        newest = self._number(self.clock())
+        oldest = newest - max(1, round(last_s / self.bucket_s)) + 1
+        total = Bucket()
+        for number, buckets in self.buckets.items():
+            if oldest <= number <= newest and series in buckets:
+                total.merge(buckets[series])
+        return total.total_s / total.count if total.count else None
+
     def snapshot(self) -> dict[str, Any]:
         """The window as JSON: its buckets, oldest first (each with its start time), and each
         series summed over the whole window."""

@@ -20,7 +20,8 @@ from gateway.totals import WorkerTotals
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
 ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
 # What happened to a worker's membership, as the registry saw it.
-EventKind = Literal["registered", "restarted", "refused", "left", "dead", "stalled", "recovered"]
+EventKind = Literal["registered", "restarted", "refused", "draining", "left", "dead", "stalled",
+                    "recovered"]
 _EVENT_MEMORY = 200  # the newest membership events kept
 
 
@@ -53,6 +54,7 @@ class WorkerInfo:
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
     wedged: bool = False  # stalled because its loop sent no heartbeat for the stall timeout
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
+    draining: bool = False  # takes no new work; leaves once it holds none
     host: str = ""  # the machine it said it runs on
     cpus: tuple[int, ...] = ()  # the CPUs it said it may run on (empty: not known)
     threads: int = 0  # its torch threads (0: not known)
@@ -166,6 +168,8 @@ class Registry:
         info.last_seen = info.reported_at = now
         info.load = message
         info.unreachable = False
+        if message.draining:
+            self.drain(info, "it said so")
         self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
         return True
 
@@ -200,22 +204,38 @@ class Registry:
             self._note("dead", worker, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
         return dead
 
+    def drain(self, worker: WorkerInfo, why: str) -> None:
+        """Route nothing new to `worker` from now on: it is draining."""
+        if not worker.draining:
+            worker.draining = True
+            self._note("draining", worker, why)
+
+    def drained(self) -> list[WorkerInfo]:
+        """The draining workers with no request in flight on them: they may leave."""
+        return [w for w in self.workers.values() if w.draining and not w.active]
+
     def remove(self, worker_id: str) -> WorkerInfo | None:
-        """A worker that said it is leaving."""
+        """A worker that said it is leaving. One that drained first was scaled down on
+        purpose: its pool is expected to be that much smaller from now on."""
         worker = self.workers.pop(worker_id, None)
         if worker is not None:
-            self._note("left", worker)
+            self._note("left", worker, "drained" if worker.draining else "")
+            if worker.draining:
+                serving = len(self.serving(worker.role))
+                self.expected[worker.role] = min(self.expected[worker.role], serving)
         return worker
 
     def alive(self, role: Role) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]
 
     def serving(self, role: Role) -> list[WorkerInfo]:
-        """The live workers of `role` that are making progress: the ones routed to."""
-        return [w for w in self.alive(role) if not w.stalled]
+        """The live workers of `role` that are making progress and not draining: the ones
+        routed to."""
+        return [w for w in self.alive(role) if not w.stalled and not w.draining]
 
     def ready(self) -> bool:
-        ready = all(len(self.serving(role)) >= n for role, n in self.expected.items())
+        ready = bool(self.serving("decode")) and all(
+            len(self.serving(role)) >= n for role, n in self.expected.items())
         self.was_ready = self.was_ready or ready
         return ready
 

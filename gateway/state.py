@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from core.config import Config, GenerationDefaults
 from core.tracing import Tracer
+from gateway.autoscale import Autoscaler
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
 from gateway.registry import Registry
@@ -39,6 +40,11 @@ class GatewayState:
     def served_names(self) -> tuple[str, ...]:
         """The names a request's `model` may give: gateway.served_model_name, else its own."""
         return self.config.gateway.served_model_name or (self.model_name,)
+
+    @functools.cached_property
+    def autoscaler(self) -> Autoscaler:
+        """The pools' wanted sizes (`raging_pool_desired_workers`), from this gateway's view."""
+        return Autoscaler(self.config.autoscale, self.registry, self.metrics.recent)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:

@@ -56,16 +56,19 @@ class KVSender:
         self.keys = keys
         self.sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self.unreachable: dict[str, float] = {}  # address: when a send gave up on it
-        self.counters = TransferCounters()
+        self.counters = TransferCounters()  # chunks sent by this backend's own means
+        self.inline = TransferCounters()  # a staging backend's chunks sent inline instead
         self.while_waiting: Callable[[], None] = lambda: None  # the worker's heartbeat
 
     def send_layers(self, address: str, request_id: str, epoch: int, layer_start: int,
-                    k: torch.Tensor, v: torch.Tensor, token_start: int = 0) -> None:
+                    k: torch.Tensor, v: torch.Tensor, token_start: int = 0,
+                    stage: bool = True) -> None:
         """Send K and V of layers layer_start.. ([layers, tokens, kv_heads, head_dim]) of the
-        tokens from position `token_start` of the request's prompt."""
+        tokens from position `token_start` of the request's prompt; `stage` False: inline in
+        the message, whatever the backend (a receiver on another host)."""
         started = time.perf_counter()
         socket = self._writable(address)
-        placed = self._place(k, v)
+        placed = self._place(k, v) if stage else None
         if placed is None:
             k, v = self._inline(k, v)
             k_bytes, v_bytes = as_bytes(k), as_bytes(v)
@@ -78,7 +81,16 @@ class KVSender:
             shape=list(k.shape), checksum=digest, placement=placement, token_start=token_start,
         )
         socket.send_multipart([FORWARD_CODEC.encode(header), *data], copy=False)
-        self.counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)
+        staged_here = placement is not None or self.backend == "zmq"
+        counters = self.counters if staged_here else self.inline
+        counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)
+
+    def totals(self) -> list[tuple[KVBackend, TransferCounters]]:
+        """The counters by the backend that moved the chunks: a staging backend's inline
+        chunks (a receiver on another host, a full buffer) count as zmq."""
+        if self.backend == "zmq" or not self.inline.chunks:
+            return [(self.backend, self.counters)]
+        return [(self.backend, self.counters), ("zmq", self.inline)]
 
     @property
     def staged(self) -> int:

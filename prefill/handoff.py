@@ -32,11 +32,14 @@ class LayerStream:
     marks only its own request."""
 
     def __init__(self, sender: KVSender, cache: PagedKVCache, fingerprint: str,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, host: str = "") -> None:
+        """`host`: this worker's; KV for a decode worker on another host goes inline (a
+        staging buffer of this host is out of its reach)."""
         self.sender = sender
         self.cache = cache
         self.fingerprint = fingerprint
         self.chunk_bytes = chunk_bytes
+        self.host = host
         self.outgoing: dict[RequestKey, _Outgoing] = {}
 
     def start(self, request: PrefillRequest, table: list[int]) -> None:
@@ -77,7 +80,8 @@ class LayerStream:
         k, v = self.cache.read_layers(out.next_layer, layer_end, out.table, out.end, out.sent)
         try:
             self.sender.send_layers(request.decode_address, request.request_id,
-                                    request.epoch, out.next_layer, k, v, out.sent)
+                                    request.epoch, out.next_layer, k, v, out.sent,
+                                    stage=request.decode_host in ("", self.host))
         except TransferError as exc:
             out.failure = str(exc)
         out.next_layer = layer_end

@@ -74,7 +74,7 @@ class PrefillWorker(Worker):
         self.sender = make_sender(self.context, config.kv_transfer, self.keys, runner.device)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
         self.stream = LayerStream(self.sender, runner.cache, identity.fingerprint,
-                                  int(config.kv_transfer.chunk_mb * 2**20))
+                                  int(config.kv_transfer.chunk_mb * 2**20), self.host)
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching
         self.jobs: dict[RequestKey, _Job] = {}  # the prompts in progress
@@ -274,7 +274,8 @@ class PrefillWorker(Worker):
             queued_tokens=self.scheduler.queued_tokens,
             free_blocks=self.cache.num_available, running=0,  # cached idle blocks count as free
             waiting=len(self.scheduler.waiting),
-            transfers=[TransferTotals(self.sender.backend, "send", **vars(self.sender.counters))],
+            transfers=[TransferTotals(backend, "send", **vars(counters))
+                       for backend, counters in self.sender.totals()],
             in_transfer=self.sender.staged, leases_expired=self.sender.leases_expired,
             progress=self.progress, holding=self.holding(),
         )
@@ -286,6 +287,10 @@ class PrefillWorker(Worker):
         requests += self.compiling.values()
         return [Held(*key) for r in requests if r.key not in self.aborted_in_step
                 for key in choice_keys(r)]
+
+    def drained(self) -> bool:
+        """No prompt held, and every chunk staged for a decode worker taken by it."""
+        return super().drained() and self.sender.staged == 0
 
     def close(self) -> None:
         self.grammars.close()

@@ -5,6 +5,14 @@
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
 #                     [--otlp-endpoint URL] [--log-format text|json]
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
+# Across hosts (docs/scaling.md):
+#   scripts/launch.sh --gateway-only --control tcp://0.0.0.0:8100 --keys DIR [--host 0.0.0.0]
+#       a gateway that waits for workers; DIR gets the cluster's CURVE keys (copy it to the
+#       other hosts)
+#   scripts/launch.sh --join tcp://GATEWAY:8100 --keys DIR --prefill N --decode M [--advertise IP]
+#       workers that join that gateway; decode workers receive KV on IP (default: this host's
+#       address on the route to the gateway). SIGTERM to launch.sh drains them: they take no
+#       new work, finish what they hold, and leave.
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
@@ -27,9 +35,9 @@ if (( BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1) ))
   echo "launch.sh needs bash 5.1 or newer" >&2; exit 2
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PREFILL=1 DECODE=1 HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
+PREFILL="" DECODE="" HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=auto KV_BACKEND="" LOG_FORMAT=""
-GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP=""
+GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP="" JOIN="" GATEWAY_ONLY=0 KEYS="" ADVERTISE=""
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -42,6 +50,10 @@ while [[ $# -gt 0 ]]; do
     --config) CONFIG="$2"; shift 2 ;;
     --model) MODEL="$2"; shift 2 ;;
     --control) CONTROL="$2"; shift 2 ;;   # default: a socket in the run folder
+    --join) JOIN="$2"; shift 2 ;;
+    --gateway-only) GATEWAY_ONLY=1; shift ;;
+    --keys) KEYS="$2"; shift 2 ;;
+    --advertise) ADVERTISE="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --prefill-cpus) PREFILL_CPUS="$2"; shift 2 ;;
     --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
@@ -55,13 +67,26 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
 done
-[[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[1-9][0-9]*$ ]] || { echo "--prefill, --decode and --colocated take positive counts" >&2; exit 2; }
-[[ $PREFILL -gt 0 || $COLOCATED == 1 ]] || { echo "--prefill 0: use --colocated N" >&2; exit 2; }
+DEFAULT_COUNT=$([[ -n "$JOIN" ]] && echo 0 || echo 1)  # a join starts only the workers it names
+PREFILL="${PREFILL:-$DEFAULT_COUNT}" DECODE="${DECODE:-$DEFAULT_COUNT}"
+[[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[0-9]+$ ]] || { echo "--prefill, --decode and --colocated take counts" >&2; exit 2; }
+if [[ -n "$JOIN" ]]; then
+  [[ $GATEWAY_ONLY == 0 && -z "$CONTROL" ]] || { echo "--join starts workers only: no --gateway-only or --control" >&2; exit 2; }
+  [[ -n "$KEYS" && -f "$KEYS/server.key" ]] || { echo "--join needs --keys DIR: the cluster's keys folder (from its gateway's host)" >&2; exit 2; }
+  [[ $(( PREFILL + DECODE )) -gt 0 ]] || { echo "--join: nothing to start (--prefill N and/or --decode M)" >&2; exit 2; }
+  CONTROL="$JOIN"
+elif [[ $GATEWAY_ONLY == 1 ]]; then
+  PREFILL=0 DECODE=0
+else
+  [[ $DECODE -gt 0 ]] || { echo "--decode and --colocated take positive counts" >&2; exit 2; }
+  [[ $PREFILL -gt 0 || $COLOCATED == 1 ]] || { echo "--prefill 0: use --colocated N" >&2; exit 2; }
+fi
 
 source "$ROOT/scripts/setup.sh"
 RUN_DIR="${RUN_DIR:-$ROOT/runs/$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$RUN_DIR"
 CONTROL="${CONTROL:-ipc://$RUN_DIR/control.sock}"
+WORKER_CONTROL="${CONTROL/\/\/0.0.0.0:/\/\/127.0.0.1:}"  # a gateway on every interface: reach it on loopback
 # Workers on the same CPUs compute in turn (core/turns.py), unless the settings say otherwise.
 COMMON=(--config "$CONFIG" --control-address "$CONTROL" --set "engine.cpu_turns_dir=$RUN_DIR/turns"
         "${SETTINGS[@]}")
@@ -69,10 +94,18 @@ COMMON=(--config "$CONFIG" --control-address "$CONTROL" --set "engine.cpu_turns_
 [[ -n "$KV_BACKEND" ]] && COMMON+=(--kv-backend "$KV_BACKEND")
 [[ -n "$OTLP" ]] && COMMON+=(--otlp-endpoint "$OTLP")
 [[ -n "$LOG_FORMAT" ]] && COMMON+=(--log-format "$LOG_FORMAT")
-# Fresh CURVE keys for this run (folder 0700, files 0600): only these processes may talk on the
-# internal sockets (control and KV); see core/curve.py.
-"$RAGING_PY" -m core.curve generate "$RUN_DIR/curve" >/dev/null
-COMMON+=(--set internal.curve=true --set "internal.keys_dir=$RUN_DIR/curve")
+# CURVE keys (folder 0700, files 0600): only processes holding them may talk on the internal
+# sockets (control and KV); see core/curve.py. Fresh for this run unless --keys names a folder
+# (made there if it has none yet, so that workers on other hosts can join with a copy).
+KEYS="${KEYS:-$RUN_DIR/curve}"
+[[ -f "$KEYS/server.key" ]] || "$RAGING_PY" -m core.curve generate "$KEYS" >/dev/null
+COMMON+=(--set internal.curve=true --set "internal.keys_dir=$KEYS")
+# Decode workers receive KV on an address the prefill workers reach: loopback for a cluster on
+# this host only, else this host's address on the route to the gateway (or --advertise).
+if [[ -z "$ADVERTISE" && "$CONTROL" == tcp://* && "$CONTROL" != tcp://127.* && "$CONTROL" != tcp://localhost:* ]]; then
+  ADVERTISE="$("$RAGING_PY" -m core.netaddr route-source "$CONTROL")"
+fi
+[[ -z "$ADVERTISE" || " ${SETTINGS[*]} " == *" decode.kv_bind="* ]] || COMMON+=(--set "decode.kv_bind=tcp://$ADVERTISE:*")
 
 # Prepare the model once, with a progress bar, before any worker needs it.
 "$RAGING_PY" -m engine --config "$CONFIG" ${MODEL:+--model "$MODEL"} "${SETTINGS[@]}" >/dev/null
@@ -138,13 +171,19 @@ device_args() {  # device_args INDEX: where worker INDEX (over both pools) runs,
 
 PIDS=()
 stop_all() {
-  local rc="${1:-$?}"
+  local rc="${1:-$?}" signal=TERM tries=50
   trap '' INT TERM  # a second Ctrl-C must not cut the clean-up short and orphan processes
   trap - EXIT
   [[ ${#PIDS[@]} -gt 0 ]] || exit "$rc"
-  echo "[launch] stopping ${#PIDS[@]} processes"
-  kill -TERM "${PIDS[@]}" 2>/dev/null || true
-  for _ in $(seq 50); do
+  if [[ -n "$JOIN" && $rc == 143 ]]; then  # SIGTERM to joined workers: they drain, then leave
+    echo "[launch] draining ${#PIDS[@]} workers"
+    tries=1500  # 5 minutes; each leaves by itself within its drain timeout
+  else  # Ctrl-C, or the gateway goes too: workers stop at once, their requests resume elsewhere
+    echo "[launch] stopping ${#PIDS[@]} processes"
+    signal=INT
+  fi
+  kill -"$signal" "${PIDS[@]}" 2>/dev/null || true
+  for _ in $(seq "$tries"); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [[ $alive == 0 ]] && break; sleep 0.2
   done
@@ -157,6 +196,20 @@ trap 'stop_all 130' INT
 trap 'stop_all 143' TERM
 trap stop_all EXIT
 
+wait_workers() {  # until every process started has exited (the gateway's exit ends the launch)
+  local live=("${PIDS[@]}") done_pid name
+  while [[ ${#live[@]} -gt 0 ]]; do
+    done_pid=""
+    wait -n -p done_pid "${live[@]}" || true
+    [[ -n "$done_pid" ]] || continue
+    live=($(printf '%s\n' "${live[@]}" | grep -vx "$done_pid" || true))
+    name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
+    echo "[launch] $name exited; see $RUN_DIR/$name.log"
+    [[ "$name" == gateway ]] && exit 1
+  done
+  exit 0
+}
+
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
   (cd "$ROOT" && exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
@@ -164,20 +217,41 @@ start() {  # start NAME ARGS...: one process, logged to its own file
   echo "$! $name" >> "$RUN_DIR/pids"
 }
 
-start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
-  --expect-prefill "$PREFILL" --expect-decode "$DECODE" "${GATEWAY_AUTH[@]}"
+TAG=""  # joining workers' ids name their host and this launch, so ids never clash
+[[ -z "$JOIN" ]] || TAG="$(hostname -s)-$$-"
+if [[ -z "$JOIN" ]]; then
+  EXPECT_DECODE=$(( GATEWAY_ONLY == 1 ? 1 : DECODE ))  # a lone gateway is ready once one joins
+  start gateway -m gateway "${COMMON[@]}" --host "$HOST" --port "$PORT" \
+    --expect-prefill "$PREFILL" --expect-decode "$EXPECT_DECODE" "${GATEWAY_AUTH[@]}"
+fi
+WORKER_ARGS=("${COMMON[@]}" --control-address "$WORKER_CONTROL")
 for i in $(seq 0 $((PREFILL - 1))); do
-  start "prefill-$i" -m prefill "${COMMON[@]}" --worker-id "prefill-$i" $(pin_args PREFILL_POOL "$i" "$PREFILL") \
-    $(device_args "$i")
+  start "prefill-$TAG$i" -m prefill "${WORKER_ARGS[@]}" --worker-id "prefill-$TAG$i" \
+    $(pin_args PREFILL_POOL "$i" "$PREFILL") $(device_args "$i")
 done
 for i in $(seq 0 $((DECODE - 1))); do
-  start "decode-$i" -m decode "${COMMON[@]}" --worker-id "decode-$i" $(pin_args DECODE_POOL "$i" "$DECODE") \
-    $(device_args "$((PREFILL + i))")
+  start "decode-$TAG$i" -m decode "${WORKER_ARGS[@]}" --worker-id "decode-$TAG$i" \
+    $(pin_args DECODE_POOL "$i" "$DECODE") $(device_args "$((PREFILL + i))")
 done
 
+if [[ -n "$JOIN" ]]; then
+  echo "[launch] $PREFILL prefill + $DECODE decode workers joining $JOIN (logs: $RUN_DIR)"
+  wait_workers
+fi
 URL="http://$HOST:$PORT"
+if [[ $GATEWAY_ONLY == 1 ]]; then
+  echo "[launch] gateway waits for workers at $CONTROL: scripts/launch.sh --join" \
+    "tcp://<this host>:${CONTROL##*:} --keys <a copy of $KEYS> --prefill N --decode M"
+fi
 echo "[launch] waiting for 1 gateway + $PREFILL prefill + $DECODE decode (logs: $RUN_DIR)"
-until curl -sf --max-time 2 -o /dev/null "$URL/health"; do
+answers() {  # whether the gateway is up: ready (/health), or up at all when it waits alone
+  if [[ $GATEWAY_ONLY == 1 ]]; then
+    [[ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "$URL/version")" != 000 ]]
+  else
+    curl -sf --max-time 2 -o /dev/null "$URL/health"
+  fi
+}
+until answers; do
   for pid in "${PIDS[@]}"; do
     if ! kill -0 "$pid" 2>/dev/null; then
       name="$(awk -v p="$pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
@@ -189,13 +263,4 @@ until curl -sf --max-time 2 -o /dev/null "$URL/health"; do
   sleep 0.5
 done
 echo "[launch] ready: $URL (OpenAI API at $URL/v1); Ctrl-C stops everything"
-LIVE=("${PIDS[@]}")
-while [[ ${#LIVE[@]} -gt 0 ]]; do
-  done_pid=""
-  wait -n -p done_pid "${LIVE[@]}" || true
-  [[ -n "$done_pid" ]] || continue
-  LIVE=($(printf '%s\n' "${LIVE[@]}" | grep -vx "$done_pid" || true))
-  name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
-  echo "[launch] $name exited; see $RUN_DIR/$name.log"
-  [[ "$name" == gateway ]] && exit 1
-done
+wait_workers

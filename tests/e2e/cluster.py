@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,6 +99,15 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
     finally:
         stop(launcher, run_dir)
         log.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until `check()` held, asked every 50 ms; fails the test after `timeout_s`."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
 
 
 def sse_events(response: httpx.Response) -> Iterator[Any]:

@@ -113,7 +113,7 @@ def test_a_long_compile_on_slowed_workers_kills_no_worker(cluster: Cluster, hogs
     assert len(samples) > 20
     for status, body in samples:
         assert (status, body) == (200, {"status": "ok", "prefill": 1, "decode": 1,
-                                        "stalled": []})
+                                        "stalled": [], "draining": []})
     gateway = cluster.log("gateway")
     assert "declared dead" not in gateway and "stalled" not in gateway, gateway
     compiles = {name: [float(s) for s in COMPILED.findall(cluster.log(name))]

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.cluster import ROOT, TEST_CONFIG, Cluster, alive, launch
+from tests.e2e.cluster import ROOT, TEST_CONFIG, Cluster, alive, launch, wait_for
 from tests.gateway.dashboard import missing_from
 
 MAX_TOKENS = 150  # 8 sequences of ~160 tokens need ~80 KV blocks of 16; the pool has 24
@@ -112,13 +112,6 @@ def watching(cluster: Cluster) -> Iterator[Watch]:
     finally:
         watch.stop.set()
         thread.join(timeout=30)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def restart(cluster: Cluster, name: str) -> subprocess.Popen[bytes]:

@@ -229,7 +229,7 @@ def test_without_keys_the_page_needs_none_and_shows_a_worker_leave(
     assert page.eval_on_selector_all("#model option", "o => o.map(x => x.value)") == [
         open_cluster.model]
     pid = open_cluster.pids()["decode-1"]
-    os.kill(pid, signal.SIGTERM)  # it says Leave as it stops; launch.sh keeps the others
+    os.kill(pid, signal.SIGINT)  # it says Leave as it stops; launch.sh keeps the others
     page.wait_for_function("() => [...document.querySelectorAll('#events li')]"
                            ".some(li => li.textContent.includes('decode-1 (decode') "
                            "&& li.textContent.includes(' left'))")

@@ -284,14 +284,6 @@ def test_command_line_keys_add_to_the_config() -> None:
     assert auth.with_keys(config, []) == config
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("example.com", False),
-])
-def test_loopback_hosts(host: str, loopback: bool) -> None:
-    assert auth.is_loopback(host) is loopback
-
-
 @pytest.mark.parametrize(("host", "keys", "warned"), [
     ("0.0.0.0", (), True), ("127.0.0.1", (), False), ("0.0.0.0", KEYS, False),
 ])

@@ -19,6 +19,8 @@ from core.channels import ControlClient, ControlServer
 from core.config import Role
 from core.messages import (
     Abort,
+    Drain,
+    Drained,
     FinishReason,
     FirstToken,
     GenerationTask,
@@ -859,6 +861,36 @@ def test_leave_removes_the_worker_and_fails_its_requests(tmp_path: Path) -> None
             assert await next_event(on_decode) == Event(None, "error", STOPPED)
             assert await next_event(on_prefill) == Event(None, "error", STOPPED)
             assert gw.registry.workers == {} and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+def test_a_drained_worker_finishes_its_requests_and_leaves_without_a_resume(
+        tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            assert gw.dispatcher.drain("d9", "asked") is None  # not registered
+            drained = gw.dispatcher.drain("d1", "asked")
+            assert drained is not None and drained.worker_id == "d1"
+            assert await decode.expect(1) == [Drain("asked")]
+            assert gw.registry.workers["d1"].draining
+            with pytest.raises(APIError) as refused:  # no other decode worker for new work
+                gw.dispatcher.submit(TASK)
+            assert refused.value.status == 503
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            gw.dispatcher.check_workers()
+            assert await decode.flush() == []  # its request is on its way: not yet
+            decode.tokens(handle.request_id, (1, 6, "length"))
+            assert [await next_event(handle) for _ in range(2)] == [
+                Event(5, None), Event(6, "length")]
+            gw.dispatcher.check_workers()
+            assert await decode.expect(1) == [Drained()]
+            decode.send(Leave("d1", "i0"))
+            assert await decode.flush() == [] and await prefill.flush() == []
+            assert "d1" not in gw.registry.workers and gw.dispatcher.resumed == 0
+            assert gw.registry.expected["decode"] == 0
 
     asyncio.run(body())
 

@@ -145,7 +145,7 @@ def test_ready_by_expected_counts() -> None:
     assert reg.ready()
     reg.remove("d1")
     assert not reg.ready()
-    assert registry(prefill=0, decode=0).ready()
+    assert not registry(prefill=0, decode=0).ready()  # no decode worker: nothing is served
 
 
 def test_health_tells_starting_from_degraded_from_unavailable() -> None:
@@ -669,3 +669,38 @@ def test_prefill_ties_go_by_id_not_by_registration_order() -> None:
     for worker_id in ("prefill-1", "prefill-0"):  # the second started registers first
         reg.register(placed(worker_id, "prefill", cpus=(0,)))
     assert {prefill for prefill, _ in dispatch(reg, 3)} == {"prefill-0"}
+
+
+def test_a_draining_worker_gets_no_new_work_and_its_leave_shrinks_the_pool() -> None:
+    reg = registry(prefill=1, decode=2)
+    for worker_id in ("d1", "d2"):
+        reg.register(register(worker_id, "decode"))
+    reg.register(register("p1"))
+    assert reg.health() == "ok"
+    reg.heartbeat(Heartbeat("d2", "i0", 0, 100, 0, 0, draining=True))
+    assert reg.workers["d2"].draining
+    assert [w.worker_id for w in reg.serving("decode")] == ["d1"]
+    assert {picked(reg.pick_decode()) for _ in range(5)} == {"d1"}
+    assert reg.health() == "degraded"  # draining: expected back only once it has left
+    reg.remove("d2")
+    assert reg.expected["decode"] == 1 and reg.health() == "ok"
+    assert [(e.kind, e.worker_id, e.detail) for e in reg.events][-2:] == [
+        ("draining", "d2", "it said so"), ("left", "d2", "drained")]
+
+
+def test_a_worker_that_leaves_without_draining_is_still_expected() -> None:
+    reg = registry(prefill=1, decode=2)
+    for worker_id in ("d1", "d2"):
+        reg.register(register(worker_id, "decode"))
+    reg.register(register("p1"))
+    reg.remove("d2")
+    assert reg.expected["decode"] == 2 and reg.health() == "degraded"
+
+
+def test_no_decode_worker_is_never_ready_whatever_is_expected() -> None:
+    reg = registry(prefill=0, decode=0)
+    assert not reg.ready() and reg.health() == "starting"
+    reg.register(register("d1", "decode"))
+    assert reg.health() == "ok"
+    reg.drain(reg.workers["d1"], "asked")
+    assert reg.health() == "unavailable" and reg.pick_decode() is None

@@ -144,6 +144,21 @@ def test_a_chunk_larger_than_the_buffer_goes_inline_at_once(
     assert shm_sender.inline_fallbacks == 1 and shm_sender.ring.in_use == 0
 
 
+def test_a_receiver_on_another_host_gets_its_chunks_inline_counted_as_zmq(
+    receiver: KVReceiver, shm_sender: ShmKVSender,
+) -> None:
+    k, v = kv(4)
+    shm_sender.send_layers(receiver.address, "far", 0, 0, k, v, stage=False)
+    shm_sender.send_layers(receiver.address, "near", 0, 0, k, v)
+    far, near = payloads(receive(receiver, 2))
+    assert far.header.placement is None and not far.borrowed
+    assert torch.equal(far.k, k) and torch.equal(far.v, v)
+    assert near.header.placement is not None and near.borrowed
+    assert shm_sender.inline_fallbacks == 0  # asked for, not a fallback
+    totals = {backend: counters.chunks for backend, counters in shm_sender.totals()}
+    assert totals == {"shm": 1, "zmq": 1}
+
+
 def test_a_full_buffer_goes_inline_after_a_moment_instead_of_blocking(
     receiver: KVReceiver, shm_sender: ShmKVSender,
 ) -> None:

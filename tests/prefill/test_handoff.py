@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -197,6 +197,42 @@ def test_each_layer_streams_during_the_forward_then_the_first_token(
         assert sender.counters.failures == 0
         assert getattr(sender, "inline_fallbacks", 0) == 0  # shm placed every chunk
     finally:
+        for table in tables:
+            runner.allocator.free(table)
+
+
+def test_kv_for_a_decode_worker_on_another_host_goes_inline(
+        runner: ModelRunner, context: zmq.Context, receiver: KVReceiver) -> None:
+    """Shared memory reaches a decode worker on this host only: the KV for one on another
+    goes in the messages, over the same socket, and counts as zmq."""
+    num_layers = runner.spec.num_layers
+    sender = make_sender(context, KVTransferConfig(backend="shm", buffer_mb=1))
+    near = replace(prefill_request("a", receiver.address), decode_host="host-a")
+    far = replace(prefill_request("b", receiver.address), decode_host="host-b")
+    tables = allocate(runner, [near, far])
+    placed: dict[str, list[bool]] = {"a": [], "b": []}
+
+    def keep(item: KVItem) -> None:
+        if isinstance(item, KVPayload):
+            placed[item.header.request_id].append(item.header.placement is not None)
+
+    try:
+        stream = LayerStream(sender, runner.cache, FINGERPRINT, ONE_LAYER, "host-a")
+        for request, table in zip([near, far], tables, strict=True):
+            stream.start(request, table)
+        stream.begin_step({r.key: len(r.task.prompt_ids) for r in (near, far)})
+        for first in run_prefill(runner, stream, [near, far], tables, stream.send_layer):
+            assert stream.finish(first) is None
+        deadline = time.monotonic() + WAIT_S
+        while sum(map(len, placed.values())) < 2 * num_layers:
+            assert time.monotonic() < deadline, placed
+            receiver.fileno_socket().poll(50)
+            receiver.drain(keep)
+        assert placed == {"a": [True] * num_layers, "b": [False] * num_layers}
+        assert {backend: c.chunks for backend, c in sender.totals()} == {
+            "shm": num_layers, "zmq": num_layers}
+    finally:
+        sender.close()
         for table in tables:
             runner.allocator.free(table)
 
