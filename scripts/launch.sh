@@ -13,6 +13,8 @@
 #       workers that join that gateway; decode workers receive KV on IP (default: this host's
 #       address on the route to the gateway). SIGTERM to launch.sh drains them: they take no
 #       new work, finish what they hold, and leave.
+# --autoscale MIN:MAX: each pool sized by the gateway's raging_pool_desired_workers, between MIN
+#   and MAX workers, by starting workers on this host and draining them (docs/scaling.md)
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
 # Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
@@ -38,6 +40,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL="" DECODE="" HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=auto KV_BACKEND="" LOG_FORMAT=""
 GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP="" JOIN="" GATEWAY_ONLY=0 KEYS="" ADVERTISE=""
+AUTOSCALE=""
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -54,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --gateway-only) GATEWAY_ONLY=1; shift ;;
     --keys) KEYS="$2"; shift 2 ;;
     --advertise) ADVERTISE="$2"; shift 2 ;;
+    --autoscale) AUTOSCALE="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --prefill-cpus) PREFILL_CPUS="$2"; shift 2 ;;
     --decode-cpus) DECODE_CPUS="$2"; shift 2 ;;
@@ -71,6 +75,7 @@ DEFAULT_COUNT=$([[ -n "$JOIN" ]] && echo 0 || echo 1)  # a join starts only the 
 PREFILL="${PREFILL:-$DEFAULT_COUNT}" DECODE="${DECODE:-$DEFAULT_COUNT}"
 [[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[0-9]+$ ]] || { echo "--prefill, --decode and --colocated take counts" >&2; exit 2; }
 if [[ -n "$JOIN" ]]; then
+  [[ -z "$AUTOSCALE" ]] || { echo "--autoscale runs beside a gateway, not with --join" >&2; exit 2; }
   [[ $GATEWAY_ONLY == 0 && -z "$CONTROL" ]] || { echo "--join starts workers only: no --gateway-only or --control" >&2; exit 2; }
   [[ -n "$KEYS" && -f "$KEYS/server.key" ]] || { echo "--join needs --keys DIR: the cluster's keys folder (from its gateway's host)" >&2; exit 2; }
   [[ $(( PREFILL + DECODE )) -gt 0 ]] || { echo "--join: nothing to start (--prefill N and/or --decode M)" >&2; exit 2; }
@@ -263,4 +268,12 @@ until answers; do
   sleep 0.5
 done
 echo "[launch] ready: $URL (OpenAI API at $URL/v1); Ctrl-C stops everything"
+if [[ -n "$AUTOSCALE" ]]; then  # workers it starts join like any other, on this host's CPUs
+  JOIN_ARGS=(--config "$CONFIG" ${MODEL:+--model "$MODEL"} ${KV_BACKEND:+--kv-backend "$KV_BACKEND"}
+             ${OTLP:+--otlp-endpoint "$OTLP"} ${LOG_FORMAT:+--log-format "$LOG_FORMAT"}
+             --set "engine.cpu_turns_dir=$RUN_DIR/turns" "${SETTINGS[@]}")
+  start autoscaler -m autoscaler --url "${URL/\/\/0.0.0.0:/\/\/127.0.0.1:}" \
+    --control "$WORKER_CONTROL" --keys "$KEYS" --bounds "$AUTOSCALE" --base "$PREFILL:$DECODE" \
+    --run-dir "$RUN_DIR" "${GATEWAY_AUTH[@]}" -- "${JOIN_ARGS[@]}"
+fi
 wait_workers

@@ -149,3 +149,42 @@ def test_a_sigterm_drains_an_idle_worker_and_its_pool_shrinks(tiny_model_dir: Pa
         assert pools(cluster) == (1, 1)
         assert httpx.get(cluster.url + "/health", timeout=5).json()["status"] == "ok"
         assert "drained in" in cluster.log("decode-1")
+
+
+# Two sequences a decode worker before it wants another; back down 2 s after the load ends.
+AUTOSCALE_CONFIG: dict[str, Any] = {
+    **CONFIG, "autoscale": {"decode_batch_fraction": 0.5, "scale_down_s": 2.0,
+                            "tpot_slo_ms": 60000.0, "ttft_slo_ms": 60000.0}}
+
+
+def test_autoscale_grows_the_decode_pool_under_load_and_drains_it_after(
+        tiny_model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
+        reference: Callable[[list[int], int], list[int]]) -> None:
+    expected = {p: decode_text(tokenizer, reference(tokenizer.encode(p), LONG),
+                               skip_special_tokens=True) for p in PROMPTS}
+    with launch(tmp_path, tiny_model_dir, 1, 1, AUTOSCALE_CONFIG,
+                flags=["--autoscale", "1:3"]) as cluster, ThreadPoolExecutor(8) as pool:
+        done: list[tuple[str, dict[str, Any]]] = []
+        grown = {"now": False}
+
+        def client(prompt: str) -> None:
+            while not grown["now"]:  # streams one after another until the pool has grown
+                done.append((prompt, stream(cluster, prompt, LONG)))
+
+        clients = [pool.submit(client, p) for p in PROMPTS]
+        try:
+            grow_s = wait_for(lambda: pools(cluster)[1] == 3, JOIN_TIMEOUT_S, "3 decode workers")
+        finally:
+            grown["now"] = True
+        for future in clients:
+            future.result(timeout=JOIN_TIMEOUT_S)
+        shrink_s = wait_for(lambda: pools(cluster) == (1, 1), JOIN_TIMEOUT_S, "1P+1D again")
+        assert cluster.metric("raging_pool_desired_workers", 'role="decode"') == 1
+        assert cluster.metric("raging_requests_resumed_total") == 0
+        log = cluster.log("autoscaler")
+    assert log.count("decode pool: started a worker") == 2
+    assert log.count("decode pool: draining a worker") == 2
+    assert done and all(r["errors"] == [] and r["done"] for _, r in done)
+    assert all(r["text"] == expected[p] for p, r in done)
+    print(f"autoscale: 1 -> 3 decode workers in {grow_s:.1f} s under load, "
+          f"back to 1 in {shrink_s:.1f} s after; {len(done)} streams")
