@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from autoscaler.pools import Bounds
+from bench import steps
 from bench.client import served_model
 from bench.goodput_results import (
     GoodputPlan,
@@ -66,6 +68,7 @@ DEFAULT_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 6.0), "humaneval": (1.0, 2.0, 3.0,
                  "mixed": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)}
 QUICK_RATES = {"chat": (1.0, 3.0), "humaneval": (2.0, 4.0), "mixed": (0.5, 1.5)}
 PROBE_OUTPUT = 16
+SWEEP_S, STEP_S = 15.0, 40.0  # seconds of arrivals per rate; per phase of --autoscale's load
 SATURATED = 0.5  # attainment under LOOSE x a mode's own SLO below which its sweep stops
 LOOSE = 2.0
 
@@ -102,7 +105,8 @@ def saturated(slo: Slo, run: LoadRun) -> bool:
     return not attainment(slo.scaled(LOOSE), samples(run)) >= SATURATED
 
 
-async def _probe(client: httpx.AsyncClient, model: str, probes: Sequence[RequestSpec]) -> Unloaded:
+async def probe_unloaded(client: httpx.AsyncClient, model: str,
+                         probes: Sequence[RequestSpec]) -> Unloaded:
     """One request at a time; the first warms the server up and is not counted."""
     run = await run_load(client, model, probes, Load(concurrency=1, request_timeout_s=300),
                          "unloaded")
@@ -146,7 +150,7 @@ async def _sweep(client: httpx.AsyncClient, model: str, session: Session, worklo
 async def _measure(url: str, session: Session) -> tuple[Unloaded, tuple[RateRun, ...]]:
     async with open_client(url, None, 600.0) as client:
         model = await served_model(client)
-        unloaded = await _probe(client, model, session.probes)
+        unloaded = await probe_unloaded(client, model, session.probes)
         session.step(1)
         own = unloaded.slo(session.plan.ttft_factor, session.plan.tpot_factor)
         runs = []
@@ -201,6 +205,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("goodput", help="SLO goodput: disaggregated vs colocated",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--autoscale", metavar="MIN:MAX", default=None,
+                        help="instead of the sweeps: a step load (chats, long prompts, chats; "
+                             "--rates CHAT,LONG, default 2,0.3) against fixed 1P+1D, fixed "
+                             "coloc-1x2, and 1P+1D autoscaled between MIN and MAX workers a pool")
     parser.add_argument("--modes", type=_names(tuple(MODES)), default=tuple(MODES),
                         help="comma-separated, from: " + ", ".join(MODES))
     parser.add_argument("--workloads", type=_names(GOODPUT_WORKLOADS),
@@ -210,8 +218,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--compare-rate", type=float,
                         help="the rate of the TPOT CDFs and p99 comparison, run by every mode "
                              "(default: each workload's second rate)")
-    parser.add_argument("--duration", type=float, default=15.0,
-                        help="seconds of arrivals per rate (default: %(default)s)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds of arrivals per rate (default 15; --autoscale: per "
+                             "phase, default 40)")
     parser.add_argument("--min-requests", type=int, help="per rate (default 10; --quick 8)")
     parser.add_argument("--output-len", type=int, default=48,
                         help="humaneval: output tokens; chat, mixed: the cap on their outputs")
@@ -240,7 +249,7 @@ def make_plan(args: argparse.Namespace) -> GoodputPlan:
     workloads = tuple(Workload(name, output_len=args.output_len, long_share=args.long_share,
                                seed=args.seed, max_output_len=args.output_len)
                       for name in names)
-    return GoodputPlan(args.modes, workloads, rates, compare, duration_s=args.duration,
+    return GoodputPlan(args.modes, workloads, rates, compare, duration_s=args.duration or SWEEP_S,
                        min_requests=args.min_requests or (8 if args.quick else 10),
                        ttft_factor=args.ttft_factor, tpot_factor=args.tpot_factor)
 
@@ -249,11 +258,17 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     """Check the flags and build the plan; the returned job measures every mode."""
     if args.rates is not None and (not args.rates or min(args.rates) <= 0):
         raise ValueError("--rates must be positive")
-    if min(args.output_len, args.min_requests or 1) < 1 or args.duration <= 0:
+    if min(args.output_len, args.min_requests or 1) < 1 or (args.duration or 1) <= 0:
         raise ValueError("--output-len, --min-requests and --duration must be positive")
-    plan = make_plan(args)
     out = args.out or ROOT / "runs" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}"
     command = ("python -m bench", *argv)
+    if args.autoscale is not None:
+        Bounds.parse(args.autoscale)  # ValueError with the reason
+        chat_rate, long_rate = args.rates if args.rates and len(args.rates) == 2 else (2.0, 0.3)
+        duration = args.duration or STEP_S
+        return lambda: steps.run(args.autoscale, duration, chat_rate, long_rate,
+                                 args.output_len, command, out)
+    plan = make_plan(args)
     return lambda: run(plan, command, out)
 
 
