@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import sys
 import time
 from collections.abc import Sequence
@@ -146,15 +147,18 @@ def plot(plan: Sequence[Phase], measured: Sequence[LayoutRun], slo: Slo, path: P
     for k, layout in enumerate(measured):
         values = [100 * summary(slo, run)["attainment"] for run in layout.runs]
         bars.bar([i + k * width for i in range(len(plan))], values, width, label=layout.name)
-        if layout.pools:
+        if len({(p, d) for _, p, d in layout.pools}) > 1:  # only pools that changed size
             times = [t for t, _, _ in layout.pools]
             sizes.step(times, [p for _, p, _ in layout.pools], where="post",
                        label=f"{layout.name}: prefill")
             sizes.step(times, [d for _, _, d in layout.pools], where="post",
                        label=f"{layout.name}: decode")
+    for end in itertools.accumulate(p.duration_s for p in plan[:-1]):
+        sizes.axvline(end, color="grey", linestyle=":")
     bars.set_xticks([i + 0.4 - width / 2 for i in range(len(plan))], [p.name for p in plan])
     bars.set(ylabel="% of requests within SLO", ylim=(0, 105), title="SLO attainment per phase")
-    sizes.set(xlabel="seconds into the load", ylabel="serving workers", title="pool sizes")
+    sizes.set(xlabel="seconds into the load (dotted: the phases' ends)",
+              ylabel="serving workers", title="pool sizes that changed")
     for axes in (bars, sizes):
         axes.legend(fontsize="x-small")
     figure.tight_layout()
