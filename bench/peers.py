@@ -91,6 +91,7 @@ LLAMA_CPP_CMAKE = (
 VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec")  # see install_vllm
 DEFAULT_PEERS_DIR = Path("~/.cache/raging/peers")
 STAMP = ".installed"
+VLLM_AVX2 = Path(__file__).with_name("vllm_avx2")  # its sitecustomize: vLLM's AVX2 kernels
 VLLM_KV_CACHE_GIB = 2  # 45k tokens of fp32 KV for SmolLM2-135M; the runs hold under 9k
 LLAMA_CPP_SLOT_TOKENS = 512  # context per slot: 203 prompt + 64 output tokens, and room
 # raging's own files in a prepared folder, which another server must not be shown
@@ -297,7 +298,8 @@ def cpu_list(cpus: Sequence[int]) -> str:
 def vllm_server(venv: Path, folder: Path, model: str, port: int,
                 cpus: Sequence[int]) -> PeerServer:
     """vLLM's OpenAI server of the HF `folder` in float32, pinned to `cpus`: with taskset,
-    its OpenMP threads one to each CPU (VLLM_CPU_OMP_THREADS_BIND)."""
+    its OpenMP threads one to each CPU (VLLM_CPU_OMP_THREADS_BIND). With torch capped at AVX2
+    (ATEN_CPU_CAPABILITY=avx2), vLLM's own kernels are its AVX2 build (bench/vllm_avx2)."""
     listed = cpu_list(cpus)
     # vLLM's API server as a module: the `vllm` command asks for the version of a package
     # named vllm, which this one (vllm-cpu) is not.
@@ -306,6 +308,8 @@ def vllm_server(venv: Path, folder: Path, model: str, port: int,
                "--served-model-name", model, "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(port))
     env = {"VLLM_CPU_OMP_THREADS_BIND": listed, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":  # its own kernels at AVX2 too
+        env["PYTHONPATH"] = str(VLLM_AVX2)
     return PeerServer("vllm", PEER_LABELS["vllm"], VLLM_PACKAGE.split("==")[1], command, env,
                       port, str(folder))
 

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,19 @@ def test_vllm_command_pins_the_cpus_and_serves_the_folder_in_float32() -> None:
     assert server.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     assert server.url == "http://127.0.0.1:8123" and server.label == "vllm-cpu"
     assert server.version == peers.VLLM_PACKAGE.split("==")[1]
+
+
+def test_with_torch_capped_at_avx2_vllm_runs_its_avx2_kernels_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    server = vllm_server(Path("/p/venv"), Path("/p/models/M"), "M", 8123, (0, 1))
+    assert server.env["PYTHONPATH"] == str(peers.VLLM_AVX2)
+    env = peers.peer_env(server.env)
+    seen = subprocess.run(  # what vLLM's kernel choice reads, under that environment
+        [sys.executable, "-c", "import torch; print(torch.cpu._is_avx512_supported(), "
+         "torch.cpu._is_avx512_bf16_supported())"], env=env, capture_output=True, text=True,
+        check=True, timeout=120).stdout.split()
+    assert seen == ["False", "False"]
 
 
 def test_llamacpp_command_has_a_slot_per_stream_and_a_thread_per_cpu() -> None:
