@@ -28,7 +28,8 @@
 # --kv-backend picks how prefill hands KV to decode: auto (default: cuda_ipc from a worker on a
 # GPU, else shm), shm (one host), zmq, cuda_ipc. On a host with several GPUs, workers spread
 # over them round robin, prefill first (unless --set model.device=... says where).
-# Internal sockets are authenticated and encrypted (CURVE) with keys made fresh in <run>/curve.
+# Internal sockets are authenticated and encrypted (CURVE) with keys made fresh in <run>/curve
+# (or those of --keys DIR).
 # --api-key / --api-key-file go to the gateway only; with neither (nor auth: in the config)
 # the API is open. Prefer the file: other users can read command lines with ps.
 # --otlp-endpoint: every process exports its spans of each request to this OTLP/HTTP collector.
