@@ -101,6 +101,7 @@ class Worker(ABC):
         self.host = host_name(config.internal.host)
         self.drain_timeout_s = config.pool(identity.role).drain_timeout_s
         self.drain_asked = ""  # why a drain was asked for (SIGTERM), until it begins
+        self.sigterms = 0  # received: the second one stops at once
         self.draining_since: float | None = None  # monotonic; None: not draining
         self.released = False  # a draining worker's gateway has nothing in flight on it
         self.registered = False
@@ -266,11 +267,13 @@ class Worker(ABC):
         self.stopping = True
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        """The first SIGTERM drains (the loop begins it); a second one stops at once."""
-        if self.draining or self.drain_asked:
+        """The first SIGTERM drains (the loop begins it, unless a drain began already); a
+        second one stops at once."""
+        if self.sigterms:
             self.stopping = True
         else:
             self.drain_asked = "SIGTERM"
+        self.sigterms += 1
 
     def close(self) -> None:
         """Tell the gateway this worker is leaving (so it stops routing here), then close."""

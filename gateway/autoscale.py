@@ -10,7 +10,8 @@ The rule (docs/scaling.md, "Autoscaling"), each time it is asked:
   recent TPOT is over its SLO;
 - each pool at least one worker (prefill: where it has any, or expects any);
 - a pool grows at once, and shrinks by one worker only after it has wanted fewer for
-  `scale_down_s` without missing its SLO (so a lull between bursts does not shed capacity).
+  `scale_down_s` without missing its SLO (so a lull between bursts does not shed capacity);
+  the wish to shrink stays until the pool has shrunk, and the next waits `scale_down_s` again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Autoscaler:
         self.recent = recent
         self.clock = clock
         self.fewer_since: dict[Role, float | None] = {"prefill": None, "decode": None}
+        # A step down, once decided, until the pool has made it: every reader of the metric
+        # (Prometheus, launch.sh --autoscale) sees the same wish, however often it asks.
+        self.shrink_to: dict[Role, int | None] = {"prefill": None, "decode": None}
 
     def desired(self, role: Role) -> int:
         """The workers `role`'s pool wants now."""
@@ -41,14 +45,20 @@ class Autoscaler:
         load, missed = (self._prefill() if role == "prefill" else self._decode())
         wanted = max(load, serving + 1 if missed else 0, self._floor(role, serving))
         if wanted >= serving or missed:
-            self.fewer_since[role] = None
+            self.fewer_since[role] = self.shrink_to[role] = None
             return wanted
+        shrink_to = self.shrink_to[role]
+        if shrink_to is not None:
+            if serving > shrink_to:
+                return shrink_to
+            self.shrink_to[role] = None
+            self.fewer_since[role] = self.clock()  # made: the next step waits from now
         since = self.fewer_since[role]
         if since is None:
             self.fewer_since[role] = since = self.clock()
         if self.clock() - since < self.config.scale_down_s:
             return serving
-        self.fewer_since[role] = self.clock()  # the next step down waits as long again
+        self.shrink_to[role] = serving - 1
         return serving - 1
 
     def _prefill(self) -> tuple[int, bool]:

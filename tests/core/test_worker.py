@@ -170,6 +170,25 @@ def test_a_drain_that_runs_out_of_time_leaves_with_work_held(address: str,
     assert not thread.is_alive()
 
 
+def test_a_sigterm_to_a_worker_draining_already_does_not_stop_it(
+        address: str, restore_signals: None) -> None:
+    gateway, worker = Gateway(address), Holder(address)
+    worker.held = [Held("r1", 0)]
+    thread = running(worker)
+    gateway.next(Register)
+    gateway.send(Drain("POST /admin/drain"))
+    beat = gateway.next(Heartbeat)
+    while isinstance(beat, Heartbeat) and not beat.draining:
+        beat = gateway.next(Heartbeat)
+    os.kill(os.getpid(), signal.SIGTERM)  # its launch.sh's, a moment later: not a second one
+    time.sleep(0.3)
+    assert thread.is_alive() and not worker.stopping
+    worker.held = []
+    gateway.send(Drained())
+    assert isinstance(gateway.next(Leave), Leave)
+    thread.join(WAIT_S)
+
+
 def test_sigint_stops_without_draining(address: str, restore_signals: None) -> None:
     gateway, worker = Gateway(address), Holder(address)
     worker.held = [Held("r1", 0)]

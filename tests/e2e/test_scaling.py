@@ -107,6 +107,8 @@ def test_a_live_cluster_scales_up_and_down_under_64_streams(
             mine = [w["id"] for w in workers(cluster)
                     if w["role"] == "decode" and w["id"] != "decode-0"]
             assert len(mine) == 2
+            wait_for(lambda: sum(w["requests"] for w in workers(cluster) if w["id"] in mine) > 0,
+                     JOIN_TIMEOUT_S, "streams on the joined decode workers")
             refused = httpx.post(f"{cluster.url}/admin/drain/{mine[0]}", timeout=5)
             assert refused.status_code == 401  # behind the API key
             missing = cluster.client.post("/admin/drain/decode-nobody")

@@ -93,6 +93,9 @@ def test_a_pool_shrinks_one_worker_at_a_time_and_only_after_wanting_fewer_throug
     assert scaler.desired("decode") == 4
     clock.now += 2
     assert scaler.desired("decode") == 3  # one at a time
+    assert scaler.desired("decode") == 3  # the same to every reader until it is made
+    clock.now += 40
+    assert scaler.desired("decode") == 3  # and no further step before it is
     registry.remove("d3")
     assert scaler.desired("decode") == 3
     clock.now += 31
