@@ -77,6 +77,11 @@ def workers(cluster: Cluster) -> list[dict[str, Any]]:
     return cluster.client.get("/v1/cluster").json()["workers"]
 
 
+def queued(worker: dict[str, Any]) -> int:
+    """Requests a worker's last heartbeat said wait behind its full batch."""
+    return worker["waiting"] or 0
+
+
 def test_a_live_cluster_scales_up_and_down_under_64_streams(
         tiny_model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
         reference: Callable[[list[int], int], list[int]]) -> None:
@@ -107,8 +112,12 @@ def test_a_live_cluster_scales_up_and_down_under_64_streams(
             mine = [w["id"] for w in workers(cluster)
                     if w["role"] == "decode" and w["id"] != "decode-0"]
             assert len(mine) == 2
-            wait_for(lambda: sum(w["requests"] for w in workers(cluster) if w["id"] in mine) > 0,
-                     JOIN_TIMEOUT_S, "streams on the joined decode workers")
+            # A queue behind a full batch (from heartbeats: what the worker itself holds) is a
+            # whole long stream's work left to finish when the drain begins.
+            wait_for(lambda: any(queued(w) for w in workers(cluster) if w["id"] in mine),
+                     JOIN_TIMEOUT_S, "a queue on a joined decode worker")
+            backlog = {w["id"]: queued(w) for w in workers(cluster)}
+            mine.sort(key=lambda worker_id: -backlog[worker_id])  # the busiest drains first
             refused = httpx.post(f"{cluster.url}/admin/drain/{mine[0]}", timeout=5)
             assert refused.status_code == 401  # behind the API key
             missing = cluster.client.post("/admin/drain/decode-nobody")
