@@ -148,6 +148,7 @@ class Register:
     threads: int = 0  # 0: not known
     max_running: int = 0  # decode: decode.max_running; 0: no bound known (prefill)
     isa: str = ""  # the instruction set its kernels run at (engine.kernels.isa; "torch": none)
+    prefix_caching: bool = False  # it keeps computed KV blocks for later prompts
 
 
 @dataclass(frozen=True)

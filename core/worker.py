@@ -70,6 +70,7 @@ class WorkerIdentity:
     threads: int = 0  # torch threads it computes with (0: not known)
     max_running: int = 0  # sequences its batch holds at most (0: no bound, prefill)
     isa: str = ""  # the instruction set its kernels run at ("torch": none built)
+    prefix_caching: bool = False  # keeps computed KV blocks for later prompts
 
 
 def host_name(configured: str) -> str:
@@ -118,7 +119,7 @@ class Worker(ABC):
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
                         i.block_size, i.num_blocks, self.host, pinned_cpus(),
-                        i.threads, i.max_running, i.isa)
+                        i.threads, i.max_running, i.isa, i.prefix_caching)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

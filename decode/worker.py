@@ -51,7 +51,8 @@ class DecodeWorker(Worker):
         identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), config.decode.max_running,
-                                  isa=runner.kernel_isa)
+                                  isa=runner.kernel_isa,
+                                  prefix_caching=config.decode.prefix_caching)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,

@@ -294,6 +294,7 @@ class Dispatcher:
         for ready in handle.output.in_order():
             handle.events.put_nowait(ready)
             if ready.finish_reason is not None:
+                self._cached_on_decode(handle)
                 self._finish(handle)
                 break
         handle.output.note_gap(time.monotonic())
@@ -328,6 +329,16 @@ class Dispatcher:
     def _send_abort(self, worker_id: str, key: RequestKey) -> None:
         self.control.send(worker_id, Abort(*key))
         self.aborts_sent += 1
+
+    def _cached_on_decode(self, handle: RequestHandle) -> None:
+        """A finished sequence's KV (its prompt and answer) stays in its decode worker's cache:
+        a chat's next turn, which starts with them, may go there. Not when its prefill worker
+        drew the last token: the decode worker never held the sequence."""
+        last = len(handle.output.delivered) - 1 - handle.output.offset  # in its epoch
+        if handle.assignment.sender_of(last) == handle.assignment.decode_worker:
+            tokens = [*handle.task.prompt_ids, *handle.output.delivered[:-1]]
+            self.registry.finished(handle.assignment.decode_worker, tokens,
+                                   handle.task.cache_salt)
 
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True

@@ -17,7 +17,8 @@ from gateway.prefix_index import PrefixIndex
 from gateway.totals import WorkerTotals
 
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
-RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill"]
+RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill",
+                    "local_cached"]
 ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
 # What happened to a worker's membership, as the registry saw it.
 EventKind = Literal["registered", "restarted", "refused", "draining", "left", "dead", "stalled",
@@ -48,7 +49,7 @@ class WorkerInfo:
     last_seen: float  # its last sign of life: an Alive beat or a loop heartbeat
     load: Heartbeat | None = None  # as last reported; routing uses `active` instead
     active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
-    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # prefill: routed
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # its cache, probably
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
     reported_at: float = 0.0  # its loop's last heartbeat (or its registration)
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
@@ -60,6 +61,7 @@ class WorkerInfo:
     threads: int = 0  # its torch threads (0: not known)
     max_running: int = 0  # the most sequences its batch holds (0: no bound known)
     isa: str = ""  # the instruction set it said its kernels run at
+    prefix_caching: bool = False  # it keeps computed KV blocks: `prefixes` says which
 
     @property
     def capacity_tokens(self) -> int:
@@ -138,6 +140,7 @@ class Registry:
             prefixes=PrefixIndex(message.num_blocks), progressed_at=time.monotonic(),
             host=message.host, cpus=tuple(message.cpus), threads=message.threads,
             max_running=message.max_running, isa=message.isa,
+            prefix_caching=message.prefix_caching,
             reported_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
@@ -267,38 +270,68 @@ class Registry:
         Ties among workers sharing CPUs go to one with room for the prompt's KV, then to the
         busiest, so that prompts batch in one worker's steps rather than take turns on the
         core; then to the fewest requests. The one picked learns the prompt's prefix."""
-        chains: dict[int, list[bytes]] = {}  # by block size
+        chain = Chains(prompt, salt)
+        best = self._best_prefill(chain)
+        if best is not None:
+            best[0].prefixes.add(chain.of(best[0]))
+        return None if best is None else best[0]
+
+    def _best_prefill(self, chain: Chains) -> tuple[WorkerInfo, float] | None:
+        """The prefill worker `pick_prefill` picks, with its work per slot (in tokens)."""
         unit_of = {w.worker_id: unit for unit in self._prefill_units() for w in unit.workers}
 
-        def chain(worker: WorkerInfo) -> list[bytes]:
-            if worker.block_size not in chains:
-                chains[worker.block_size] = block_hashes(prompt, worker.block_size, salt)
-            return chains[worker.block_size]
-
         def cost(worker: WorkerInfo) -> tuple[float, bool, int, int, str]:
-            cached = min(worker.prefixes.matched(chain(worker)) * worker.block_size,
-                         max(len(prompt) - 1, 0))
-            return _prefill_cost(worker, unit_of[worker.worker_id], len(prompt), cached)
+            return _prefill_cost(worker, unit_of[worker.worker_id], len(chain.prompt),
+                                 chain.cached(worker))
 
         best = min(self.serving("prefill"), key=cost, default=None)
-        if best is not None:
-            best.prefixes.add(chain(best))
-        return best
+        return None if best is None else (best, cost(best)[0])
+
+    def finished(self, decode_id: str, tokens: Sequence[int], salt: str) -> None:
+        """A sequence ended on a decode worker, whose cache now probably holds the KV of the
+        full blocks of `tokens` (its prompt and answer, less the last token, never fed)."""
+        worker = self.workers.get(decode_id)
+        if worker is not None and worker.prefix_caching:
+            worker.prefixes.add(block_hashes(tokens, worker.block_size, salt))
 
     def route(self, prompt: Sequence[int], salt: str = "") -> Route | None:
         """Pick the workers for a prompt (None while no decode worker serves). Conditional
         disaggregation: the decode worker prefills it itself when the prompt is short, when
         the prefill pool is saturated and it has headroom, or when there is no prefill pool
-        (colocated mode, or every prefill worker gone); otherwise a prefill worker does."""
+        (colocated mode, or every prefill worker gone); otherwise a prefill worker does.
+        Either way a decode worker that probably holds the prompt's prefix (a chat's earlier
+        turns) takes it, and computes only the rest, when that is less work
+        (`_cached_decode`)."""
         decode = self.pick_decode(len(prompt))
         if decode is None:
             return None
         path = self._local_path(len(prompt), decode)
+        chain = Chains(prompt, salt)
+        holder = self._cached_decode(chain, local=path is not None)
+        if holder is not None:
+            decode, path = holder, "local_cached"
         prefill = decode if path else self.pick_prefill(prompt, salt)
         assert prefill is not None
         route = Route(prefill, decode, path or "disaggregated")
         self.decisions[route.path] += 1
         return route
+
+    def _cached_decode(self, chain: Chains, local: bool) -> WorkerInfo | None:
+        """The decode worker with the longest cached prefix of the prompt, if it should
+        prefill the rest itself: it has room for the sequence, and (unless the prompt is to
+        be prefilled on a decode worker anyway, `local`) its work is no more than the best
+        prefill worker's. Its work: the prompt tokens it has queued to prefill, plus this
+        prompt's uncached rest; a prefill worker's: as `pick_prefill` counts it, per slot
+        (its KV's transfer to decode, not counted, only adds to that path)."""
+        serving = [w for w in self.serving("decode")
+                   if not w.unreachable and self._takes_sequence(w, len(chain.prompt))]
+        holder = max(serving, key=lambda w: (chain.cached(w), -len(w.active)), default=None)
+        if holder is None or chain.cached(holder) == 0:
+            return None
+        queued = holder.load.queued_tokens if holder.load is not None else 0
+        work = queued + len(chain.prompt) - chain.cached(holder)
+        best = None if local else self._best_prefill(chain)
+        return holder if best is None or work <= best[1] else None
 
     def _local_path(self, prompt_len: int, decode: WorkerInfo) -> RoutePath | None:
         """Why the decode worker should prefill the prompt itself; None when it should not."""
@@ -337,6 +370,30 @@ class Registry:
         """The serving prefill workers grouped as `prefill_routing` sees them."""
         pool = self.serving("prefill")
         return units(pool) if self.packing.prefill == "pack" else alone(pool)
+
+
+class Chains:
+    """A prompt's block hashes for each block size asked for, hashed once; and how much of
+    the prompt a worker probably has cached."""
+
+    def __init__(self, prompt: Sequence[int], salt: str) -> None:
+        self.prompt = prompt
+        self.salt = salt
+        self._by_size: dict[int, list[bytes]] = {}
+
+    def of(self, worker: WorkerInfo) -> list[bytes]:
+        size = worker.block_size
+        if size not in self._by_size:
+            self._by_size[size] = block_hashes(self.prompt, size, self.salt)
+        return self._by_size[size]
+
+    def cached(self, worker: WorkerInfo) -> int:
+        """Prompt tokens the worker probably has cached: its leading blocks it was sent or
+        finished with (never the last token, which must be computed)."""
+        if not worker.prefix_caching:
+            return 0
+        matched = worker.prefixes.matched(self.of(worker)) * worker.block_size
+        return min(matched, max(len(self.prompt) - 1, 0))
 
 
 def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,

@@ -64,7 +64,8 @@ class PrefillWorker(Worker):
     def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
         identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
-                                  torch.get_num_threads(), isa=runner.kernel_isa)
+                                  torch.get_num_threads(), isa=runner.kernel_isa,
+                                  prefix_caching=config.prefill.prefix_caching)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,

@@ -1,6 +1,7 @@
 """Work on the decode worker, end to end on a tiny random Llama: prefill in colocated mode
 (`launch.sh --colocated 2`) and under conditional disaggregation (short prompts stay on
-decode), and n > 1 choices forked from one prefill, on either path."""
+decode), n > 1 choices forked from one prefill, on either path, and a chat's next turn
+prefilled where its history is cached."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ LONG = ["The quick brown fox jumps over the lazy dog " * 4, "Once upon a time, "
         "def fibonacci(n):\n    if n < 2:\n        return n\n" * 3]
 
 
-def config(**gateway: int) -> dict[str, Any]:
+def config(decode_cache: bool = True, **gateway: int) -> dict[str, Any]:
     """Chunks of 16 tokens, so that every long prompt is prefilled in several."""
     settings = copy.deepcopy(TEST_CONFIG)
     settings["gateway"].update(gateway)
     settings["decode"]["chunk_tokens"] = 16
+    settings["decode"]["prefix_caching"] = decode_cache
     return settings
 
 
@@ -44,12 +46,23 @@ def colocated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def conditional(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Cluster]:
+    """Routing by prompt length alone: with its cache on, the decode worker would take the
+    LONG prompts sent again by later tests (`disaggregated` below has it on)."""
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=1, decode=1,
-                config=config(local_prefill_max_tokens=8)) as running:
+                config=config(decode_cache=False, local_prefill_max_tokens=8)) as running:
         yield running
 
 
-def complete(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def disaggregated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=1, decode=1,
+                config=config()) as running:
+        yield running
+
+
+def complete(cluster: Cluster, prompt: str | list[int], max_tokens: int,
+             **extra: Any) -> dict[str, Any]:
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, **extra}
     response = cluster.client.post("/v1/completions", json=body)
@@ -58,7 +71,8 @@ def complete(cluster: Cluster, prompt: str, max_tokens: int, **extra: Any) -> di
 
 
 def decisions(cluster: Cluster) -> dict[str, float]:
-    paths = ("disaggregated", "local_short", "local_saturated", "local_no_prefill")
+    paths = ("disaggregated", "local_short", "local_saturated", "local_no_prefill",
+             "local_cached")
     return {p: cluster.metric("raging_disagg_decision_total", f'path="{p}"') for p in paths}
 
 
@@ -72,7 +86,8 @@ def test_colocated_workers_serve_greedy_streams_equal_to_transformers(
         expected = decode_text(tokenizer, reference(ids, 16), skip_special_tokens=True)
         assert reply["choices"][0]["text"] == expected, prompt
         assert reply["usage"]["prompt_tokens"] == len(ids)
-    assert decisions(colocated)["local_no_prefill"] >= len(prompts)
+    routed = decisions(colocated)
+    assert routed["local_no_prefill"] + routed["local_cached"] >= len(prompts)
     assert colocated.metric("raging_workers", 'role="prefill"') == 0
     for worker in ("decode-0", "decode-1"):
         assert settles_to_zero(colocated, "raging_worker_running", worker)
@@ -168,3 +183,27 @@ def test_n_choices_through_the_openai_client(conditional: Cluster) -> None:
     assert all(c.finish_reason == "length" for c in reply.choices)
     assert reply.usage is not None and reply.usage.completion_tokens == 12
     assert settles_to_zero(conditional, "raging_kv_blocks_used", "decode-0")
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_a_chats_next_turn_is_prefilled_where_its_history_is_cached(
+        layout: str, colocated: Cluster, disaggregated: Cluster,
+        tokenizer: PreTrainedTokenizerBase, reference) -> None:
+    """Turn 2 (turn 1's prompt and answer, then a new message) goes to the decode worker that
+    generated turn 1, which computes only what it does not hold: greedy output as
+    transformers', and usage counts the history's full blocks cached."""
+    cluster = disaggregated if layout == "disaggregated" else colocated
+    first = tokenizer.encode(f"A chat on the {layout} path. " + LONG[0])
+    answer = reference(first, 20)
+    turn_1 = complete(cluster, first, 20, temperature=0)
+    assert choice_of(turn_1)["text"] == decode_text(tokenizer, answer, skip_special_tokens=True)
+    before = decisions(cluster)
+    second = [*first, *answer, *tokenizer.encode(" And then what happened?")]
+    turn_2 = complete(cluster, second, 12, temperature=0)
+    expected = decode_text(tokenizer, reference(second, 12), skip_special_tokens=True)
+    assert choice_of(turn_2)["text"] == expected
+    held = (len(first) + len(answer) - 1) // 16 * 16  # the answer's last token was never fed
+    assert turn_2["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    after = decisions(cluster)
+    assert after["local_cached"] - before["local_cached"] == 1
+    assert sum(after.values()) - sum(before.values()) == 1

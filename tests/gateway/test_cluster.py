@@ -107,7 +107,7 @@ def test_decisions_count_every_route_taken_by_path(real_model_dir: Path) -> None
         assert route is not None and route.path == "disaggregated"
         body = cluster(client)
     assert body["decisions"] == {"disaggregated": 1, "local_short": 0, "local_saturated": 0,
-                                 "local_no_prefill": 3}
+                                 "local_no_prefill": 3, "local_cached": 0}
 
 
 def test_recent_latency_comes_from_the_gateway_metrics(real_model_dir: Path) -> None:

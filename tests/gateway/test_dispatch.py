@@ -38,6 +38,7 @@ from core.messages import (
     TokenBatch,
     TokenEvent,
 )
+from engine.kv.block_hash import block_hashes
 from gateway import dispatch
 from gateway.dispatch import (
     _MAX_RECOVERIES,
@@ -83,7 +84,7 @@ class FakeWorker:
 
     def registration(self, fingerprint: str = FP) -> Register:
         return Register(self.worker_id, self.instance_id, self.role, self.kv_address,
-                        fingerprint, 16, self.num_blocks)
+                        fingerprint, 16, self.num_blocks, prefix_caching=True)
 
     def heartbeat(self, queued: int = 0, free: int = 100, running: int = 0) -> Heartbeat:
         return Heartbeat(self.worker_id, self.instance_id, queued, free, running, 0)
@@ -362,6 +363,31 @@ def test_events_reach_the_handle_in_order_and_it_ends_once(tmp_path: Path) -> No
             gw.dispatcher.abort(handle)  # after the end: nothing to stop
             assert await prefill.quiet() == [] and await decode.quiet() == []
             assert gw.dispatcher.aborts_sent == 0  # a normal end aborts nothing
+
+    asyncio.run(body())
+
+
+def test_a_finished_answer_is_remembered_as_cached_on_its_decode_worker(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            task = replace(TASK, prompt_ids=list(range(100, 129)), cache_salt="tenant-a")
+            handle = await submitted(gw, prefill, task)
+            rid = handle.request_id
+            prefill.send(FirstToken(rid, 0, 5, None))
+            decode.tokens(rid, (1, 6, None), (2, 7, None), (3, 8, "stop"))
+            await until(lambda: handle.done, "the request ends")
+            # 29 prompt tokens and 3 of the answer computed (not the last): two full blocks
+            chain = block_hashes([*task.prompt_ids, 5, 6, 7, 8, 9], 16, "tenant-a")
+            assert gw.dispatcher.registry.workers["d1"].prefixes.matched(chain) == 2
+            one = await submitted(gw, prefill, replace(task, prompt_ids=list(range(60, 110))))
+            prefill.send(FirstToken(one.request_id, 0, 5, "length"))  # never reached decode
+            await until(lambda: one.done, "the one-token request ends")
+            aborted = await submitted(gw, prefill, replace(task, prompt_ids=list(range(50))))
+            gw.dispatcher.abort(aborted)
+            for prompt in (range(50), range(60, 110)):
+                chain = block_hashes(list(prompt), 16, "tenant-a")
+                assert gw.dispatcher.registry.workers["d1"].prefixes.matched(chain) == 0
 
     asyncio.run(body())
 

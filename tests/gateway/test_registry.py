@@ -21,7 +21,8 @@ def registry(timeout_s: float = 3.0, prefill: int = 1, decode: int = 1) -> Regis
 
 def register(worker_id: str, role: Role = "prefill", instance: str = "i0", fingerprint: str = FP,
              num_blocks: int = 100, kv_address: str = "") -> Register:
-    return Register(worker_id, instance, role, kv_address, fingerprint, 16, num_blocks)
+    return Register(worker_id, instance, role, kv_address, fingerprint, 16, num_blocks,
+                    prefix_caching=True)
 
 
 def heartbeat(worker_id: str, instance: str = "i0", queued: int = 0, free: int = 100,
@@ -499,7 +500,8 @@ def test_only_the_newest_membership_events_are_kept() -> None:
 def placed(worker_id: str, role: Role = "decode", cpus: tuple[int, ...] = (1,), threads: int = 1,
            max_running: int = 4, num_blocks: int = 100, host: str = "a") -> Register:
     return Register(worker_id, "i0", role, "", FP, 16, num_blocks, host, cpus=list(cpus),
-                    threads=threads, max_running=max_running if role == "decode" else 0)
+                    threads=threads, max_running=max_running if role == "decode" else 0,
+                    prefix_caching=True)
 
 
 def packing_registry(decode: Routing = "pack", prefill: Routing = "pack",
@@ -704,3 +706,90 @@ def test_no_decode_worker_is_never_ready_whatever_is_expected() -> None:
     assert reg.health() == "ok"
     reg.drain(reg.workers["d1"], "asked")
     assert reg.health() == "unavailable" and reg.pick_decode() is None
+
+
+# A chat's next turn: to the decode worker holding its history (`local_cached`)
+
+HISTORY = list(range(1000, 1400))  # 25 blocks: an earlier turn's prompt and answer
+TURN = [*HISTORY, *range(5000, 5040)]  # the next turn: the history, then a new message
+
+
+def chat_registry(decode: int = 2, prefill: int = 1) -> Registry:
+    reg = packing_registry(decode="spread", prefill="spread")
+    for i in range(decode):
+        reg.register(placed(f"decode-{i}", cpus=(i + 1,), max_running=4, num_blocks=1000))
+    for i in range(prefill):
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,), num_blocks=1000))
+    return reg
+
+
+def test_a_follow_up_turn_goes_to_the_decode_worker_that_finished_its_history() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "")
+    route = reg.route(TURN)
+    assert route is not None and route.path == "local_cached"
+    assert route.prefill.worker_id == route.decode.worker_id == "decode-1"
+    assert reg.decisions["local_cached"] == 1
+    other = reg.route([*range(9000, 9440)])  # a new chat: disaggregated as before
+    assert other is not None and other.path == "disaggregated"
+
+
+def test_a_follow_up_turn_of_another_tenant_finds_nothing_cached() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "tenant-a")
+    route = reg.route(TURN, "tenant-b")
+    assert route is not None and route.path == "disaggregated"
+    mine = reg.route(TURN, "tenant-a")
+    assert mine is not None and mine.path == "local_cached"
+
+
+def test_a_holder_with_a_full_batch_or_kv_leaves_the_turn_to_a_prefill_worker() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "")
+    holder = reg.workers["decode-1"]
+    holder.active.update({f"r{i}": 10 for i in range(4)})  # max_running 4: its batch is full
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
+    holder.active.clear()
+    holder.active["long"] = 15_000  # 16,000 tokens of KV, 90 % of which may be packed
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
+
+
+def test_a_prefill_worker_holding_more_of_the_prompt_is_less_work() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY[:64], "")  # four blocks
+    reg.workers["prefill-0"].prefixes.add(block_hashes(HISTORY, 16, ""))
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
+    assert route.prefill.worker_id == "prefill-0"
+
+
+def test_the_holder_queue_counts_against_it() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "")
+    assert reg.heartbeat(Heartbeat("decode-1", "i0", queued_tokens=2000, free_blocks=1000,
+                                   running=1, waiting=0))
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
+
+
+def test_colocated_workers_route_a_follow_up_to_the_holder_not_the_emptiest() -> None:
+    reg = chat_registry(decode=2, prefill=0)
+    reg.finished("decode-0", HISTORY, "")
+    reg.workers["decode-0"].active["busy"] = 300  # decode-1 has more free KV
+    route = reg.route(TURN)
+    assert route is not None and route.path == "local_cached"
+    assert route.decode.worker_id == "decode-0"
+    fresh = reg.route([*range(9000, 9440)])
+    assert fresh is not None and fresh.path == "local_no_prefill"
+    assert fresh.decode.worker_id == "decode-1"
+
+
+def test_a_decode_worker_without_prefix_caching_holds_nothing() -> None:
+    reg = chat_registry()
+    reg.register(Register("decode-1", "i0", "decode", "", FP, 16, 1000, "a", cpus=[2],
+                          threads=1, max_running=4, prefix_caching=False))
+    reg.finished("decode-1", HISTORY, "")
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
