@@ -12,6 +12,7 @@
     python -m bench handoff --input-len 512 --backends shm,zmq
     python -m bench overload --cap 16 --factor 10
     python -m bench prefix --prefix-len 1000
+    python -m bench chats --launch "p1d1=--prefill 1 --decode 1" --chats 8 --turns 4
     python -m bench chunked --long-len 4000 --short-len 50
     python -m bench goodput --quick
     python -m bench peers --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
@@ -33,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from bench import attention as decode_attention
+from bench import chats as chat_turns
 from bench import chunked as chunked_prefill
 from bench import fidelity as greedy_fidelity
 from bench import goodput as slo_goodput
@@ -491,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overload_parser(commands)
     prefix_parser(commands)
     slo_goodput.add_parser(commands)
+    chat_turns.add_parser(commands)
     chunked_prefill.add_parser(commands)
     side_by_side.add_parser(commands)
     on_gpu.add_parser(commands)

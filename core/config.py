@@ -34,6 +34,8 @@ ToolCallParser = Literal["", "hermes", "llama3_json"]
 KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 # How the gateway spreads new work over workers pinned to the same CPUs (gateway/packing.py).
 Routing = Literal["pack", "spread"]
+# Where a prompt goes whose prefix a decode worker holds (gateway/registry.py).
+HistoryRouting = Literal["follow", "spread"]
 # What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).
 QuantInputs = Literal["exact", "int8"]
 
@@ -130,6 +132,18 @@ class GatewayConfig:
                                                "worker by its own queue")
     pack_kv_fraction: float = setting(0.9, "pack: a worker takes no more while its KV would "
                                            "be fuller than this (its sequences still grow)")
+    history_routing: HistoryRouting = setting("follow", "follow: a prompt whose prefix (a "
+                                                        "chat's history) a decode worker "
+                                                        "holds goes there, to prefill the "
+                                                        "rest; spread: to another decode "
+                                                        "worker with room, if any")
+    pull_prefixes: bool = setting(True, "a decode worker prefilling a prompt first pulls the "
+                                        "KV of its prefix from the worker caching the most of "
+                                        "it, when moving it is cheaper than computing it")
+    pull_min_tokens: int = setting(64, "a cached prefix longer by fewer tokens than the decode "
+                                       "worker holds itself is computed, not pulled")
+    pull_bandwidth_mb_s: float = setting(500.0, "KV transfer rate assumed of a worker until "
+                                                "its sends are measured")
     tool_call_parser: ToolCallParser = setting("", "how tool_choice 'auto' finds calls in the "
                                                    "output: hermes (<tool_call> JSON), "
                                                    "llama3_json; empty: none, output is text")
@@ -217,10 +231,13 @@ class KVTransferConfig:
     buffer_mb: int = setting(64, "the shm / cuda_ipc staging buffer of each prefill worker")
     lease_s: float = setting(30.0, "a staged chunk not released by then is reclaimed")
     chunk_mb: float = setting(8.0, "layers of a request go together until a chunk holds this")
+    pull_lease_s: float = setting(5.0, "a decode worker pulling a cached prefix from another "
+                                       "worker computes it itself if none of it came by then")
 
     def __post_init__(self) -> None:
-        if self.buffer_mb <= 0 or self.lease_s <= 0 or self.chunk_mb <= 0:
-            raise ValueError("kv_transfer.buffer_mb, lease_s and chunk_mb must be positive")
+        if min(self.buffer_mb, self.lease_s, self.chunk_mb, self.pull_lease_s) <= 0:
+            raise ValueError("kv_transfer.buffer_mb, lease_s, chunk_mb and pull_lease_s must "
+                             "be positive")
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,7 @@ class Register:
     max_running: int = 0  # decode: decode.max_running; 0: no bound known (prefill)
     isa: str = ""  # the instruction set its kernels run at (engine.kernels.isa; "torch": none)
     prefix_caching: bool = False  # it keeps computed KV blocks for later prompts
+    kv_bytes_per_token: int = 0  # of K and V over every layer, as its cache holds them
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,18 @@ class Held(Keyed):
 
 
 @dataclass(frozen=True)
+class PullTotals:
+    """A decode worker's pulls of cached prefixes since it started."""
+
+    pulls: int = 0  # prefixes received whole
+    fallbacks: int = 0  # prefixes that did not come (none cached there, lost, late): computed
+    tokens: int = 0  # prompt tokens received rather than computed
+    bytes: int = 0
+    seconds: float = 0.0  # from asking to having every layer, summed over pulls
+    saved_s: float = 0.0  # the tokens' prefill time here (as measured) less the pulls' time
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     worker_id: str
     instance_id: str
@@ -227,6 +240,8 @@ class Heartbeat:
     holding: list[Held] = field(default_factory=list)  # every request the worker holds now
     rejected_peers: int = 0  # peers its server sockets turned away (CURVE), since start
     draining: bool = False  # it takes no new work, and leaves once it holds none
+    pulls: PullTotals = field(default_factory=PullTotals)  # decode
+    prefill_s_per_token: float = 0.0  # its prompts' compute time per token lately (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -254,6 +269,10 @@ class PrefillRequest(Keyed):
     siblings: list[str] = field(default_factory=list)
     traceparent: str = ""  # W3C trace context of the gateway's request span; "": not traced
     decode_host: str = ""  # the decode worker's host: KV staged in shared memory only on its own
+    # A decode worker prefilling the prompt itself first pulls the KV of up to `pull_tokens`
+    # leading prompt tokens from the cache of worker `pull_from` (`SharePrefix`); 0: none.
+    pull_from: str = ""
+    pull_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -331,6 +350,36 @@ class RequestFailed(Keyed):
 
 
 @dataclass(frozen=True)
+class SharePrefix(Keyed):
+    """A decode worker, through the gateway, to the worker `holder` whose prefix cache probably
+    holds the first `num_tokens` tokens of `prompt_ids` (full blocks, under `cache_salt`): send
+    their KV to `address`, where the rest of the prompt is prefilled. Sent once the decode
+    worker expects the KV, so that none of it arrives before."""
+
+    request_id: str
+    epoch: int
+    prompt_ids: list[int]
+    cache_salt: str
+    num_tokens: int
+    holder: str
+    worker: str  # the decode worker pulling
+    address: str
+    host: str = ""  # the decode worker's host: KV staged in shared memory only on the sender's
+
+
+@dataclass(frozen=True)
+class SharedPrefix(Keyed):
+    """The holder to the decode worker pulling a request's prefix, ahead of the KV: how many
+    leading tokens' KV follows (what it found cached; 0: none, compute them all). From the
+    gateway, with 0, when the holder is gone."""
+
+    request_id: str
+    epoch: int
+    num_tokens: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
 class Drain:
     """Gateway to worker (`POST /admin/drain/{worker}`), as SIGTERM is from its own host: take
     no new work, finish what it holds, then leave."""
@@ -347,7 +396,8 @@ class Drained:
 
 Message = (
     Register | RegisterReply | RegisterAgain | Leave | Heartbeat | PrefillRequest | DecodeRequest
-    | FirstToken | TokenBatch | Abort | RequestFailed | Alive | Drain | Drained
+    | FirstToken | TokenBatch | Abort | RequestFailed | Alive | Drain | Drained | SharePrefix
+    | SharedPrefix
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))
 encode = _CODEC.encode

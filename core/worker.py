@@ -71,6 +71,7 @@ class WorkerIdentity:
     max_running: int = 0  # sequences its batch holds at most (0: no bound, prefill)
     isa: str = ""  # the instruction set its kernels run at ("torch": none built)
     prefix_caching: bool = False  # keeps computed KV blocks for later prompts
+    kv_bytes_per_token: int = 0  # of K and V over every layer, as its cache holds them
 
 
 def host_name(configured: str) -> str:
@@ -119,7 +120,8 @@ class Worker(ABC):
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
                         i.block_size, i.num_blocks, self.host, pinned_cpus(),
-                        i.threads, i.max_running, i.isa, i.prefix_caching)
+                        i.threads, i.max_running, i.isa, i.prefix_caching,
+                        i.kv_bytes_per_token)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

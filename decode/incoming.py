@@ -3,7 +3,8 @@
 A request is expected from its `DecodeRequest` notice on; its chunks must then come in order:
 the prompt's tokens in consecutive ranges (one range when the prompt was prefilled in one
 pass, one per prefill chunk otherwise), each range's layers in order before the next range
-starts. The request's KV is complete once every layer of every prompt token is in. A chunk for
+starts. The request's KV is complete once every layer of every prompt token is in; for a
+pulled prefix (decode/pulls.py), every layer of the prefix's tokens. A chunk for
 a request not expected here (never announced, aborted, finished, or an older epoch) is dropped
 and counted; it never touches the KV cache.
 """
@@ -40,6 +41,11 @@ class IncomingKV:
     token_start: int = 0  # the token range arriving now: token_start..token_end-1
     token_end: int = 0
     timeline: Timeline = field(default_factory=Timeline)  # first_kv: its first chunk's arrival
+    tokens: int = 0  # the leading prompt tokens whose KV comes (0: the whole prompt)
+
+    @property
+    def expected_tokens(self) -> int:
+        return self.tokens or len(self.request.task.prompt_ids)
 
 
 class IncomingTable:
@@ -54,8 +60,11 @@ class IncomingTable:
         self.dropped: Counter[str] = Counter()  # chunks, by reason
         self.expired = 0  # entries dropped because their lease ran out
 
-    def expect(self, request: DecodeRequest, now: float) -> str | None:
-        """Start collecting the request's KV; why it cannot be taken, or None."""
+    def expect(self, request: DecodeRequest, now: float, tokens: int = 0,
+               lease_s: float | None = None) -> str | None:
+        """Start collecting the request's KV (of its first `tokens` tokens, or 0: of its whole
+        prompt) for `lease_s` (default: the table's) until its first chunk; why it cannot be
+        taken, or None."""
         if request.fingerprint != self.fingerprint:
             return (f"KV layout mismatch: the prefill worker computed {request.fingerprint}, "
                     f"this decode worker holds {self.fingerprint}")
@@ -65,7 +74,8 @@ class IncomingTable:
             return None
         for key in older:
             del self.pending[key]
-        self.pending[request.key] = IncomingKV(request, now + self.lease_s)
+        lease_s = self.lease_s if lease_s is None else lease_s
+        self.pending[request.key] = IncomingKV(request, now + lease_s, tokens=tokens)
         return None
 
     def add(self, payload: KVPayload, now: float) -> str | None:
@@ -102,9 +112,8 @@ class IncomingTable:
         """Whether the chunk is the next one due: the next layers of the token range arriving
         now, or, once that range has all its layers, the first layers of the next range."""
         if entry.next_layer in (0, self.num_layers):  # a new token range starts
-            prompt_len = len(entry.request.task.prompt_ids)
             return (header.layer_start == 0 and header.token_start == entry.token_end
-                    and header.token_start + header.num_tokens <= prompt_len)
+                    and header.token_start + header.num_tokens <= entry.expected_tokens)
         return (header.layer_start == entry.next_layer
                 and header.token_start == entry.token_start
                 and header.token_start + header.num_tokens == entry.token_end)
@@ -114,9 +123,8 @@ class IncomingTable:
         return self.pending.pop(key, None)
 
     def is_complete(self, entry: IncomingKV) -> bool:
-        """Every layer of every prompt token is in."""
-        return (entry.next_layer == self.num_layers
-                and entry.token_end == len(entry.request.task.prompt_ids))
+        """Every layer of every token expected is in."""
+        return entry.next_layer == self.num_layers and entry.token_end == entry.expected_tokens
 
     def expire(self, now: float) -> list[IncomingKV]:
         """Drop and return the entries whose lease ran out."""

@@ -23,6 +23,8 @@ from core.messages import (
     PrefillRequest,
     RequestFailed,
     RequestKey,
+    SharedPrefix,
+    SharePrefix,
     StageTime,
     TokenBatch,
     TokenEvent,
@@ -30,9 +32,11 @@ from core.messages import (
     choice_keys,
     decode,
 )
+from core.sharing import share_prefix
 from core.worker import Worker, WorkerIdentity
 from decode.incoming import IncomingKV, IncomingTable
 from decode.phases import Phase, Phases
+from decode.pulls import Pulls
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
@@ -40,7 +44,7 @@ from engine.runner import ModelRunner
 from engine.sampling.grammar import Constraint, Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
-from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver
+from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver, make_sender
 from kvtransfer.wire import dtype_name
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,8 @@ class DecodeWorker(Worker):
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), config.decode.max_running,
                                   isa=runner.kernel_isa,
-                                  prefix_caching=config.decode.prefix_caching)
+                                  prefix_caching=config.decode.prefix_caching,
+                                  kv_bytes_per_token=runner.cache.bytes_per_token)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
@@ -66,6 +71,11 @@ class DecodeWorker(Worker):
                                       dtype_name(runner.cache.dtype), identity.fingerprint,
                                       config.kv_transfer.lease_s)
         self.phases = Phases(self.incoming, self.scheduler)
+        self.sender = make_sender(self.context, config.kv_transfer, self.keys, runner.device)
+        self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
+        self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
+        self.pulls = Pulls()
+        self.pull_lease_s = config.kv_transfer.pull_lease_s
         self.rejected_requests = 0
         self.ttft_s_per_token = config.decode.ttft_ms_per_token / 1000
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
@@ -75,6 +85,10 @@ class DecodeWorker(Worker):
             self._abort(message.key)
         elif isinstance(message, PrefillRequest):
             self._prefill_here(message)
+        elif isinstance(message, SharePrefix):
+            self._share(message)
+        elif isinstance(message, SharedPrefix):
+            self._on_shared(message)  # from the gateway: the holder is gone
         else:
             log.warning("decode worker ignored %s", type(message).__name__)
 
@@ -90,20 +104,24 @@ class DecodeWorker(Worker):
                 self._write_received_kv(sequence)
                 # a choice with no first token yet draws it from its prompt's last token
                 sequence.num_cached = min(sequence.num_cached, len(sequence.tokens) - 1)
-                self._fork(sequence, drawing=False)
+                if sequence.num_generated:  # else (a pulled prefix) the rest is computed first
+                    self._fork(sequence, drawing=False)
         batch = self.scheduler.chunk(running)
         if not batch:
             return False
         now = time.monotonic()
+        prompt_tokens = 0
         for sequence in batch:
             if sequence.num_generated == 0:  # its prompt is computed here
                 sequence.timeline.start(now)
+                prompt_tokens += sequence.num_scheduled
         with self.turns:
             logits = self.runner.forward(ForwardBatch(
                 token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
                 start_positions=[s.num_cached for s in batch],
                 block_tables=[s.blocks for s in batch],
             ), layer_hook=self.between_layers)
+        self.pulls.pace.observe(prompt_tokens, time.monotonic() - now)
         for sequence in batch:
             sequence.num_cached += sequence.num_scheduled
         rows = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
@@ -201,6 +219,8 @@ class DecodeWorker(Worker):
         key = item.key
         if isinstance(item, KVNotice):
             self._on_notice(key, item.meta)
+        elif key in self.pulls.pending:
+            self._on_pulled_kv(item)
         elif isinstance(item, KVRejected):
             entry = self.incoming.take(key)
             if entry is not None:
@@ -217,8 +237,12 @@ class DecodeWorker(Worker):
             message = decode(meta)
         except MalformedMessage:
             message = None
-        if not isinstance(message, DecodeRequest | FirstToken) or message.key != key:
+        if not isinstance(message, DecodeRequest | FirstToken | SharedPrefix) \
+                or message.key != key:
             self.incoming.dropped["malformed notice"] += 1
+            return
+        if isinstance(message, SharedPrefix):
+            self._on_shared(message)
             return
         if isinstance(message, DecodeRequest):
             phase = self.phases.of(key)
@@ -279,8 +303,63 @@ class DecodeWorker(Worker):
         request = DecodeRequest(*message.key, message.task, self.identity.fingerprint,
                                 message.siblings, message.traceparent)
         choices = self._choices(request, [])
-        choices[0].timeline.arrived = time.monotonic()
-        self._queue(choices[0], choices[1:])
+        now = choices[0].timeline.arrived = time.monotonic()
+        if message.pull_tokens:  # its prefix's KV comes from another worker's cache first
+            assert self.incoming.expect(request, now, message.pull_tokens,
+                                        self.pull_lease_s) is None
+            self.pulls.start(choices, now)
+            self.control.send(SharePrefix(
+                *message.key, message.task.prompt_ids, message.task.cache_salt,
+                message.pull_tokens, message.pull_from, self.worker_id, self.kv_address,
+                self.host))
+        else:
+            self._queue(choices[0], choices[1:])
+
+    def _share(self, asked: SharePrefix) -> None:
+        share_prefix(asked, self.scheduler.cache, self.runner.cache, self.sender,
+                     self.identity.fingerprint, self.chunk_bytes, self.host)
+
+    def _on_shared(self, notice: SharedPrefix) -> None:
+        """The holder says how much of a pulled prefix follows: none, and it is computed here."""
+        entry = self.incoming.pending.get(notice.key)
+        if entry is None or notice.key not in self.pulls.pending:
+            self.incoming.dropped["unknown request"] += 1
+        elif (notice.num_tokens == 0 or notice.fingerprint != self.identity.fingerprint
+              or notice.num_tokens > entry.expected_tokens):
+            self._fall_back(notice.key, f"{notice.num_tokens} tokens came cached")
+        else:
+            entry.tokens = notice.num_tokens
+
+    def _on_pulled_kv(self, item: KVItem) -> None:
+        """A chunk of a pulled prefix (or its sender's refusal)."""
+        key = item.key
+        assert not isinstance(item, KVNotice), "notices are read apart"
+        if isinstance(item, KVRejected):
+            self._fall_back(key, item.reason)
+            return
+        entry = self.incoming.pending.get(key)
+        now = time.monotonic()
+        failure = self.incoming.add(item, now)
+        if failure is not None or entry is None:
+            self._fall_back(key, failure or "its KV was not expected")
+        elif self.incoming.is_complete(entry):
+            self.incoming.take(key)
+            pull = self.pulls.take(key)
+            assert pull is not None
+            nbytes = sum(part.k.nbytes + part.v.nbytes for part in entry.layers)
+            self.pulls.received(pull, entry.token_end, nbytes, now)
+            pull.choices[0].received_kv = entry.layers
+            self._queue(pull.choices[0], pull.choices[1:])
+
+    def _fall_back(self, key: RequestKey, why: str) -> None:
+        """A pulled prefix did not come: compute the prompt here instead."""
+        self.incoming.take(key)
+        pull = self.pulls.take(key)
+        if pull is not None:
+            log.warning("request %s: its pulled prefix did not come (%s): computing it",
+                        key.request_id, why, extra=about(key))
+            self.pulls.fell_back()
+            self._queue(pull.choices[0], pull.choices[1:])
 
     def _queue(self, sequence: DecodeSequence, forks: list[DecodeSequence]) -> None:
         """Queue the sequence for a decode slot once its grammar has compiled (until then it
@@ -351,7 +430,9 @@ class DecodeWorker(Worker):
         for part in sequence.received_kv:
             self.runner.cache.write(sequence.blocks, part.token_start, part.k, part.v,
                                     part.layer_start)
-        sequence.num_cached = len(sequence.request.task.prompt_ids)
+        sequence.num_cached = max(p.token_start + p.k.shape[1] for p in sequence.received_kv)
+        if sequence.num_generated == 0:  # a pulled prefix: the rest is computed here
+            sequence.num_reused = sequence.num_cached
         sequence.received_kv = None
 
     def _abort(self, key: RequestKey) -> None:
@@ -363,6 +444,7 @@ class DecodeWorker(Worker):
             self._abort_compiling(key)
         else:
             self.incoming.take(key)
+            self.pulls.take(key)
         for fork in self.phases.forks.pop(key, []):  # the others go on, computing the prompt
             fork.num_cached = 0
             self.scheduler.add(fork)
@@ -379,26 +461,36 @@ class DecodeWorker(Worker):
         now = time.monotonic()
         self.phases.forget_ended(now)
         for entry in self.incoming.expire(now):
-            self._fail_handoff(entry.request, "the KV did not arrive in time")
+            if entry.request.key in self.pulls.pending:
+                self._fall_back(entry.request.key, "the lease ran out")
+            else:
+                self._fail_handoff(entry.request, "the KV did not arrive in time")
         dropped = self.receiver.dropped + self.incoming.dropped
         return Heartbeat(
             worker_id=self.worker_id, instance_id=self.instance_id,
             queued_tokens=self.scheduler.prompt_tokens_pending,
             free_blocks=self.scheduler.cache.num_available, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), preemptions=self.scheduler.preemptions,
-            transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters))],
+            transfers=[TransferTotals("any", "receive", **vars(self.receiver.counters)),
+                       *(TransferTotals(backend, "send", **vars(counters))
+                         for backend, counters in self.sender.totals())],
             dropped_chunks=[DropCount(reason, n) for reason, n in sorted(dropped.items())],
             in_transfer=len(self.incoming.pending), leases_expired=self.incoming.expired,
             progress=self.progress, holding=self.holding(),
             rejected_peers=self.receiver.rejected_peers,
+            pulls=self.pulls.totals, prefill_s_per_token=self.pulls.pace.s_per_token,
         )
 
     def holding(self) -> list[Held]:
         return [Held(*key) for key in self.phases.held()]
 
+    def drained(self) -> bool:
+        return super().drained() and self.sender.staged == 0
+
     def close(self) -> None:
         self.grammars.close()
         self.receiver.close()
+        self.sender.close()
         super().close()
 
 

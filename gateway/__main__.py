@@ -24,7 +24,7 @@ from gateway.auth import KeysError, with_keys
 from gateway.defaults import resolve_defaults
 from gateway.metrics import Metrics
 from gateway.packing import Packing
-from gateway.registry import LocalPrefill, Registry
+from gateway.registry import LocalPrefill, Pulling, Registry
 from gateway.state import GatewayState
 
 
@@ -36,7 +36,9 @@ def make_registry(gateway: GatewayConfig, fingerprint: str) -> Registry:
                                  gateway.prefill_saturated_tokens,
                                  gateway.saturated_local_max_tokens),
                     Packing(gateway.decode_routing, gateway.prefill_routing,
-                            gateway.pack_kv_fraction))
+                            gateway.pack_kv_fraction),
+                    Pulling(gateway.history_routing, gateway.pull_prefixes,
+                            gateway.pull_min_tokens, gateway.pull_bandwidth_mb_s * 1e6))
 
 
 def gateway_app(config: Config) -> Starlette:

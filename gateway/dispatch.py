@@ -33,6 +33,8 @@ from core.messages import (
     RegisterAgain,
     RequestFailed,
     RequestKey,
+    SharedPrefix,
+    SharePrefix,
     Stage,
     StageTime,
     TokenBatch,
@@ -111,9 +113,11 @@ class Dispatcher:
         log.info("request %s: prefill on %s, decode on %s (%s)", handle.request_id,
                  route.prefill.worker_id, route.decode.worker_id, route.path,
                  extra=about(handle.key))
+        pull = route.pull
         self.control.send(route.prefill.worker_id, PrefillRequest(
             handle.request_id, handle.epoch, task, route.decode.worker_id,
-            route.decode.kv_address, siblings or [], handle.traceparent, route.decode.host))
+            route.decode.kv_address, siblings or [], handle.traceparent, route.decode.host,
+            pull.source.worker_id if pull else "", pull.tokens if pull else 0))
         for worker in (route.prefill, route.decode):
             worker.active[handle.request_id] = len(task.prompt_ids)
             worker.active.update(dict.fromkeys(siblings or [], 0))
@@ -222,8 +226,21 @@ class Dispatcher:
             self._on_register(worker_id, message)
         elif isinstance(message, Leave):
             self._on_leave(worker_id, message)
+        elif isinstance(message, SharePrefix):
+            self._on_pull(worker_id, message)
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
+
+    def _on_pull(self, worker_id: str, asked: SharePrefix) -> None:
+        """A decode worker expects a prefix's KV: ask its holder to send it, or, with the
+        holder gone, tell the decode worker to compute it."""
+        holder = self.registry.workers.get(asked.holder)
+        if worker_id != asked.worker:
+            log.warning("a pull for %s from %s ignored", asked.worker, worker_id)
+        elif holder is None:
+            self.control.send(worker_id, SharedPrefix(asked.request_id, asked.epoch, 0, ""))
+        else:
+            self.control.send(holder.worker_id, asked)
 
     def _note_cached(self, request_id: str, epoch: int, cached_tokens: int) -> None:
         """The prompt tokens the worker that prefilled found cached, as the client's usage

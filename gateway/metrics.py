@@ -155,6 +155,7 @@ class Metrics:
         transfers.register(TransferCollector(membership))
         transfers.register(RejectedPeersCollector(membership, rejected_peers))
         transfers.register(DecisionCollector(membership))
+        transfers.register(PullCollector(membership))
         transfers.register(RecoveryCollector(membership, aborts_sent, resumed))
         transfers.register(VllmEngineCollector(membership, self.vllm.model_name))
         return generate_latest(self.registry) + generate_latest(transfers)
@@ -227,6 +228,45 @@ class DecisionCollector(Collector):
         for path in ROUTE_PATHS:
             family.add_metric([path], self.membership.decisions[path])
         yield family
+
+
+class PullCollector(Collector):
+    """Cached prefixes pulled between workers: asked for by the gateway (by the holder's
+    pool), and as each decode worker's last heartbeat counted them."""
+
+    def __init__(self, membership: Registry) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[Metric]:
+        asked = CounterMetricFamily("raging_kv_pulls_routed", "Prompts routed to pull a cached "
+                                    "prefix, by the pool of the worker holding it",
+                                    labels=["holder_role"])
+        for role in ROLES:
+            asked.add_metric([role], self.membership.pulls[role])
+        pulls = CounterMetricFamily("raging_kv_pulls", "Cached prefixes pulled by a decode "
+                                    "worker: pulled (came whole) or fallback (computed)",
+                                    labels=["worker", "outcome"])
+        amounts = {
+            "tokens": CounterMetricFamily("raging_kv_pull_tokens", "Prompt tokens pulled "
+                                          "rather than computed", labels=["worker"]),
+            "bytes": CounterMetricFamily("raging_kv_pull_bytes", "KV bytes pulled",
+                                         labels=["worker"]),
+            "seconds": CounterMetricFamily("raging_kv_pull_seconds", "Time from asking for a "
+                                           "prefix to holding it all", labels=["worker"]),
+            "saved_s": CounterMetricFamily("raging_kv_pull_saved_seconds", "Prefill time the "
+                                           "pulled tokens would have taken (as measured on "
+                                           "the worker) less the pulls' time",
+                                           labels=["worker"]),
+        }
+        for worker in self.membership.alive("decode"):
+            if worker.load is None:
+                continue
+            totals = worker.load.pulls
+            pulls.add_metric([worker.worker_id, "pulled"], totals.pulls)
+            pulls.add_metric([worker.worker_id, "fallback"], totals.fallbacks)
+            for name, family in amounts.items():
+                family.add_metric([worker.worker_id], getattr(totals, name))
+        yield from (asked, pulls, *amounts.values())
 
 
 class RecoveryCollector(Collector):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.config import ROLES, Role
+from core.config import ROLES, HistoryRouting, Role
 from core.messages import Alive, Heartbeat, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.packing import PACK, Packing, Unit, alone, packed, units
@@ -24,6 +24,9 @@ ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
 EventKind = Literal["registered", "restarted", "refused", "draining", "left", "dead", "stalled",
                     "recovered"]
 _EVENT_MEMORY = 200  # the newest membership events kept
+# A decode worker's prefill time per prompt token, assumed until its steps have measured it.
+_UNMEASURED_S_PER_TOKEN = 1e-3
+_MEASURED_BYTES = 1 << 20  # sends that say enough about a worker's transfer rate
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class WorkerInfo:
     max_running: int = 0  # the most sequences its batch holds (0: no bound known)
     isa: str = ""  # the instruction set it said its kernels run at
     prefix_caching: bool = False  # it keeps computed KV blocks: `prefixes` says which
+    kv_bytes_per_token: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -79,13 +83,39 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class Pull:
+    """The KV of a prompt's first `tokens` tokens, to be pulled from `source`'s prefix cache by
+    the decode worker prefilling the rest; it costs about as long as computing `cost_tokens`
+    prompt tokens there."""
+
+    source: WorkerInfo
+    tokens: int
+    cost_tokens: float
+
+
+@dataclass(frozen=True)
 class Route:
     """Where a request goes: the worker that prefills it (a prefill worker, or the decode
-    worker itself) and the decode worker, with why (`Registry.route`)."""
+    worker itself) and the decode worker, with why (`Registry.route`); and the cached prefix
+    the decode worker pulls first, if any."""
 
     prefill: WorkerInfo
     decode: WorkerInfo
     path: RoutePath
+    pull: Pull | None = None
+
+
+@dataclass(frozen=True)
+class Pulling:
+    """Where a prompt with a cached prefix goes (`gateway.history_routing`), and whether a
+    decode worker pulls a prefix cached elsewhere (`gateway.pull_prefixes`): when the cache
+    holds `min_tokens` more than it does, and sending them (at the holder's measured rate, else
+    `bytes_per_s`) takes less time than computing them (at its own measured pace)."""
+
+    history: HistoryRouting = "follow"
+    enabled: bool = True
+    min_tokens: int = 64
+    bytes_per_s: float = 500e6
 
 
 @dataclass(frozen=True)
@@ -104,7 +134,8 @@ class LocalPrefill:
 class Registry:
     def __init__(self, fingerprint: str, heartbeat_timeout_s: float,
                  expect_prefill: int, expect_decode: int, stall_timeout_s: float = 10.0,
-                 local: LocalPrefill = LocalPrefill(), packing: Packing = PACK) -> None:
+                 local: LocalPrefill = LocalPrefill(), packing: Packing = PACK,
+                 pulling: Pulling = Pulling()) -> None:
         self.fingerprint = fingerprint
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -113,6 +144,8 @@ class Registry:
         self.refused = 0
         self.local = local
         self.packing = packing
+        self.pulling = pulling
+        self.pulls: Counter[Role] = Counter()  # prefixes pulled, by the holder's role
         self.decisions: Counter[RoutePath] = Counter()  # routes taken, by path
         self.was_ready = False  # every expected worker has served at once
         self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
@@ -141,6 +174,7 @@ class Registry:
             host=message.host, cpus=tuple(message.cpus), threads=message.threads,
             max_running=message.max_running, isa=message.isa,
             prefix_caching=message.prefix_caching,
+            kv_bytes_per_token=message.kv_bytes_per_token,
             reported_at=time.monotonic(),
         )
         if previous is not None and previous.instance_id == message.instance_id:
@@ -299,39 +333,100 @@ class Registry:
         disaggregation: the decode worker prefills it itself when the prompt is short, when
         the prefill pool is saturated and it has headroom, or when there is no prefill pool
         (colocated mode, or every prefill worker gone); otherwise a prefill worker does.
-        Either way a decode worker that probably holds the prompt's prefix (a chat's earlier
-        turns) takes it, and computes only the rest, when that is less work
+        Either way a decode worker that holds the prompt's prefix (a chat's earlier turns),
+        or can pull it, takes it, and computes only the rest, when that is less work
         (`_cached_decode`)."""
-        decode = self.pick_decode(len(prompt))
+        chain = Chains(prompt, salt)
+        avoid = self._avoided(chain)
+        decode = self.pick_decode(len(prompt), avoid)
         if decode is None:
             return None
         path = self._local_path(len(prompt), decode)
-        chain = Chains(prompt, salt)
-        holder = self._cached_decode(chain, local=path is not None)
-        if holder is not None:
-            decode, path = holder, "local_cached"
+        pull = None
+        cached = self._cached_decode(chain, path is not None, avoid)
+        if cached is not None:
+            (decode, pull), path = cached, "local_cached"
+            if pull is not None:
+                self.pulls[pull.source.role] += 1
         prefill = decode if path else self.pick_prefill(prompt, salt)
         assert prefill is not None
-        route = Route(prefill, decode, path or "disaggregated")
+        route = Route(prefill, decode, path or "disaggregated", pull)
         self.decisions[route.path] += 1
         return route
 
-    def _cached_decode(self, chain: Chains, local: bool) -> WorkerInfo | None:
-        """The decode worker with the longest cached prefix of the prompt, if it should
-        prefill the rest itself: it has room for the sequence, and (unless the prompt is to
-        be prefilled on a decode worker anyway, `local`) its work is no more than the best
-        prefill worker's. Its work: the prompt tokens it has queued to prefill, plus this
-        prompt's uncached rest; a prefill worker's: as `pick_prefill` counts it, per slot
-        (its KV's transfer to decode, not counted, only adds to that path)."""
+    def _avoided(self, chain: Chains) -> set[str]:
+        """`history_routing: spread`: the decode workers holding the longest cached prefix of
+        the prompt (a chat's history; not a mere system prompt that many share), which get it
+        only when no other has room."""
+        if self.pulling.history == "follow":
+            return set()
+        cached = {w.worker_id: chain.cached(w) for w in self.serving("decode")}
+        longest = max(cached.values(), default=0)
+        return {worker_id for worker_id, n in cached.items() if n == longest > 0}
+
+    def _cached_decode(self, chain: Chains, local: bool, avoid: set[str]
+                       ) -> tuple[WorkerInfo, Pull | None] | None:
+        """The decode worker that should prefill the prompt from a cached prefix, its own or
+        one it pulls, with that pull; None when none holds or can pull any, or (unless the
+        prompt is to be prefilled on a decode worker anyway, `local`) a prefill worker would
+        get through it sooner. A decode worker's work: the prompt tokens it has queued to
+        prefill, plus this prompt's rest beyond the prefix, plus the pull's cost in tokens; a
+        prefill worker's: as `pick_prefill` counts it, per slot (its KV's transfer to decode,
+        not counted, only adds to that path). Only workers with room for the sequence, and
+        of those, the ones not to `avoid` if any."""
         serving = [w for w in self.serving("decode")
                    if not w.unreachable and self._takes_sequence(w, len(chain.prompt))]
-        holder = max(serving, key=lambda w: (chain.cached(w), -len(w.active)), default=None)
-        if holder is None or chain.cached(holder) == 0:
+        serving = [w for w in serving if w.worker_id not in avoid] or serving
+        source = self._pull_source(chain)
+        best: tuple[tuple[float, int, int, str], WorkerInfo, Pull | None] | None = None
+        for worker in serving:
+            pull = self._pull(source, worker, chain)
+            cached = pull.tokens if pull is not None else chain.cached(worker)
+            if not cached:
+                continue
+            queued = worker.load.queued_tokens if worker.load is not None else 0
+            work = queued + len(chain.prompt) - cached + (pull.cost_tokens if pull else 0)
+            rank = (work, -chain.cached(worker), len(worker.active), worker.worker_id)
+            if best is None or rank < best[0]:
+                best = rank, worker, pull
+        if best is None:
             return None
-        queued = holder.load.queued_tokens if holder.load is not None else 0
-        work = queued + len(chain.prompt) - chain.cached(holder)
-        best = None if local else self._best_prefill(chain)
-        return holder if best is None or work <= best[1] else None
+        prefill = None if local else self._best_prefill(chain)
+        return None if prefill is not None and best[0][0] > prefill[1] else (best[1], best[2])
+
+    def _pull_source(self, chain: Chains) -> WorkerInfo | None:
+        """The serving worker, of either pool, that caches the most of the prompt."""
+        if not self.pulling.enabled:
+            return None
+        holders = [w for w in self.workers.values()
+                   if not w.stalled and not w.draining and chain.cached(w)]
+        return max(holders, key=lambda w: (chain.cached(w), -len(w.active)), default=None)
+
+    def _pull(self, source: WorkerInfo | None, target: WorkerInfo, chain: Chains
+              ) -> Pull | None:
+        """What `target` would pull of `source`'s cached prefix: None when it holds nearly as
+        much itself, or sending it would take longer than computing what it lacks."""
+        if source is None or source is target:
+            return None
+        tokens = chain.cached(source) // source.block_size * source.block_size  # whole blocks
+        missing = tokens - chain.cached(target)
+        if missing < self.pulling.min_tokens:
+            return None
+        s_per_token = (target.load.prefill_s_per_token if target.load is not None else 0.0) \
+            or _UNMEASURED_S_PER_TOKEN
+        seconds = tokens * source.kv_bytes_per_token / self._send_rate(source)
+        if seconds >= missing * s_per_token:
+            return None
+        return Pull(source, tokens, seconds / s_per_token)
+
+    def _send_rate(self, worker: WorkerInfo) -> float:
+        """Bytes per second the worker's KV sends have taken, else the assumed rate."""
+        sent = [t for t in (worker.load.transfers if worker.load is not None else [])
+                if t.direction == "send"]
+        nbytes, seconds = sum(t.bytes for t in sent), sum(t.seconds for t in sent)
+        if nbytes < _MEASURED_BYTES or seconds <= 0:
+            return self.pulling.bytes_per_s
+        return nbytes / seconds
 
     def _local_path(self, prompt_len: int, decode: WorkerInfo) -> RoutePath | None:
         """Why the decode worker should prefill the prompt itself; None when it should not."""
@@ -346,12 +441,15 @@ class Registry:
                          for unit in self._prefill_units()))
         return "local_saturated" if saturated and _has_headroom(decode) else None
 
-    def pick_decode(self, prompt_len: int = 0) -> WorkerInfo | None:
+    def pick_decode(self, prompt_len: int = 0, avoid: set[str] | None = None
+                    ) -> WorkerInfo | None:
         """The decode worker with the most free KV capacity, then the fewest sequences (one
         found unreachable only if every one was). `pack`: of the workers sharing CPUs, only
         the busiest with room for another sequence of `prompt_len` tokens, as many as the
-        CPUs run at once (gateway/packing.py); every worker again when none has room."""
+        CPUs run at once (gateway/packing.py); every worker again when none has room. Workers
+        to `avoid` only when there is no other."""
         serving = self.serving("decode")
+        serving = [w for w in serving if w.worker_id not in (avoid or ())] or serving
         pool = [w for w in serving if not w.unreachable] or serving
         if self.packing.decode == "pack":
             pool = packed(units(pool), lambda w: self._takes_sequence(w, prompt_len),

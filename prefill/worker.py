@@ -22,9 +22,11 @@ from core.messages import (
     PrefillRequest,
     RequestFailed,
     RequestKey,
+    SharePrefix,
     TransferTotals,
     choice_keys,
 )
+from core.sharing import share_prefix
 from core.timeline import Timeline
 from core.worker import Worker, WorkerIdentity
 from engine.kv.allocator import blocks_needed
@@ -65,7 +67,8 @@ class PrefillWorker(Worker):
         identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), isa=runner.kernel_isa,
-                                  prefix_caching=config.prefill.prefix_caching)
+                                  prefix_caching=config.prefill.prefix_caching,
+                                  kv_bytes_per_token=runner.cache.bytes_per_token)
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
@@ -74,8 +77,9 @@ class PrefillWorker(Worker):
                                           ChunkCost.of(runner.spec))
         self.sender = make_sender(self.context, config.kv_transfer, self.keys, runner.device)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
+        self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
         self.stream = LayerStream(self.sender, runner.cache, identity.fingerprint,
-                                  int(config.kv_transfer.chunk_mb * 2**20), self.host)
+                                  self.chunk_bytes, self.host)
         self.cache = PrefixCache(runner.allocator)
         self.prefix_caching = config.prefill.prefix_caching
         self.jobs: dict[RequestKey, _Job] = {}  # the prompts in progress
@@ -95,6 +99,9 @@ class PrefillWorker(Worker):
                 self.aborted_in_step.add(message.key)  # it stops streaming at the next layer
             elif self.scheduler.abort(message.key):
                 self._drop(message.key)
+        elif isinstance(message, SharePrefix):
+            share_prefix(message, self.cache, self.runner.cache, self.sender,
+                         self.identity.fingerprint, self.chunk_bytes, self.host)
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
 

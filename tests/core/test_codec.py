@@ -23,11 +23,14 @@ from core.messages import (
     Leave,
     Message,
     PrefillRequest,
+    PullTotals,
     Register,
     RegisterAgain,
     RegisterReply,
     RequestFailed,
     Sampling,
+    SharedPrefix,
+    SharePrefix,
     StageTime,
     TokenBatch,
     TokenEvent,
@@ -39,7 +42,7 @@ from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, Placement
 
 MESSAGE_TYPES = (
     Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
-    FirstToken, TokenBatch, Abort, RequestFailed, Alive, Drain, Drained,
+    FirstToken, TokenBatch, Abort, RequestFailed, Alive, Drain, Drained, SharePrefix, SharedPrefix,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -57,12 +60,20 @@ SAMPLES: list[Message] = [
     Alive("d1", "inst"),
     Heartbeat("d1", "inst", 10, 500, 3, 1),
     Heartbeat("d1", "inst", 0, 500, 0, 0, draining=True),
+    Heartbeat("d1", "inst", 0, 500, 0, 0, pulls=PullTotals(3, 1, 1200, 55_296_000, 0.05, 1.1),
+              prefill_s_per_token=0.0009),
+    Register("d2", "inst", "decode", "tcp://127.0.0.1:5556", "fp", 16, 1024, "node-2", [1], 1,
+             64, "amx", True, 46_080),
     Drain("POST /admin/drain"),
     Drained(),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),
     PrefillRequest("r2", 3, GenerationTask([], Sampling(), 1, [], True), "d2", ""),
     PrefillRequest("r5", 0, TASK, "d1", "ipc:///tmp/kv", ["r6", "r7"]),
     PrefillRequest("r8", 0, TASK, "d1", "tcp://10.0.0.3:5557", [], "", "node-3"),
+    PrefillRequest("r9", 0, TASK, "d1", "ipc:///tmp/kv", pull_from="d2", pull_tokens=48),
+    SharePrefix("r9", 0, [1, 2, 3], "salt", 48, "d2", "d1", "ipc:///tmp/kv", "node-1"),
+    SharedPrefix("r9", 0, 48, "fp"),
+    SharedPrefix("r9", 0, 0, ""),
     DecodeRequest("r1", 1, TASK, "model|float32"),
     DecodeRequest("r5", 0, TASK, "model|float32", ["r6", "r7"]),
     FirstToken("r1", 0, 42, None),
@@ -240,7 +251,8 @@ def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
 def test_a_transfer_total_names_a_known_backend() -> None:
     def heartbeat(backend: str) -> bytes:
         totals = [[backend, "send", 1, 1, 0.1, 0]]
-        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0, False)
+        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0, False,
+                      [0, 0, 0, 0, 0.0, 0.0], 0.0)
 
     beat = decode(heartbeat("shm"))
     assert isinstance(beat, Heartbeat) and beat.transfers[0].backend == "shm"
@@ -419,7 +431,8 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.0, 1.0, 0, None, 0, 0, 1, None, 1, [0, 5], [[3], [4, 5]]],  # min_p, allowed, bad words
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
-    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "", ""))
+    back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "", "",
+                         "", 0))
     assert isinstance(back, PrefillRequest)
     assert back.task.sampling == Sampling(*sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)

@@ -204,3 +204,20 @@ def test_each_arriving_chunk_renews_the_lease(table: IncomingTable) -> None:
     assert table.add(chunk("r", 0), now=LEASE_S - 1.0) is None
     assert table.expire(now=LEASE_S + 1.0) == []
     assert [e.request.request_id for e in table.expire(now=2 * LEASE_S - 1.0)] == ["r"]
+
+
+def test_a_pulled_prefix_is_complete_at_its_own_length(table: IncomingTable) -> None:
+    request = announce("r", tokens=12)
+    assert table.expect(request, now=0.0, tokens=8, lease_s=1.0) is None
+    entry = table.pending[request.key]
+    assert entry.deadline == 1.0  # its own lease, not the table's
+    entry.tokens = 4  # the holder had four of them cached
+    assert table.add(chunk("r", 0, 3, tokens=4), now=0.5) is None
+    assert table.is_complete(entry) and entry.deadline == 0.5 + LEASE_S  # renewed as ever
+
+
+def test_a_pulled_prefix_longer_than_announced_does_not_fit(table: IncomingTable) -> None:
+    request = announce("r", tokens=12)
+    assert table.expect(request, now=0.0, tokens=8) is None
+    assert table.add(chunk("r", 0, 3, tokens=9), now=0.0) == "the KV did not match its request"
+    assert request.key not in table.pending and table.dropped["wrong shape"] == 1

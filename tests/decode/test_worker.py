@@ -348,7 +348,8 @@ def test_the_heartbeat_reports_receive_totals_and_drops(worker: Served) -> None:
         sender.close()
         raw.close(linger=0)
     heartbeat = decode_worker.heartbeat()
-    (totals,) = heartbeat.transfers
+    totals, sent = heartbeat.transfers  # what it received; what it sent of its cache (nothing)
+    assert sent.direction == "send" and sent.chunks == 0
     chunk_bytes = k[:1].nbytes + v[:1].nbytes
     assert (totals.direction, totals.chunks, totals.bytes, totals.failures) == (
         "receive", spec.num_layers + 1, (spec.num_layers + 1) * chunk_bytes, 0)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 from typing import cast
 
+import pytest
+
 from core.config import Role, Routing
 from core.messages import Alive, Heartbeat, Register
 from engine.kv.block_hash import block_hashes
 from gateway.packing import Packing
-from gateway.registry import LocalPrefill, Registry, WorkerInfo
+from gateway.registry import LocalPrefill, Pulling, Registry, WorkerInfo
 
 FP = "smollm2|float32|30|3|64|16"
 
@@ -498,10 +500,11 @@ def test_only_the_newest_membership_events_are_kept() -> None:
 # Workers sharing CPUs: packing (gateway/packing.py)
 
 def placed(worker_id: str, role: Role = "decode", cpus: tuple[int, ...] = (1,), threads: int = 1,
-           max_running: int = 4, num_blocks: int = 100, host: str = "a") -> Register:
+           max_running: int = 4, num_blocks: int = 100, host: str = "a",
+           kv_bytes_per_token: int = 0) -> Register:
     return Register(worker_id, "i0", role, "", FP, 16, num_blocks, host, cpus=list(cpus),
                     threads=threads, max_running=max_running if role == "decode" else 0,
-                    prefix_caching=True)
+                    prefix_caching=True, kv_bytes_per_token=kv_bytes_per_token)
 
 
 def packing_registry(decode: Routing = "pack", prefill: Routing = "pack",
@@ -712,14 +715,21 @@ def test_no_decode_worker_is_never_ready_whatever_is_expected() -> None:
 
 HISTORY = list(range(1000, 1400))  # 25 blocks: an earlier turn's prompt and answer
 TURN = [*HISTORY, *range(5000, 5040)]  # the next turn: the history, then a new message
+# SmolLM2-135M in fp32: 30 layers of K and V, 3 KV heads of 64. Pulling HISTORY's 400 tokens
+# (18 MB at the assumed 500 MB/s) costs 37 ms, as long as 37 tokens at the assumed 1 ms each.
+KV_BYTES = 30 * 2 * 3 * 64 * 4
+PULLS = Pulling()  # as shipped
 
 
-def chat_registry(decode: int = 2, prefill: int = 1) -> Registry:
-    reg = packing_registry(decode="spread", prefill="spread")
+def chat_registry(decode: int = 2, prefill: int = 1, pulling: Pulling = PULLS) -> Registry:
+    reg = Registry(FP, 30.0, 0, 0, local=LocalPrefill(0, 0),
+                   packing=Packing("spread", "spread", 0.9), pulling=pulling)
     for i in range(decode):
-        reg.register(placed(f"decode-{i}", cpus=(i + 1,), max_running=4, num_blocks=1000))
+        reg.register(placed(f"decode-{i}", cpus=(i + 1,), max_running=4, num_blocks=1000,
+                            kv_bytes_per_token=KV_BYTES))
     for i in range(prefill):
-        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,), num_blocks=1000))
+        reg.register(placed(f"prefill-{i}", "prefill", cpus=(0,), num_blocks=1000,
+                            kv_bytes_per_token=KV_BYTES))
     return reg
 
 
@@ -744,7 +754,7 @@ def test_a_follow_up_turn_of_another_tenant_finds_nothing_cached() -> None:
 
 
 def test_a_holder_with_a_full_batch_or_kv_leaves_the_turn_to_a_prefill_worker() -> None:
-    reg = chat_registry()
+    reg = chat_registry(pulling=Pulling(enabled=False))
     reg.finished("decode-1", HISTORY, "")
     holder = reg.workers["decode-1"]
     holder.active.update({f"r{i}": 10 for i in range(4)})  # max_running 4: its batch is full
@@ -756,6 +766,50 @@ def test_a_holder_with_a_full_batch_or_kv_leaves_the_turn_to_a_prefill_worker() 
     assert route is not None and route.path == "disaggregated"
 
 
+def test_a_busy_holder_lends_its_history_to_a_decode_worker_with_room() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "")
+    reg.workers["decode-1"].active.update({f"r{i}": 10 for i in range(4)})  # a full batch
+    route = reg.route(TURN)
+    assert route is not None and route.path == "local_cached"
+    assert route.decode.worker_id == "decode-0" and route.pull is not None
+    assert route.pull.source.worker_id == "decode-1" and route.pull.tokens == 400
+    assert reg.pulls["decode"] == 1
+
+
+def test_a_busy_prefill_worker_lends_its_cached_prompt_to_decode() -> None:
+    reg = chat_registry()
+    prefill = reg.workers["prefill-0"]
+    prefill.prefixes.add(block_hashes(HISTORY, 16, ""))
+    prefill.active["queued"] = 3000  # prompt tokens ahead of this one there
+    route = reg.route(TURN)
+    assert route is not None and route.path == "local_cached" and route.pull is not None
+    assert route.pull.source is prefill and reg.pulls["prefill"] == 1
+    prefill.active.clear()  # idle: it computes the 40 new tokens itself, and hands all over
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated" and route.pull is None
+
+
+def test_a_prefix_slower_to_send_than_to_compute_is_computed() -> None:
+    reg = chat_registry(pulling=Pulling(bytes_per_s=1e6))  # 1 MB/s
+    reg.finished("decode-1", HISTORY, "")
+    reg.workers["decode-1"].active.update({f"r{i}": 10 for i in range(4)})
+    route = reg.route(TURN)  # 18 MB at 1 MB/s against 400 tokens at 1 ms
+    assert route is not None and route.pull is None and route.path == "disaggregated"
+
+
+def test_spread_history_routing_sends_a_turn_away_from_its_history() -> None:
+    reg = chat_registry(prefill=0, pulling=Pulling(history="spread"))
+    reg.finished("decode-1", HISTORY, "")
+    route = reg.route(TURN)
+    assert route is not None and route.decode.worker_id == "decode-0"
+    assert route.path == "local_cached" and route.pull is not None
+    reg.pulling = Pulling(history="spread", enabled=False)
+    route = reg.route(TURN)  # computed in full
+    assert route is not None and route.decode.worker_id == "decode-0"
+    assert route.path == "local_no_prefill" and route.pull is None
+
+
 def test_a_prefill_worker_holding_more_of_the_prompt_is_less_work() -> None:
     reg = chat_registry()
     reg.finished("decode-1", HISTORY[:64], "")  # four blocks
@@ -765,13 +819,19 @@ def test_a_prefill_worker_holding_more_of_the_prompt_is_less_work() -> None:
     assert route.prefill.worker_id == "prefill-0"
 
 
-def test_the_holder_queue_counts_against_it() -> None:
-    reg = chat_registry()
+@pytest.mark.parametrize("pulls", [False, True])
+def test_the_holder_queue_counts_against_it(pulls: bool) -> None:
+    reg = chat_registry(pulling=Pulling(enabled=pulls))
     reg.finished("decode-1", HISTORY, "")
     assert reg.heartbeat(Heartbeat("decode-1", "i0", queued_tokens=2000, free_blocks=1000,
                                    running=1, waiting=0))
     route = reg.route(TURN)
-    assert route is not None and route.path == "disaggregated"
+    assert route is not None
+    if pulls:  # 40 tokens and a pull on decode-0, against 2,040 tokens on decode-1
+        assert route.path == "local_cached" and route.pull is not None
+        assert route.decode.worker_id == "decode-0"
+    else:
+        assert route.path == "disaggregated"
 
 
 def test_colocated_workers_route_a_follow_up_to_the_holder_not_the_emptiest() -> None:
@@ -793,3 +853,14 @@ def test_a_decode_worker_without_prefix_caching_holds_nothing() -> None:
     reg.finished("decode-1", HISTORY, "")
     route = reg.route(TURN)
     assert route is not None and route.path == "disaggregated"
+
+
+def test_spread_avoids_the_history_not_a_system_prompt_every_worker_holds() -> None:
+    reg = chat_registry(decode=3, prefill=0, pulling=Pulling(history="spread"))
+    reg.finished("decode-0", HISTORY[:32], "")  # two blocks every chat starts with
+    reg.finished("decode-2", HISTORY[:32], "")
+    reg.finished("decode-1", HISTORY, "")
+    reg.workers["decode-0"].active["busy"] = 100  # decode-2 has the most free KV
+    route = reg.route(TURN)
+    assert route is not None and route.decode.worker_id == "decode-2"
+    assert route.pull is not None and route.pull.source.worker_id == "decode-1"
