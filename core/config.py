@@ -173,6 +173,9 @@ class PoolConfig:
                               "(those it is pinned to)")
     cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
     prefix_caching: bool = setting(True, "keep full KV blocks for later prompts to reuse")
+    prefix_cache_share: float = setting(1.0, "the share of the KV pool the prefix cache may "
+                                             "keep; idle cached blocks beyond it go, least "
+                                             "recently used first")
     heartbeat_interval_s: float = setting(0.5, "how often a worker reports its load")
     gpu_memory_fraction: float = setting(0.0, "on a GPU, the share of its memory each worker "
                                               "may take (workers sharing one GPU); 0: no cap")
@@ -189,6 +192,8 @@ class PoolConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if not 0 <= self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in [0, 1]")
+        if not 0 < self.prefix_cache_share <= 1:
+            raise ValueError("prefix_cache_share must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,13 @@ class Pulls:
         return self.pending.pop(key, None)
 
     def received(self, pull: Pull, tokens: int, nbytes: int, now: float) -> None:
-        """The prefix came whole: count it, and the prefill time it saved as measured here."""
+        """The prefix came whole: count it, and the prefill time it saved as measured here
+        (none, rather than a loss, for a pull slower than computing: a counter never falls)."""
         seconds = now - pull.asked_at
+        saved = max(0.0, tokens * self.pace.s_per_token - seconds)
         t = self.totals
         self.totals = PullTotals(t.pulls + 1, t.fallbacks, t.tokens + tokens, t.bytes + nbytes,
-                                 t.seconds + seconds,
-                                 t.saved_s + tokens * self.pace.s_per_token - seconds)
+                                 t.seconds + seconds, t.saved_s + saved)
 
     def fell_back(self) -> None:
         t = self.totals

@@ -58,10 +58,10 @@ class DecodeSequence:
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
                  chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, cache_share: float = 1.0) -> None:
         assert chunk_tokens > 0
         self.allocator = allocator
-        self.cache = PrefixCache(allocator)
+        self.cache = PrefixCache(allocator, cache_share)
         self.prefix_caching = prefix_caching
         self.block_size = block_size
         self.max_running = max_running

@@ -62,7 +62,8 @@ class DecodeWorker(Worker):
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running, config.decode.chunk_tokens,
-                                         ChunkCost.of(runner.spec), config.decode.prefix_caching)
+                                         ChunkCost.of(runner.spec), config.decode.prefix_caching,
+                                         config.decode.prefix_cache_share)
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)

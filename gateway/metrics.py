@@ -232,7 +232,7 @@ class DecisionCollector(Collector):
 
 class PullCollector(Collector):
     """Cached prefixes pulled between workers: asked for by the gateway (by the holder's
-    pool), and as each decode worker's last heartbeat counted them."""
+    pool), and as decode workers counted them (monotonic across their restarts)."""
 
     def __init__(self, membership: Registry) -> None:
         self.membership = membership
@@ -258,14 +258,14 @@ class PullCollector(Collector):
                                            "the worker) less the pulls' time",
                                            labels=["worker"]),
         }
-        for worker in self.membership.alive("decode"):
-            if worker.load is None:
-                continue
-            totals = worker.load.pulls
-            pulls.add_metric([worker.worker_id, "pulled"], totals.pulls)
-            pulls.add_metric([worker.worker_id, "fallback"], totals.fallbacks)
-            for name, family in amounts.items():
-                family.add_metric([worker.worker_id], getattr(totals, name))
+        pulled = self.membership.pulled
+        for worker_id, count in pulled["pulls"].by_worker().items():
+            pulls.add_metric([worker_id, "pulled"], count)
+        for worker_id, count in pulled["fallbacks"].by_worker().items():
+            pulls.add_metric([worker_id, "fallback"], count)
+        for name, family in amounts.items():
+            for worker_id, value in pulled[name].by_worker().items():
+                family.add_metric([worker_id], value)
         yield from (asked, pulls, *amounts.values())
 
 

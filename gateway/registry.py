@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import typing
 from collections import Counter, deque
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.config import ROLES, HistoryRouting, Role
-from core.messages import Alive, Heartbeat, Register, RegisterReply
+from core.messages import Alive, Heartbeat, PullTotals, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.packing import PACK, Packing, Unit, alone, packed, units
 from gateway.prefix_index import PrefixIndex
@@ -20,6 +21,7 @@ from gateway.totals import WorkerTotals
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill",
                     "local_cached"]
 ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
+PULL_FIELDS = tuple(f.name for f in dataclasses.fields(PullTotals))
 # What happened to a worker's membership, as the registry saw it.
 EventKind = Literal["registered", "restarted", "refused", "draining", "left", "dead", "stalled",
                     "recovered"]
@@ -150,6 +152,8 @@ class Registry:
         self.was_ready = False  # every expected worker has served at once
         self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
         self.preemptions = WorkerTotals()  # per worker id, across its restarts
+        # Decode workers' pulls of cached prefixes (core/messages.PullTotals), field by field.
+        self.pulled = {name: WorkerTotals() for name in PULL_FIELDS}
 
     def _note(self, kind: EventKind, worker: WorkerInfo | Register, detail: str = "") -> None:
         self.events.append(MembershipEvent(time.time(), kind, worker.worker_id, worker.role,
@@ -208,6 +212,10 @@ class Registry:
         if message.draining:
             self.drain(info, "it said so")
         self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
+        if info.role == "decode":
+            for name, totals in self.pulled.items():
+                totals.report(message.worker_id, message.instance_id,
+                              getattr(message.pulls, name))
         return True
 
     def beat(self, message: Alive) -> bool:
@@ -369,11 +377,12 @@ class Registry:
         """The decode worker that should prefill the prompt from a cached prefix, its own or
         one it pulls, with that pull; None when none holds or can pull any, or (unless the
         prompt is to be prefilled on a decode worker anyway, `local`) a prefill worker would
-        get through it sooner. A decode worker's work: the prompt tokens it has queued to
-        prefill, plus this prompt's rest beyond the prefix, plus the pull's cost in tokens; a
-        prefill worker's: as `pick_prefill` counts it, per slot (its KV's transfer to decode,
-        not counted, only adds to that path). Only workers with room for the sequence, and
-        of those, the ones not to `avoid` if any."""
+        get through it as soon (a tie keeps decode's streams free of the prompt). A decode
+        worker's work: the prompt tokens it has queued to prefill, plus this prompt's rest
+        beyond the prefix, plus the pull's cost in tokens; a prefill worker's: as
+        `pick_prefill` counts it, per slot (its KV's transfer to decode, not counted, only adds
+        to that path). Only workers with room for the sequence, and of those, the ones not to
+        `avoid` if any."""
         serving = [w for w in self.serving("decode")
                    if not w.unreachable and self._takes_sequence(w, len(chain.prompt))]
         serving = [w for w in serving if w.worker_id not in avoid] or serving
@@ -392,7 +401,7 @@ class Registry:
         if best is None:
             return None
         prefill = None if local else self._best_prefill(chain)
-        return None if prefill is not None and best[0][0] > prefill[1] else (best[1], best[2])
+        return None if prefill is not None and best[0][0] >= prefill[1] else (best[1], best[2])
 
     def _pull_source(self, chain: Chains) -> WorkerInfo | None:
         """The serving worker, of either pool, that caches the most of the prompt."""

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 @dataclass
 class _Tally:
     instance_id: str
-    reported: int = 0  # the current instance's own count, as last reported
-    earlier: int = 0  # what the previous instances of this worker id had reached
+    reported: float = 0  # the current instance's own count, as last reported
+    earlier: float = 0  # what the previous instances of this worker id had reached
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.earlier + self.reported
 
 
@@ -28,7 +28,7 @@ class WorkerTotals:
     def __init__(self) -> None:
         self._tallies: dict[str, _Tally] = {}
 
-    def report(self, worker_id: str, instance_id: str, since_start: int) -> None:
+    def report(self, worker_id: str, instance_id: str, since_start: float) -> None:
         """A worker's count since its process started. A new instance (or a count that went
         down, which only a restart does) starts a new run on top of the old total."""
         tally = self._tallies.get(worker_id)
@@ -39,9 +39,9 @@ class WorkerTotals:
             tally.reported = 0
         tally.reported = since_start
 
-    def by_worker(self) -> dict[str, int]:
+    def by_worker(self) -> dict[str, float]:
         """Every worker id ever reported, gone ones included, with its total."""
         return {worker_id: tally.total for worker_id, tally in self._tallies.items()}
 
-    def total(self) -> int:
+    def total(self) -> float:
         return sum(tally.total for tally in self._tallies.values())

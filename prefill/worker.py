@@ -80,7 +80,7 @@ class PrefillWorker(Worker):
         self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
         self.stream = LayerStream(self.sender, runner.cache, identity.fingerprint,
                                   self.chunk_bytes, self.host)
-        self.cache = PrefixCache(runner.allocator)
+        self.cache = PrefixCache(runner.allocator, config.prefill.prefix_cache_share)
         self.prefix_caching = config.prefill.prefix_caching
         self.jobs: dict[RequestKey, _Job] = {}  # the prompts in progress
         self.arrivals: dict[RequestKey, float] = {}  # when each queued prompt arrived

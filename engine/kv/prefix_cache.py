@@ -2,7 +2,8 @@
 
 Pure bookkeeping over a `BlockAllocator`. The cache holds one reference on each block it
 knows; a request that reuses a block takes another. A block only the cache holds is idle and
-is evicted, least recently used first, when an allocation needs room.
+is evicted, least recently used first, when an allocation needs room, or when the cache knows
+more blocks than its share of the pool (`share`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from engine.kv.allocator import BlockAllocator, OutOfBlocks
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator) -> None:
+    def __init__(self, allocator: BlockAllocator, share: float = 1.0) -> None:
+        assert 0 < share <= 1
         self.allocator = allocator
+        self.max_blocks = max(1, int(allocator.num_total * share))
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> block, LRU first
         self.hits = 0  # blocks reused, since start
         self.evictions = 0
@@ -56,7 +59,8 @@ class PrefixCache:
         if n > self.num_available:
             raise OutOfBlocks(f"need {n} blocks, {self.num_available} available")
         while self.allocator.num_free < n:
-            self._evict_one()
+            evicted = self._evict_one()
+            assert evicted, "no idle block to evict, though num_available said there was"
         return self.allocator.allocate(n)
 
     def insert(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
@@ -69,6 +73,8 @@ class PrefixCache:
             else:
                 self.allocator.incref([block])
                 self.blocks[block_hash] = block
+        while len(self.blocks) > self.max_blocks and self._evict_one():
+            pass
 
     def release(self, blocks: Sequence[int]) -> None:
         """Give back a request's references (cached blocks stay, now idle unless shared)."""
@@ -77,11 +83,12 @@ class PrefixCache:
     def _idle_count(self) -> int:
         return sum(self.allocator.ref_count(b) == 1 for b in self.blocks.values())
 
-    def _evict_one(self) -> None:
+    def _evict_one(self) -> bool:
+        """Evict the least recently used idle block; False when none is idle."""
         for block_hash, block in self.blocks.items():
             if self.allocator.ref_count(block) == 1:
                 del self.blocks[block_hash]
                 self.allocator.free([block])
                 self.evictions += 1
-                return
-        raise AssertionError("no idle block to evict")  # num_available said there was one
+                return True
+        return False

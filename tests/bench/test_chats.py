@@ -10,14 +10,14 @@ import pytest
 import yaml
 
 from bench.__main__ import main
-from tests.e2e.cluster import TEST_CONFIG
+from tests.e2e.cluster import TEST_CONFIG, with_decode_cache
 
 pytestmark = pytest.mark.e2e
 
 
 def test_chats_measure_pulls_against_recompute(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(TEST_CONFIG))
+    config.write_text(yaml.safe_dump(with_decode_cache(TEST_CONFIG)))
     out = tmp_path / "chats.json"
     launch = f"c2=--colocated 2 --model {tiny_model_dir} --config {config}"
     status = main(["chats", "--launch", launch, "--against", "no-pulls", "--chats", "2",

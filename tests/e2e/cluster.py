@@ -24,15 +24,24 @@ ROOT = Path(__file__).resolve().parents[2]
 TEST_CONFIG: dict[str, Any] = {
     # fp32, so that greedy tokens can equal transformers' own (bf16 on AMX CPUs is the default).
     "model": {"dtype": "float32"},
-    # Pure disaggregation (tests/e2e/test_conditional.py covers the decode-side prefill).
+    # Pure disaggregation: every prompt to a prefill worker, repeated ones too (decode's cache,
+    # the routing to it and pulls from it are for tests/e2e/test_conditional.py, test_pulls.py
+    # and test_tenant_cache.py to turn on: `with_decode_cache`).
     "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0, "local_prefill_max_tokens": 0,
-                "prefill_saturated_tokens": 0},
+                "prefill_saturated_tokens": 0, "pull_prefixes": False},
     "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
-    "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1},
+    "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1,
+               "prefix_caching": False},
     # OpenAI's neutral sampling defaults, which the tests' expectations (greedy output equal to
     # transformers', seeded draws) assume; tests/e2e/test_chat_ui_bodies.py runs the shipped ones.
     "generation_defaults": {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0},
 }
+
+
+def with_decode_cache(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with decode workers' prefix caching and pulls between workers on, as shipped."""
+    return {**config, "gateway": {**config["gateway"], "pull_prefixes": True},
+            "decode": {**config["decode"], "prefix_caching": True}}
 
 
 class Cluster:

@@ -17,21 +17,21 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
-from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, sse_events
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, sse_events, with_decode_cache
 
 pytestmark = pytest.mark.e2e
 
 SHORT = ["Hello", "A", "Roses are red,", "Le chat est"]  # 8 tokens or fewer
+KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789"}  # `disaggregated`'s
 LONG = ["The quick brown fox jumps over the lazy dog " * 4, "Once upon a time, " * 9,
         "def fibonacci(n):\n    if n < 2:\n        return n\n" * 3]
 
 
 def config(decode_cache: bool = True, **gateway: int) -> dict[str, Any]:
     """Chunks of 16 tokens, so that every long prompt is prefilled in several."""
-    settings = copy.deepcopy(TEST_CONFIG)
+    settings = copy.deepcopy(with_decode_cache(TEST_CONFIG) if decode_cache else TEST_CONFIG)
     settings["gateway"].update(gateway)
     settings["decode"]["chunk_tokens"] = 16
-    settings["decode"]["prefix_caching"] = decode_cache
     return settings
 
 
@@ -56,16 +56,19 @@ def conditional(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def disaggregated(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[Cluster]:
+    flags = [arg for tenant, key in KEYS.items() for arg in ("--api-key", f"{key}:{tenant}")]
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, prefill=1, decode=1,
-                config=config()) as running:
+                config=config(), flags=flags, api_key=KEYS["alpha"]) as running:
         yield running
 
 
-def complete(cluster: Cluster, prompt: str | list[int], max_tokens: int,
+def complete(cluster: Cluster, prompt: str | list[int], max_tokens: int, tenant: str = "",
              **extra: Any) -> dict[str, Any]:
+    """A completion, as `tenant` (by its key) or as the cluster's client."""
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, **extra}
-    response = cluster.client.post("/v1/completions", json=body)
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else None
+    response = cluster.client.post("/v1/completions", json=body, headers=headers)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -207,3 +210,21 @@ def test_a_chats_next_turn_is_prefilled_where_its_history_is_cached(
     after = decisions(cluster)
     assert after["local_cached"] - before["local_cached"] == 1
     assert sum(after.values()) - sum(before.values()) == 1
+
+
+def test_a_next_turn_finds_only_its_own_tenants_history_on_decode(
+        disaggregated: Cluster, tokenizer: PreTrainedTokenizerBase, reference) -> None:
+    first = tokenizer.encode("A chat only alpha has had. " + LONG[1])
+    answer = reference(first, 20)
+    complete(disaggregated, first, 20, "alpha", temperature=0)
+    second = [*first, *answer, *tokenizer.encode(" Go on.")]
+    before = decisions(disaggregated)
+    beta = complete(disaggregated, second, 4, "beta", temperature=0)
+    assert beta["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = decisions(disaggregated)
+    assert after["disaggregated"] == before["disaggregated"] + 1  # nothing of alpha's matched
+    alpha = complete(disaggregated, second, 4, "alpha", temperature=0)
+    assert alpha["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+        len(first) + len(answer) - 1) // 16 * 16
+    assert decisions(disaggregated)["local_cached"] == after["local_cached"] + 1
+    assert alpha["choices"][0]["text"] == beta["choices"][0]["text"]  # one model, one answer

@@ -18,7 +18,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
-from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, with_decode_cache
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ PULL_LEASE_S = 1.0
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
-    config: dict[str, Any] = copy.deepcopy(TEST_CONFIG)
+    config: dict[str, Any] = copy.deepcopy(with_decode_cache(TEST_CONFIG))
     config["gateway"].update({"history_routing": "spread", "pull_min_tokens": 16})
     config["kv_transfer"] = {"pull_lease_s": PULL_LEASE_S}
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config,

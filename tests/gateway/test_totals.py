@@ -42,7 +42,7 @@ def test_totals_never_decrease_and_end_at_the_sum_of_every_run(
     """Each step: a worker either restarts (a new instance, count from 0) or counts more."""
     totals = WorkerTotals()
     runs: dict[str, list[int]] = {}  # per worker, each instance's own count
-    before: dict[str, int] = {}
+    before: dict[str, float] = {}
     for worker, restart, more in steps:
         if restart or worker not in runs:
             runs.setdefault(worker, []).append(0)

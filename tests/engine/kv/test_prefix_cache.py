@@ -98,3 +98,20 @@ def test_a_table_reuses_the_cached_prefix_then_takes_fresh_blocks() -> None:
     with pytest.raises(OutOfBlocks):
         cache.table([b"a"], 5)
     assert cache.num_available == 4 and allocator.ref_count(first[0]) == 1  # nothing taken
+
+
+def test_beyond_its_share_of_the_pool_the_cache_lets_idle_blocks_go_oldest_first() -> None:
+    allocator = BlockAllocator(8)
+    cache = PrefixCache(allocator, share=0.25)  # two blocks
+    older, newer = cache.allocate(2), cache.allocate(2)
+    cache.insert([b"a", b"b"], older)
+    cache.release(older)
+    cache.insert([b"c", b"d"], newer)  # four known, two idle: the idle ones go
+    assert list(cache.blocks) == [b"c", b"d"] and cache.evictions == 2
+    live = cache.allocate(2)
+    cache.insert([b"e", b"f"], live)  # c and d still in use: nothing is idle, all stay
+    assert list(cache.blocks) == [b"c", b"d", b"e", b"f"]
+    cache.release(newer)
+    cache.insert([b"e"], live)  # c and d idle now: they go, e and f (in use) stay
+    assert set(cache.blocks) == {b"e", b"f"}
+    assert allocator.num_free == 6 and all(allocator.ref_count(b) == 2 for b in live)
