@@ -414,7 +414,8 @@ class Registry:
     def _pull(self, source: WorkerInfo | None, target: WorkerInfo, chain: Chains
               ) -> Pull | None:
         """What `target` would pull of `source`'s cached prefix: None when it holds nearly as
-        much itself, or sending it would take longer than computing what it lacks."""
+        much itself, or pulling it would take longer than computing what it lacks (pulling:
+        the bytes at the source's send rate, or the target's pulls' mean time if longer)."""
         if source is None or source is target:
             return None
         tokens = chain.cached(source) // source.block_size * source.block_size  # whole blocks
@@ -423,7 +424,8 @@ class Registry:
             return None
         s_per_token = (target.load.prefill_s_per_token if target.load is not None else 0.0) \
             or _UNMEASURED_S_PER_TOKEN
-        seconds = tokens * source.kv_bytes_per_token / self._send_rate(source)
+        seconds = max(tokens * source.kv_bytes_per_token / self._send_rate(source),
+                      _pull_latency(target))
         if seconds >= missing * s_per_token:
             return None
         return Pull(source, tokens, seconds / s_per_token)
@@ -514,6 +516,13 @@ def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,
         return work, False, 0, len(worker.active), worker.worker_id
     full = worker.held_tokens + prompt_len > worker.capacity_tokens
     return work, full, -worker.held_tokens, len(worker.active), worker.worker_id
+
+
+def _pull_latency(decode: WorkerInfo) -> float:
+    """The mean time a decode worker's pulls took, from asking to holding the whole prefix (its
+    holders' loops answer between their steps); 0 before its first."""
+    pulls = decode.load.pulls if decode.load is not None else None
+    return pulls.seconds / pulls.pulls if pulls is not None and pulls.pulls else 0.0
 
 
 def _has_headroom(decode: WorkerInfo) -> bool:

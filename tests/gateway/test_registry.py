@@ -9,7 +9,7 @@ from typing import cast
 import pytest
 
 from core.config import Role, Routing
-from core.messages import Alive, Heartbeat, Register
+from core.messages import Alive, Heartbeat, PullTotals, Register
 from engine.kv.block_hash import block_hashes
 from gateway.packing import Packing
 from gateway.registry import LocalPrefill, Pulling, Registry, WorkerInfo
@@ -864,3 +864,13 @@ def test_spread_avoids_the_history_not_a_system_prompt_every_worker_holds() -> N
     route = reg.route(TURN)
     assert route is not None and route.decode.worker_id == "decode-2"
     assert route.pull is not None and route.pull.source.worker_id == "decode-1"
+
+
+def test_a_worker_whose_pulls_were_slow_computes_instead() -> None:
+    reg = chat_registry()
+    reg.finished("decode-1", HISTORY, "")
+    reg.workers["decode-1"].active.update({f"r{i}": 10 for i in range(4)})  # a full batch
+    slow = PullTotals(pulls=4, seconds=2.0)  # half a second each: 500 tokens at 1 ms
+    assert reg.heartbeat(Heartbeat("decode-0", "i0", 0, 1000, 1, 0, pulls=slow))
+    route = reg.route(TURN)
+    assert route is not None and route.pull is None and route.path == "disaggregated"
