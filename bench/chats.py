@@ -34,7 +34,7 @@ from typing import Any, Literal
 import httpx
 from tqdm import tqdm
 
-from bench.client import StreamError, has_content, parse_event, served_model
+from bench.client import StreamError, read_stream, served_model
 from bench.launcher import launched
 from bench.prompts import TextPrompts
 from bench.report import write_json
@@ -132,23 +132,12 @@ def _question(prompts: TextPrompts, chat: int, turn: int, length: int) -> str:
 async def _stream(client: httpx.AsyncClient, body: dict[str, Any]
                   ) -> tuple[float, int, int, str]:
     """(TTFT s, prompt tokens, cached tokens, answer) of one streamed chat completion."""
-    started, first, usage, parts = time.perf_counter(), None, None, []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise StreamError(f"HTTP {response.status_code}: {text[:200]}")
-        async for line in response.aiter_lines():
-            event = parse_event(line)
-            if event is None:
-                continue
-            if has_content(event):
-                first = first or time.perf_counter() - started
-                parts.append(event["choices"][0]["delta"]["content"])
-            usage = event.get("usage") or usage
-    if first is None or usage is None:
+    arrivals, usage, answer = await read_stream(client, "/v1/chat/completions", body,
+                                                time.perf_counter())
+    if not arrivals or usage is None:
         raise StreamError("the stream ended without an answer or its usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return first, int(usage["prompt_tokens"]), int(cached), "".join(parts)
+    return arrivals[0], int(usage["prompt_tokens"]), int(cached), answer
 
 
 def summary(plan: ChatsPlan, runs: Sequence[Run]) -> list[dict[str, Any]]:

@@ -94,8 +94,8 @@ async def stream_request(client: httpx.AsyncClient, model: str, spec: RequestSpe
                          spec.output_len)
     try:
         async with asyncio.timeout(timeout_s):
-            arrivals, usage = await _read_stream(client, request_path(spec),
-                                                 request_body(model, spec), start)
+            arrivals, usage, _ = await read_stream(client, request_path(spec),
+                                                   request_body(model, spec), start)
     except TimeoutError:
         return _failed(base, f"timeout after {timeout_s:g}s")
     except httpx.HTTPError as error:
@@ -124,10 +124,12 @@ def _succeeded(base: RequestResult, arrivals: list[float], usage: dict[str, Any]
     )
 
 
-async def _read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                       start: float) -> tuple[list[float], dict[str, Any] | None]:
-    """(content-chunk arrival times from `start`, the usage chunk if any) of one stream."""
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                      start: float) -> tuple[list[float], dict[str, Any] | None, str]:
+    """(content-chunk arrival times from `start`, the usage chunk if any, the text) of one
+    stream."""
     arrivals: list[float] = []
+    parts: list[str] = []
     usage = None
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
@@ -139,8 +141,9 @@ async def _read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
                 continue
             if has_content(event):
                 arrivals.append(time.perf_counter() - start)
+                parts.append(content_of(event))
             usage = event.get("usage") or usage
-    return arrivals, usage
+    return arrivals, usage, "".join(parts)
 
 
 def parse_event(line: str) -> dict[str, Any] | None:
@@ -161,10 +164,12 @@ def parse_event(line: str) -> dict[str, Any] | None:
     return event
 
 
+def content_of(event: dict[str, Any]) -> str:
+    """The generated text of a chunk (completions `text` or chat `delta.content`)."""
+    choice = (event.get("choices") or [{}])[0]
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
 def has_content(event: dict[str, Any]) -> bool:
-    """Whether a chunk carries generated text (completions `text` or chat `delta.content`)."""
-    choices = event.get("choices") or []
-    if not choices:
-        return False
-    choice = choices[0]
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+    """Whether a chunk carries generated text."""
+    return bool(content_of(event))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.client import has_content, request_body, request_path
+from bench.client import content_of, has_content, request_body, request_path
 from bench.workloads import RequestSpec
 
 
@@ -20,3 +20,10 @@ def test_prompt_and_chat_bodies() -> None:
         assert sent["max_tokens"] == 16 and sent["temperature"] == 0 and sent["ignore_eos"]
         assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
     assert has_content({"choices": [{"delta": {"content": "a"}}]})
+
+
+def test_the_text_of_a_chunk_whichever_api() -> None:
+    assert content_of({"choices": [{"text": "a"}]}) == "a"
+    assert content_of({"choices": [{"delta": {"content": "b"}}]}) == "b"
+    assert content_of({"choices": [{"delta": {"role": "assistant"}}]}) == ""
+    assert content_of({"choices": []}) == ""
