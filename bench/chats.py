@@ -5,7 +5,7 @@ Per layout, two launched servers, one after the other. Against `caching-off`: pr
 (as shipped) and off (`prefill.prefix_caching` and `decode.prefix_caching` false). Against
 `no-pulls`: each turn is sent on purpose to a decode worker that does not hold its history
 (`gateway.history_routing: spread`), which pulls it from the one that does, or with
-`gateway.pull_prefixes: false` computes it. On each server, `chats` chats at once,
+`gateway.pull_prefixes: never` computes it. On each server, `chats` chats at once,
 each of `turns` turns through /v1/chat/completions, greedy: turn 1 sends a document of about
 `document_len` tokens and a question; every later turn sends the whole history (the earlier
 questions, and the answers as the server gave them) and a new question, as a chat UI does, so
@@ -45,7 +45,7 @@ SPREAD = ("--set", "gateway.history_routing=spread")
 VARIANTS: dict[Against, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "caching-off": ((), ("--set", "prefill.prefix_caching=false",
                          "--set", "decode.prefix_caching=false")),
-    "no-pulls": (SPREAD, (*SPREAD, "--set", "gateway.pull_prefixes=false")),
+    "no-pulls": (SPREAD, (*SPREAD, "--set", "gateway.pull_prefixes=never")),
 }
 _TIMEOUT_S = 600.0
 

@@ -36,6 +36,7 @@ KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 Routing = Literal["pack", "spread"]
 # Where a prompt goes whose prefix a decode worker holds (gateway/registry.py).
 HistoryRouting = Literal["follow", "spread"]
+PullMode = Literal["auto", "always", "never"]
 # What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).
 QuantInputs = Literal["exact", "int8"]
 
@@ -137,9 +138,10 @@ class GatewayConfig:
                                                         "holds goes there, to prefill the "
                                                         "rest; spread: to another decode "
                                                         "worker with room, if any")
-    pull_prefixes: bool = setting(True, "a decode worker prefilling a prompt first pulls the "
-                                        "KV of its prefix from the worker caching the most of "
-                                        "it, when moving it is cheaper than computing it")
+    pull_prefixes: PullMode = setting("auto", "a decode worker prefilling a prompt first "
+                                              "pulls the KV of its prefix from the worker "
+                                              "caching the most of it: auto, when that is "
+                                              "quicker than computing it; always; never")
     pull_min_tokens: int = setting(64, "a cached prefix longer by fewer tokens than the decode "
                                        "worker holds itself is computed, not pulled")
     pull_bandwidth_mb_s: float = setting(500.0, "KV transfer rate assumed of a worker until "

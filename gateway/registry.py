@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.config import ROLES, HistoryRouting, Role
+from core.config import ROLES, HistoryRouting, PullMode, Role
 from core.messages import Alive, Heartbeat, PullTotals, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
 from gateway.packing import PACK, Packing, Unit, alone, packed, units
@@ -111,11 +111,12 @@ class Route:
 class Pulling:
     """Where a prompt with a cached prefix goes (`gateway.history_routing`), and whether a
     decode worker pulls a prefix cached elsewhere (`gateway.pull_prefixes`): when the cache
-    holds `min_tokens` more than it does, and sending them (at the holder's measured rate, else
-    `bytes_per_s`) takes less time than computing them (at its own measured pace)."""
+    holds `min_tokens` more than it does, and (`auto`) sending them (at the holder's measured
+    rate, else `bytes_per_s`) takes less time than computing them (at its own measured pace),
+    or `always`."""
 
     history: HistoryRouting = "follow"
-    enabled: bool = True
+    mode: PullMode = "auto"
     min_tokens: int = 64
     bytes_per_s: float = 500e6
 
@@ -405,7 +406,7 @@ class Registry:
 
     def _pull_source(self, chain: Chains) -> WorkerInfo | None:
         """The serving worker, of either pool, that caches the most of the prompt."""
-        if not self.pulling.enabled:
+        if self.pulling.mode == "never":
             return None
         holders = [w for w in self.workers.values()
                    if not w.stalled and not w.draining and chain.cached(w)]
@@ -426,7 +427,7 @@ class Registry:
             or _UNMEASURED_S_PER_TOKEN
         seconds = max(tokens * source.kv_bytes_per_token / self._send_rate(source),
                       _pull_latency(target))
-        if seconds >= missing * s_per_token:
+        if seconds >= missing * s_per_token and self.pulling.mode == "auto":
             return None
         return Pull(source, tokens, seconds / s_per_token)
 

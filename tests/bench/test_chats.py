@@ -19,7 +19,9 @@ def test_chats_measure_pulls_against_recompute(tiny_model_dir: Path, tmp_path: P
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(with_decode_cache(TEST_CONFIG)))
     out = tmp_path / "chats.json"
-    launch = f"c2=--colocated 2 --model {tiny_model_dir} --config {config}"
+    # Pulls always: on the tiny model computing a prefix takes about as long as pulling it.
+    launch = (f"c2=--colocated 2 --model {tiny_model_dir} --config {config} "
+              "--set gateway.pull_prefixes=always")
     status = main(["chats", "--launch", launch, "--against", "no-pulls", "--chats", "2",
                    "--turns", "3", "--document-len", "80", "--question-len", "8",
                    "--output-len", "8", "--out", str(out)])

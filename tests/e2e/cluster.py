@@ -28,7 +28,7 @@ TEST_CONFIG: dict[str, Any] = {
     # the routing to it and pulls from it are for tests/e2e/test_conditional.py, test_pulls.py
     # and test_tenant_cache.py to turn on: `with_decode_cache`).
     "gateway": {"heartbeat_timeout_s": 3.0, "keepalive_s": 2.0, "local_prefill_max_tokens": 0,
-                "prefill_saturated_tokens": 0, "pull_prefixes": False},
+                "prefill_saturated_tokens": 0, "pull_prefixes": "never"},
     "prefill": {"num_kv_blocks": 256, "block_size": 16, "threads": 1},
     "decode": {"num_kv_blocks": 256, "block_size": 16, "max_running": 64, "threads": 1,
                "prefix_caching": False},
@@ -40,7 +40,7 @@ TEST_CONFIG: dict[str, Any] = {
 
 def with_decode_cache(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with decode workers' prefix caching and pulls between workers on, as shipped."""
-    return {**config, "gateway": {**config["gateway"], "pull_prefixes": True},
+    return {**config, "gateway": {**config["gateway"], "pull_prefixes": "auto"},
             "decode": {**config["decode"], "prefix_caching": True}}
 
 

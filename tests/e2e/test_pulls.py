@@ -29,7 +29,9 @@ PULL_LEASE_S = 1.0
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Cluster]:
     config: dict[str, Any] = copy.deepcopy(with_decode_cache(TEST_CONFIG))
-    config["gateway"].update({"history_routing": "spread", "pull_min_tokens": 16})
+    # Always: on the tiny model computing a prefix takes about as long as pulling it.
+    config["gateway"].update({"history_routing": "spread", "pull_min_tokens": 16,
+                              "pull_prefixes": "always"})
     config["kv_transfer"] = {"pull_lease_s": PULL_LEASE_S}
     with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config,
                 flags=["--colocated", "2"]) as running:

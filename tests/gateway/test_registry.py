@@ -754,7 +754,7 @@ def test_a_follow_up_turn_of_another_tenant_finds_nothing_cached() -> None:
 
 
 def test_a_holder_with_a_full_batch_or_kv_leaves_the_turn_to_a_prefill_worker() -> None:
-    reg = chat_registry(pulling=Pulling(enabled=False))
+    reg = chat_registry(pulling=Pulling(mode="never"))
     reg.finished("decode-1", HISTORY, "")
     holder = reg.workers["decode-1"]
     holder.active.update({f"r{i}": 10 for i in range(4)})  # max_running 4: its batch is full
@@ -796,6 +796,11 @@ def test_a_prefix_slower_to_send_than_to_compute_is_computed() -> None:
     reg.workers["decode-1"].active.update({f"r{i}": 10 for i in range(4)})
     route = reg.route(TURN)  # 18 MB at 1 MB/s against 400 tokens at 1 ms
     assert route is not None and route.pull is None and route.path == "disaggregated"
+    always = chat_registry(prefill=0, pulling=Pulling(mode="always", bytes_per_s=1e6))
+    always.finished("decode-1", HISTORY, "")
+    always.workers["decode-1"].active.update({f"r{i}": 10 for i in range(4)})
+    route = always.route(TURN)
+    assert route is not None and route.pull is not None and route.path == "local_cached"
 
 
 def test_spread_history_routing_sends_a_turn_away_from_its_history() -> None:
@@ -804,7 +809,7 @@ def test_spread_history_routing_sends_a_turn_away_from_its_history() -> None:
     route = reg.route(TURN)
     assert route is not None and route.decode.worker_id == "decode-0"
     assert route.path == "local_cached" and route.pull is not None
-    reg.pulling = Pulling(history="spread", enabled=False)
+    reg.pulling = Pulling(history="spread", mode="never")
     route = reg.route(TURN)  # computed in full
     assert route is not None and route.decode.worker_id == "decode-0"
     assert route.path == "local_no_prefill" and route.pull is None
@@ -821,7 +826,7 @@ def test_a_prefill_worker_holding_more_of_the_prompt_is_less_work() -> None:
 
 @pytest.mark.parametrize("pulls", [False, True])
 def test_the_holder_queue_counts_against_it(pulls: bool) -> None:
-    reg = chat_registry(pulling=Pulling(enabled=pulls))
+    reg = chat_registry(pulling=Pulling(mode="auto" if pulls else "never"))
     reg.finished("decode-1", HISTORY, "")
     assert reg.heartbeat(Heartbeat("decode-1", "i0", queued_tokens=2000, free_blocks=1000,
                                    running=1, waiting=0))
