@@ -150,6 +150,7 @@ class Register:
     isa: str = ""  # the instruction set its kernels run at (engine.kernels.isa; "torch": none)
     prefix_caching: bool = False  # it keeps computed KV blocks for later prompts
     kv_bytes_per_token: int = 0  # of K and V over every layer, as its cache holds them
+    cache_blocks: int = 0  # the most blocks its prefix cache keeps (0: as many as its pool)
 
 
 @dataclass(frozen=True)

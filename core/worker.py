@@ -72,6 +72,7 @@ class WorkerIdentity:
     isa: str = ""  # the instruction set its kernels run at ("torch": none built)
     prefix_caching: bool = False  # keeps computed KV blocks for later prompts
     kv_bytes_per_token: int = 0  # of K and V over every layer, as its cache holds them
+    cache_blocks: int = 0  # the most blocks its prefix cache keeps (0: as many as its pool)
 
 
 def host_name(configured: str) -> str:
@@ -121,7 +122,7 @@ class Worker(ABC):
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
                         i.block_size, i.num_blocks, self.host, pinned_cpus(),
                         i.threads, i.max_running, i.isa, i.prefix_caching,
-                        i.kv_bytes_per_token)
+                        i.kv_bytes_per_token, i.cache_blocks)
 
     @abstractmethod
     def handle(self, message: Message) -> None: ...

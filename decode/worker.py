@@ -38,6 +38,7 @@ from decode.incoming import IncomingKV, IncomingTable
 from decode.phases import Phase, Phases
 from decode.pulls import Pulls
 from decode.scheduler import DecodeScheduler, DecodeSequence
+from engine.kv.prefix_cache import capacity
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
@@ -57,7 +58,9 @@ class DecodeWorker(Worker):
                                   torch.get_num_threads(), config.decode.max_running,
                                   isa=runner.kernel_isa,
                                   prefix_caching=config.decode.prefix_caching,
-                                  kv_bytes_per_token=runner.cache.bytes_per_token)
+                                  kv_bytes_per_token=runner.cache.bytes_per_token,
+                                  cache_blocks=capacity(runner.allocator.num_total,
+                                                        config.decode.prefix_cache_share))
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,

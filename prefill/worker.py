@@ -31,7 +31,7 @@ from core.timeline import Timeline
 from core.worker import Worker, WorkerIdentity
 from engine.kv.allocator import blocks_needed
 from engine.kv.block_hash import block_hashes
-from engine.kv.prefix_cache import PrefixCache
+from engine.kv.prefix_cache import PrefixCache, capacity
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
 from engine.runner import ModelRunner
@@ -68,7 +68,9 @@ class PrefillWorker(Worker):
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), isa=runner.kernel_isa,
                                   prefix_caching=config.prefill.prefix_caching,
-                                  kv_bytes_per_token=runner.cache.bytes_per_token)
+                                  kv_bytes_per_token=runner.cache.bytes_per_token,
+                                  cache_blocks=capacity(runner.allocator.num_total,
+                                                        config.prefill.prefix_cache_share))
         super().__init__(identity, config)
         self.runner = runner
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,

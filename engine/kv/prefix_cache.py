@@ -14,11 +14,16 @@ from collections.abc import Sequence
 from engine.kv.allocator import BlockAllocator, OutOfBlocks
 
 
+def capacity(num_blocks: int, share: float) -> int:
+    """The most blocks a cache keeps that may hold `share` of a pool of `num_blocks`."""
+    assert 0 < share <= 1
+    return max(1, int(num_blocks * share))
+
+
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, share: float = 1.0) -> None:
-        assert 0 < share <= 1
         self.allocator = allocator
-        self.max_blocks = max(1, int(allocator.num_total * share))
+        self.max_blocks = capacity(allocator.num_total, share)
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> block, LRU first
         self.hits = 0  # blocks reused, since start
         self.evictions = 0

@@ -63,7 +63,7 @@ SAMPLES: list[Message] = [
     Heartbeat("d1", "inst", 0, 500, 0, 0, pulls=PullTotals(3, 1, 1200, 55_296_000, 0.05, 1.1),
               prefill_s_per_token=0.0009),
     Register("d2", "inst", "decode", "tcp://127.0.0.1:5556", "fp", 16, 1024, "node-2", [1], 1,
-             64, "amx", True, 46_080),
+             64, "amx", True, 46_080, 512),
     Drain("POST /admin/drain"),
     Drained(),
     PrefillRequest("r1", 0, TASK, "d1", "ipc:///tmp/kv"),

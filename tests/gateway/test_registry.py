@@ -879,3 +879,13 @@ def test_a_worker_whose_pulls_were_slow_computes_instead() -> None:
     assert reg.heartbeat(Heartbeat("decode-0", "i0", 0, 1000, 1, 0, pulls=slow))
     route = reg.route(TURN)
     assert route is not None and route.pull is None and route.path == "disaggregated"
+
+
+def test_the_gateway_expects_no_more_cached_than_a_workers_cache_keeps() -> None:
+    reg = chat_registry(pulling=Pulling(mode="never"))
+    reg.register(Register("decode-1", "i1", "decode", "", FP, 16, 1000, "a", cpus=[2],
+                          threads=1, max_running=4, prefix_caching=True, cache_blocks=10))
+    assert reg.workers["decode-1"].prefixes.capacity == 10
+    reg.finished("decode-1", HISTORY, "")  # 25 blocks: the first 15 are gone from its cache
+    route = reg.route(TURN)
+    assert route is not None and route.path == "disaggregated"
