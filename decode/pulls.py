@@ -1,5 +1,5 @@
 """A decode worker's pulls: prompts it prefills itself once the KV of their leading tokens has
-come from the worker whose prefix cache holds them (core/sharing.py is that worker's side).
+come from the worker whose prefix cache holds them (kvtransfer/share.py is that worker's side).
 Pure bookkeeping; the KV itself arrives through decode.incoming, as a hand-off's does.
 
 A pull ends one of two ways: the prefix arrives whole (its tokens count as cached for the

@@ -32,7 +32,6 @@ from core.messages import (
     choice_keys,
     decode,
 )
-from core.sharing import share_prefix
 from core.worker import Worker, WorkerIdentity
 from decode.incoming import IncomingKV, IncomingTable
 from decode.phases import Phase, Phases
@@ -46,6 +45,7 @@ from engine.sampling.grammar import Constraint, Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver, make_sender
+from kvtransfer.share import share_prefix
 from kvtransfer.wire import dtype_name
 
 log = logging.getLogger(__name__)

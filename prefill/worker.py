@@ -26,7 +26,6 @@ from core.messages import (
     TransferTotals,
     choice_keys,
 )
-from core.sharing import share_prefix
 from core.timeline import Timeline
 from core.worker import Worker, WorkerIdentity
 from engine.kv.allocator import blocks_needed
@@ -39,6 +38,7 @@ from engine.sampling.grammar import Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import make_sender
+from kvtransfer.share import share_prefix
 from prefill.handoff import LayerStream
 from prefill.scheduler import Chunk, PrefillScheduler
 

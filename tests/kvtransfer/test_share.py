@@ -11,13 +11,13 @@ import torch
 import zmq
 
 from core.messages import SharedPrefix, SharePrefix, decode
-from core.sharing import share_prefix
 from engine.kv.allocator import BlockAllocator
 from engine.kv.block_hash import block_hashes
 from engine.kv.cache import PagedKVCache
 from engine.kv.prefix_cache import PrefixCache
 from engine.weights.spec import ModelSpec
 from kvtransfer import KVNotice, KVReceiver, make_receiver, make_sender
+from kvtransfer.share import share_prefix
 from tests.kvtransfer.conftest import payloads, receive
 
 BLOCK = 4
