@@ -72,7 +72,7 @@ def open_page(page: Page, cluster: Cluster, key: str | None = KEY) -> list[tuple
     if key is not None:
         page.fill("#api-key", key)
         page.click("#key-save")
-        page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length > 0")
     return calls
 
 
@@ -92,8 +92,9 @@ def shown_workers(page: Page) -> dict[str, list[str]]:
 
 def test_without_a_key_the_page_loads_but_shows_no_data(page: Page, cluster: Cluster) -> None:
     calls = open_page(page, cluster, key=None)
-    page.wait_for_function("document.getElementById('health').textContent === 'needs a key'")
-    page.wait_for_function("window.performance.getEntriesByType('resource').length >= 2")
+    page.wait_for_function(
+        "() => document.getElementById('health').textContent === 'needs a key'")
+    page.wait_for_function("() => window.performance.getEntriesByType('resource').length >= 2")
     assert "needs an API key" in (page.text_content("#key-status") or "")
     assert page.eval_on_selector_all("#workers tbody tr", "rows => rows.length") == 0
     assert page.eval_on_selector_all("#model option", "options => options.length") == 0
@@ -106,7 +107,7 @@ def test_with_the_key_the_cluster_view_lists_every_worker(page: Page, cluster: C
     calls = open_page(page, cluster)
     expected = registry_workers(cluster)
     assert sorted(expected) == ["decode-0", "decode-1", "prefill-0"]
-    page.wait_for_function(f"document.querySelectorAll('#workers tbody tr').length === "
+    page.wait_for_function(f"() => document.querySelectorAll('#workers tbody tr').length === "
                            f"{len(expected)}")
     shown = shown_workers(page)
     assert {worker_id: cells[1] for worker_id, cells in shown.items()} == expected
