@@ -10,7 +10,7 @@ what this worker's own cache holds. Either way the request goes on: a pull never
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.messages import PullTotals, RequestKey
 from decode.scheduler import DecodeSequence
@@ -58,10 +58,9 @@ class Pulls:
         seconds = now - pull.asked_at
         saved = max(0.0, tokens * self.pace.s_per_token - seconds)
         t = self.totals
-        self.totals = PullTotals(t.pulls + 1, t.fallbacks, t.tokens + tokens, t.bytes + nbytes,
-                                 t.seconds + seconds, t.saved_s + saved)
+        self.totals = replace(t, pulls=t.pulls + 1, tokens=t.tokens + tokens,
+                              bytes=t.bytes + nbytes, seconds=t.seconds + seconds,
+                              saved_s=t.saved_s + saved)
 
     def fell_back(self) -> None:
-        t = self.totals
-        self.totals = PullTotals(t.pulls, t.fallbacks + 1, t.tokens, t.bytes, t.seconds,
-                                 t.saved_s)
+        self.totals = replace(self.totals, fallbacks=self.totals.fallbacks + 1)

@@ -309,8 +309,8 @@ class DecodeWorker(Worker):
         choices = self._choices(request, [])
         now = choices[0].timeline.arrived = time.monotonic()
         if message.pull_tokens:  # its prefix's KV comes from another worker's cache first
-            assert self.incoming.expect(request, now, message.pull_tokens,
-                                        self.pull_lease_s) is None
+            problem = self.incoming.expect(request, now, message.pull_tokens, self.pull_lease_s)
+            assert problem is None, problem  # its own fingerprint, its first epoch here
             self.pulls.start(choices, now)
             self.control.send(SharePrefix(
                 *message.key, message.task.prompt_ids, message.task.cache_salt,

@@ -314,7 +314,9 @@ class Registry:
         Ties among workers sharing CPUs go to one with room for the prompt's KV, then to the
         busiest, so that prompts batch in one worker's steps rather than take turns on the
         core; then to the fewest requests. The one picked learns the prompt's prefix."""
-        chain = Chains(prompt, salt)
+        return self._pick_prefill(Chains(prompt, salt))
+
+    def _pick_prefill(self, chain: Chains) -> WorkerInfo | None:
         best = self._best_prefill(chain)
         if best is not None:
             best[0].prefixes.add(chain.of(best[0]))
@@ -358,7 +360,7 @@ class Registry:
             (decode, pull), path = cached, "local_cached"
             if pull is not None:
                 self.pulls[pull.source.role] += 1
-        prefill = decode if path else self.pick_prefill(prompt, salt)
+        prefill = decode if path else self._pick_prefill(chain)
         assert prefill is not None
         route = Route(prefill, decode, path or "disaggregated", pull)
         self.decisions[route.path] += 1
@@ -491,6 +493,7 @@ class Chains:
         self.prompt = prompt
         self.salt = salt
         self._by_size: dict[int, list[bytes]] = {}
+        self._cached: dict[str, int] = {}  # by worker id: routing asks several times
 
     def of(self, worker: WorkerInfo) -> list[bytes]:
         size = worker.block_size
@@ -501,10 +504,11 @@ class Chains:
     def cached(self, worker: WorkerInfo) -> int:
         """Prompt tokens the worker probably has cached: its leading blocks it was sent or
         finished with (never the last token, which must be computed)."""
-        if not worker.prefix_caching:
-            return 0
-        matched = worker.prefixes.matched(self.of(worker)) * worker.block_size
-        return min(matched, max(len(self.prompt) - 1, 0))
+        if worker.worker_id not in self._cached:
+            matched = (worker.prefixes.matched(self.of(worker)) * worker.block_size
+                       if worker.prefix_caching else 0)
+            self._cached[worker.worker_id] = min(matched, max(len(self.prompt) - 1, 0))
+        return self._cached[worker.worker_id]
 
 
 def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,
