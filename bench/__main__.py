@@ -17,6 +17,11 @@
     python -m bench goodput --quick
     python -m bench peers --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
     python -m bench gpu decode --model /tmp/raging-gpu-models/llama-1b-shape
+    python -m bench calibrate --name default
+    python -m bench trace write --workload chat --groups 8 --prefix-len 1000 --rate 20 \\
+        --count 400 --out runs/trace.jsonl
+    python -m bench policies --trace runs/trace.jsonl --prefill 2 --decode 6 --out runs/policies
+    python -m bench scale streams relay workers
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from bench import attention as decode_attention
+from bench import calibrate as sim_profile
 from bench import chats as chat_turns
 from bench import chunked as chunked_prefill
 from bench import fidelity as greedy_fidelity
@@ -42,10 +48,13 @@ from bench import gpu as on_gpu
 from bench import handoff as kv_handoff
 from bench import overload as flood
 from bench import peers as side_by_side
+from bench import policies as routing_policies
 from bench import prefill_attention
 from bench import prefix as prefix_cache
 from bench import quant as quant_products
 from bench import runner as microbench
+from bench import scale as many_streams
+from bench import trace as request_trace
 from bench import transfer as kv_transfer
 from bench.launcher import ROOT, redact
 from bench.load import Load
@@ -497,6 +506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chunked_prefill.add_parser(commands)
     side_by_side.add_parser(commands)
     on_gpu.add_parser(commands)
+    sim_profile.add_parser(commands)
+    request_trace.add_parser(commands)
+    routing_policies.add_parser(commands)
+    many_streams.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         level = use_isa(args.isa)

@@ -56,6 +56,12 @@ class ControlServer:
                     log.warning("dropped malformed control message: %s", exc)
             self.dropped += 1
 
+    def pending(self) -> bool:
+        """Whether messages wait to be read."""
+        events = self.socket.get(zmq.EVENTS)
+        assert isinstance(events, int)
+        return bool(events & zmq.POLLIN)
+
     def send(self, worker_id: str, message: Message) -> None:
         """Fire and forget: a message to a worker that is gone is dropped by ZeroMQ."""
         self.socket.send_multipart([worker_id.encode(), encode(message)], flags=zmq.NOBLOCK)

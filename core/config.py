@@ -49,6 +49,15 @@ def is_device_name(name: str) -> bool:
     return name in ("auto", "cpu", "cuda")
 
 
+def sim_profile_of(model_name: str) -> str | None:
+    """The profile `--model sim` (default) or `--model sim:PROFILE` names; None for a real
+    model."""
+    if model_name == "sim":
+        return "default"
+    kind, colon, profile = model_name.partition(":")
+    return profile if kind == "sim" and colon else None
+
+
 def setting(default: T, help: str) -> T:
     """A config field and what it means (the help of the flag that sets it, where one does)."""
     return field(default=default, metadata={"help": help})
@@ -57,7 +66,8 @@ def setting(default: T, help: str) -> T:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = setting("SmolLM2-135M-Instruct",
-                        "packaged model name or local Hugging Face folder")
+                        "packaged model name or local Hugging Face folder; sim or "
+                        "sim:PROFILE: a simulated model (configs/sim, docs/simulation.md)")
     cache_dir: str = setting("~/.cache/raging/models", "where packaged models are prepared")
     dtype: ModelDtype = setting("auto", "auto: bfloat16 on a GPU and where the CPU multiplies "
                                         "bf16 in hardware (AMX, AVX512-BF16), else float32")
@@ -74,7 +84,14 @@ class ModelConfig:
                                                  "to 8-bit blocks and multiplied in integers, as "
                                                  "llama.cpp does (faster, less exact)")
 
+    @property
+    def sim_profile(self) -> str | None:
+        """The profile a simulated model (`sim`, `sim:PROFILE`) runs by; None for a real one."""
+        return sim_profile_of(self.name)
+
     def __post_init__(self) -> None:
+        if self.name.startswith("sim:") and not self.name[4:]:
+            raise ValueError("model.name sim: needs a profile after the colon (sim:default)")
         if not is_device_name(self.device):
             raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, "
                              f"not {self.device!r}")
@@ -95,6 +112,22 @@ class EngineConfig:
     cpu_turns_dir: str = setting("", "a folder of lock files through which workers on the same "
                                      "CPUs compute in turn (core/turns.py; launch.sh gives its "
                                      "run folder's); empty: each computes when it likes")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine of `--model sim` (engine/sim): real workers, channels and KV bytes,
+    the forward pass replaced by its profile's step times."""
+
+    kv_bytes: float = setting(1.0, "the share of the profile's KV bytes per token its cache "
+                                   "holds and its transfers move (a thousand streams of an 8B "
+                                   "model's KV do not fit this host's memory)")
+    time_scale: float = setting(1.0, "step times are the profile's times this (0: no sleep, "
+                                     "for the gateway's own limits)")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_bytes <= 1 or self.time_scale < 0:
+            raise ValueError("sim.kv_bytes must be in (0, 1] and sim.time_scale >= 0")
 
 
 @dataclass(frozen=True)
@@ -355,6 +388,7 @@ class LoggingConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -399,7 +433,7 @@ def load_config(path: str | Path | None = None,
         if not isinstance(section_raw, dict):
             raise ValueError(f"config.{section}: expected a mapping")
         section_raw[key] = parsed
-    return _build(Config, raw, "config")
+    return from_mapping(Config, raw, "config")
 
 
 def _parse_yaml(text: str, where: str) -> Any:
@@ -424,7 +458,7 @@ def config_field(dotted: str) -> tuple[dataclasses.Field[Any], Any]:
 def _hint_of(section: str, key: str) -> Any:
     try:
         return config_field(f"{section}.{key}")[1]
-    except ValueError:  # an unknown key: _build names it
+    except ValueError:  # an unknown key: from_mapping names it
         return None
 
 
@@ -433,23 +467,28 @@ def _is_text(hint: Any) -> bool:
     return hint is str or (values is not None and all(isinstance(v, str) for v in values))
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+def from_mapping(cls: type[T], raw: dict[str, Any], where: str) -> T:
+    """A config dataclass from a parsed YAML mapping, each value checked against its type."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a mapping")
+    assert dataclasses.is_dataclass(cls), f"{cls} is not a dataclass"
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
     values = {name: _convert(hints[name], raw[name], f"{where}.{name}") for name in raw}
-    return cls(**values)
+    built: T = cls(**values)
+    return built
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _build(hint, {} if value is None else value, where)
+        return from_mapping(hint, {} if value is None else value, where)
     if typing.get_origin(hint) is tuple:
         return _convert_tuple(hint, value, where)
+    if typing.get_origin(hint) is dict:
+        return _convert_dict(hint, value, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     values = literal_values(hint)
@@ -471,6 +510,14 @@ def _convert_tuple(hint: Any, value: Any, where: str) -> tuple[Any, ...]:
     if not isinstance(items, list | tuple) or not all(_is_instance(v, item_hint) for v in items):
         raise ValueError(f"{where}: expected a list of {item_hint.__name__}")
     return tuple(items)
+
+
+def _convert_dict(hint: Any, value: Any, where: str) -> dict[str, Any]:
+    """`dict[str, X]` of scalars from a YAML mapping."""
+    key_hint, item_hint = typing.get_args(hint)
+    if not isinstance(value, dict) or not all(isinstance(k, key_hint) for k in value):
+        raise ValueError(f"{where}: expected a mapping of {key_hint.__name__} keys")
+    return {key: _convert(item_hint, item, f"{where}.{key}") for key, item in value.items()}
 
 
 def _is_instance(value: Any, hint: Any) -> bool:

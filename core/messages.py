@@ -243,6 +243,9 @@ class Heartbeat:
     draining: bool = False  # it takes no new work, and leaves once it holds none
     pulls: PullTotals = field(default_factory=PullTotals)  # decode
     prefill_s_per_token: float = 0.0  # its prompts' compute time per token lately (0: unknown)
+    # The worker's monotonic clock as it sent this (0: unknown). Only differences between its
+    # heartbeats' are used, never compared with another process's clock as such.
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -114,13 +114,15 @@ class Worker(ABC):
         self.health: HealthServer | None = None
         self.progress = 0  # model layers computed since start, reported in heartbeats
         self.tracer = make_tracer(config.tracing, f"raging-{identity.role}", self.worker_id)
+        # Simulated workers stand for GPUs: they sleep through steps, on no CPUs of theirs.
+        self.cpus = () if config.model.sim_profile is not None else tuple(pinned_cpus())
         # `with self.turns:` around a forward pass: workers on these CPUs compute in turn
-        self.turns = CpuTurns(config.engine.cpu_turns_dir, pinned_cpus())
+        self.turns = CpuTurns(config.engine.cpu_turns_dir if self.cpus else "", self.cpus)
 
     def registration(self) -> Register:
         i = self.identity
         return Register(i.worker_id, self.instance_id, i.role, self.kv_address, i.fingerprint,
-                        i.block_size, i.num_blocks, self.host, pinned_cpus(),
+                        i.block_size, i.num_blocks, self.host, list(self.cpus),
                         i.threads, i.max_running, i.isa, i.prefix_caching,
                         i.kv_bytes_per_token, i.cache_blocks)
 
@@ -264,7 +266,7 @@ class Worker(ABC):
     def maybe_heartbeat(self) -> None:
         now = time.monotonic()
         if now >= self.next_heartbeat:
-            self.control.send(replace(self.heartbeat(), draining=self.draining))
+            self.control.send(replace(self.heartbeat(), draining=self.draining, sent_at=now))
             self.next_heartbeat = now + self.heartbeat_interval_s
 
     def _request_stop(self, signum: int, frame: object) -> None:

@@ -8,7 +8,7 @@ from engine.runner import load_runner
 
 
 def build(worker_id: str, config: Config) -> DecodeWorker:
-    runner = load_runner(config.model, config.decode, config.engine)
+    runner = load_runner(config.model, config.decode, config.engine, config.sim)
     return DecodeWorker(worker_id, config, runner)
 
 

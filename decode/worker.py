@@ -39,8 +39,7 @@ from decode.pulls import Pulls
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.kv.prefix_cache import capacity
 from engine.model.batch import ForwardBatch
-from engine.model.chunk_cost import ChunkCost
-from engine.runner import ModelRunner
+from engine.runner import Runner
 from engine.sampling.grammar import Constraint, Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
@@ -52,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker(Worker):
-    def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
+    def __init__(self, worker_id: str, config: Config, runner: Runner) -> None:
         identity = WorkerIdentity(worker_id, "decode", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), config.decode.max_running,
@@ -65,7 +64,7 @@ class DecodeWorker(Worker):
         self.runner = runner
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running, config.decode.chunk_tokens,
-                                         ChunkCost.of(runner.spec), config.decode.prefix_caching,
+                                         runner.chunk_cost, config.decode.prefix_caching,
                                          config.decode.prefix_cache_share)
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address

@@ -23,7 +23,8 @@ def main() -> None:
     parser = ConfigParser("python -m engine", "Prepare a model folder and kernels for raging.")
     config = parser.config(parser.parse_args())
     folder = resolve_model(config.model.name, config.model.cache_dir)
-    if torch_device(config.model.device).type != "cpu":  # on a GPU: no CPU kernels, no quant
+    simulated = config.model.sim_profile is not None
+    if simulated or torch_device(config.model.device).type != "cpu":  # no kernels, no quant
         print(folder)
         return
     use_isa(config.engine.isa)

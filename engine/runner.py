@@ -6,24 +6,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from core.config import EngineConfig, ModelConfig, PoolConfig, QuantInputs
+from core.config import EngineConfig, ModelConfig, PoolConfig, QuantInputs, SimConfig
 from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
+from engine.model.chunk_cost import ChunkCost
 from engine.model.graphs import DecodeGraphs
 from engine.model.llama import LlamaModel
+from engine.sim.runner import SimRunner
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
 from engine.weights.load import load_weights
 from engine.weights.quant_blocks import load_quant_blocks
 from engine.weights.quant_rows import MeasuredQuantRows
-from engine.weights.spec import kv_fingerprint, load_spec
+from engine.weights.spec import ModelSpec, kv_fingerprint, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,27 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n)
 
 
+class Runner(Protocol):
+    """What a worker runs batches with: `ModelRunner`, or `SimRunner` for a simulated model."""
+
+    model_dir: Path
+    spec: ModelSpec
+    block_size: int
+    device: torch.device
+    cache: PagedKVCache
+    allocator: BlockAllocator
+    chunk_cost: ChunkCost
+
+    @property
+    def kernel_isa(self) -> str: ...
+
+    @property
+    def kv_fingerprint(self) -> str: ...
+
+    def forward(self, batch: ForwardBatch,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor: ...
+
+
 class ModelRunner:
     """Owns the model, a `num_blocks` x `block_size` KV cache and the allocator of its blocks."""
 
@@ -103,6 +127,7 @@ class ModelRunner:
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype, self.device,
                                   pad_block=graphed)
         self.allocator = BlockAllocator(num_blocks)
+        self.chunk_cost = ChunkCost.of(self.spec)
         self.graphs = DecodeGraphs(self.model, self.cache) if graphed else None
 
     @property
@@ -130,12 +155,16 @@ class ModelRunner:
         return self.model.forward(batch, self.cache, layer_hook)
 
 
-def load_runner(model: ModelConfig, pool: PoolConfig,
-                engine: EngineConfig | None = None) -> ModelRunner:
+def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | None = None,
+                sim: SimConfig | None = None) -> Runner:
     """The runner a worker of `pool` serves `model` with: its dtype resolved on this CPU, its
     threads set (`pool.threads`, or one per CPU this process may run on), the kernels built at
     the level `engine.isa` picks, the quant row count as measured on this machine (measured
-    now, and kept, the first time)."""
+    now, and kept, the first time). A simulated model's runs as `sim` says."""
+    if model.sim_profile is not None:
+        sim = sim or SimConfig()
+        return SimRunner(resolve_model(model.name, model.cache_dir), pool.num_kv_blocks,
+                         pool.block_size, sim.kv_bytes, sim.time_scale)
     device = torch_device(model.device)
     dtype = resolve_dtype(model.dtype, device.type)
     set_threads(pool.threads or len(pinned_cpus()))

@@ -107,7 +107,9 @@ def _lifespan(state: GatewayState) -> Callable[[Starlette], AbstractAsyncContext
         context = zmq.asyncio.Context()
         keys = keys_for(state.config.internal)
         control = ControlServer(context, state.config.gateway.control_address, keys)
-        state.dispatcher = Dispatcher(control, state.registry, state.metrics.observe_stage)
+        metrics = state.metrics
+        state.dispatcher = Dispatcher(control, state.registry, metrics.observe_stage,
+                                      metrics.observe_route, metrics.count_message)
         state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),
                                   asyncio.create_task(state.dispatcher.watch_liveness())]
         if keys is not None:

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from core.channels import ControlServer
@@ -58,17 +58,23 @@ _NO_WORKER = "no worker is available to serve it"
 _LOST_AFTER_S = 1.0  # a token still missing while later ones wait this long was lost
 
 
-def _unobserved(stage: Stage, seconds: float) -> None:
+def _unobserved(*what: object) -> None:
     pass
 
 
 class Dispatcher:
     def __init__(self, control: ControlServer, registry: Registry,
-                 observe_stage: Callable[[Stage, float], None] = _unobserved) -> None:
-        """`observe_stage` gets each stage's seconds as they become known (the histogram)."""
+                 observe_stage: Callable[[Stage, float], None] = _unobserved,
+                 observe_route: Callable[[float], None] = _unobserved,
+                 count_message: Callable[[str], None] = _unobserved) -> None:
+        """`observe_stage` gets each stage's seconds as they become known, `observe_route`
+        each routing decision's, `count_message` each control message's kind (the metrics)."""
         self.control = control
         self.registry = registry
         self.observe_stage = observe_stage
+        self.observe_route = observe_route
+        self.count_message = count_message
+        self.caught_up_at = 0.0  # when it last had read every control message waiting
         self.requests: dict[str, RequestHandle] = {}
         self.aborts_sent = 0
         self.resumed = 0
@@ -84,7 +90,7 @@ class Dispatcher:
         `for_choice(i)`. The prompt goes out once; its decode worker forks the KV. Each
         choice is a request of its own from then on (resumed, aborted, finished alone).
         `arrived`: when its HTTP request came in (default: now); `traceparent`: its span's."""
-        route = self.registry.route(task.prompt_ids, task.cache_salt)
+        route = self._route(task.prompt_ids, task.cache_salt)
         if route is None:
             raise service_unavailable("no decode worker is available", retry_after=1.0)
         handles = [RequestHandle(uuid.uuid4().hex, 0,
@@ -146,14 +152,21 @@ class Dispatcher:
             for _ in range(64):
                 worker_id, message = await self.control.recv()
                 self.on_message(worker_id, message)
+                if not self.control.pending():
+                    self.caught_up_at = time.monotonic()
             await asyncio.sleep(0)  # a backlog of ready messages must not starve HTTP
 
     async def watch_liveness(self, interval_s: float = 0.25) -> None:
+        """Judge the workers every `interval_s`, from a view that has caught up: not while
+        messages this gateway has not read wait (the beats of live workers among them), unless
+        it read every waiting message at some moment since the last round."""
         while True:
             started = time.monotonic()
             await asyncio.sleep(interval_s)
             if time.monotonic() - started > interval_s + self.registry.heartbeat_timeout_s / 2:
                 continue  # this loop itself stalled: read the beats waiting before judging
+            if self.control.pending() and self.caught_up_at < started:
+                continue  # behind on reading (a burst, a starved CPU): read before judging
             self.check_workers()
 
     def check_workers(self) -> None:
@@ -185,13 +198,21 @@ class Dispatcher:
 
     def _resume_unheld(self) -> None:
         """A request no worker reports holding (a lost PrefillRequest, a lost last token)
-        would wait forever: after a heartbeat timeout, start it over."""
+        would wait forever: after a heartbeat timeout, start it over; not before each of its
+        workers has sent two heartbeats since (the first may have left before the request
+        came), as a worker starved of CPU reads its messages late but loses none."""
         lost_before = time.monotonic() - self.registry.heartbeat_timeout_s
         for handle in list(self.requests.values()):
-            if handle.held_at < lost_before:
+            if handle.held_at < lost_before and self._reported_since(handle, handle.held_at):
                 log.warning("request %s is held by no worker: resuming", handle.request_id,
                             extra=about(handle.key))
                 self._recover_or_fail(handle, _LOST)
+
+    def _reported_since(self, handle: RequestHandle, since: float) -> bool:
+        """Whether each live worker of the request has sent two loop heartbeats since then (sent:
+        a gateway that reads them late, as a starved one does, must not count them as new)."""
+        workers = (self.registry.workers.get(w) for w in handle.assignment.workers)
+        return all(w is None or w.reported_twice_since(since) for w in workers)
 
     def _note_held(self, worker_id: str, held: list[Held]) -> None:
         worker = self.registry.workers[worker_id]
@@ -202,7 +223,15 @@ class Dispatcher:
             if handle is not None and handle.key in keys:
                 handle.held_at = now
 
+    def _route(self, prompt: Sequence[int], salt: str) -> Route | None:
+        # CPU time: on a busy host, a decision's wall time is mostly other processes' turns.
+        began = time.thread_time()
+        route = self.registry.route(prompt, salt)
+        self.observe_route(time.thread_time() - began)
+        return route
+
     def on_message(self, worker_id: str, message: Message) -> None:
+        self.count_message(type(message).__name__)
         if isinstance(message, TokenBatch):
             for event in message.events:
                 if event.index == 0:
@@ -417,7 +446,7 @@ class Dispatcher:
         repeat (anything of the old epoch is dropped everywhere). False with a pool empty."""
         task, delivered = handle.task, handle.output.delivered
         prompt = [*task.prompt_ids, *delivered]
-        route = self.registry.route(prompt, task.cache_salt)
+        route = self._route(prompt, task.cache_salt)
         if route is None:
             return False
         for worker_id in handle.assignment.workers:

@@ -81,7 +81,8 @@ class Generation:
         while True:
             wait = min(keepalive_s, deadline - time.monotonic())
             try:
-                event = await asyncio.wait_for(self.handle.events.get(), max(wait, 0))
+                event = (self.handle.events.get_nowait() if not self.handle.events.empty()
+                         else await asyncio.wait_for(self.handle.events.get(), max(wait, 0)))
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     self.abort()

@@ -25,6 +25,7 @@ from gateway.vllm_metrics import VllmEngineCollector, VllmMetrics
 disable_created_metrics()
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)  # a KV hand-off can take under 1 ms
+_ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025)
 
 
 class Histograms:
@@ -118,6 +119,18 @@ class Metrics:
                                buckets=_STAGE_BUCKETS, registry=r)
         for stage in STAGES:
             self.stage.labels(stage)
+        self.route = Histogram("raging_route_seconds", "CPU time the gateway takes to pick a "
+                               "request's workers (each route, resumes too)",
+                               buckets=_ROUTE_BUCKETS,
+                               registry=r)
+        self.control_messages = Counter("raging_control_messages", "Control messages received "
+                                        "from workers, by kind", ["kind"], registry=r)
+
+    def observe_route(self, seconds: float) -> None:
+        self.route.observe(seconds)
+
+    def count_message(self, kind: str) -> None:
+        self.control_messages.labels(kind).inc()
 
     def observe_stage(self, stage: Stage, seconds: float) -> None:
         self.stage.labels(stage).observe(seconds)

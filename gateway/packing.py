@@ -66,13 +66,15 @@ class Unit(Generic[W]):
 def units(workers: Iterable[W]) -> list[Unit[W]]:
     """The workers grouped by the CPUs they share on their host; a group whose CPUs have a
     slot for each of its workers (or whose CPUs are not known) is a unit per worker."""
-    groups: dict[tuple[str, tuple[int, ...]] | str, list[W]] = {}
-    for worker in workers:
-        key = (worker.host, worker.cpus) if worker.cpus else worker.worker_id
-        groups.setdefault(key, []).append(worker)
+    groups: dict[tuple[str, tuple[int, ...]], list[W]] = {}
     found: list[Unit[W]] = []
+    for worker in workers:
+        if worker.cpus:
+            groups.setdefault((worker.host, worker.cpus), []).append(worker)
+        else:
+            found.append(Unit((worker,), 1))
     for group in groups.values():
-        slots = _slots(group)
+        slots = _slots(group) if len(group) > 1 else 1
         if slots >= len(group):
             found += [Unit((worker,), 1) for worker in group]
         else:
@@ -91,12 +93,23 @@ def _slots(group: Sequence[Placed]) -> int:
     return max(len(group[0].cpus) // threads, 1)
 
 
+def pack(workers: Sequence[W], room: Callable[[W], bool], load: Callable[[W], int]) -> list[W]:
+    """`packed(units(workers), ...)`, without a unit for each worker whose CPUs are not known
+    (a simulated one, a GPU's): those take work alone, whenever they have room."""
+    alone = [w for w in workers if not w.cpus and room(w)]
+    shared = [w for w in workers if w.cpus]
+    return alone + packed(units(shared), room, load) if shared else alone
+
+
 def packed(found: Iterable[Unit[W]], room: Callable[[W], bool],
            load: Callable[[W], int]) -> list[W]:
     """The workers new work may go to: in each unit, the busiest (by `load`, then by id) of
     those with `room`, as many as it has slots. Empty when none has room."""
     chosen: list[W] = []
     for unit in found:
+        if len(unit.workers) == 1:  # most often (workers on CPUs of their own): no order
+            chosen += [w for w in unit.workers if room(w)]
+            continue
         open_ = sorted((w for w in unit.workers if room(w)), key=lambda w: (-load(w), w.worker_id))
         chosen += open_[:unit.slots]
     return chosen

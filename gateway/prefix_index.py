@@ -16,6 +16,9 @@ class PrefixIndex:
         self.capacity = capacity_blocks
         self.hashes: OrderedDict[bytes, None] = OrderedDict()
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.hashes
+
     def matched(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt (by hash) were sent to this worker before."""
         count = 0

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import typing
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from core.config import ROLES, HistoryRouting, PullMode, Role
 from core.messages import Alive, Heartbeat, PullTotals, Register, RegisterReply
 from engine.kv.block_hash import block_hashes
-from gateway.packing import PACK, Packing, Unit, alone, packed, units
+from gateway.packing import PACK, Packing, Unit, alone, pack, units
 from gateway.prefix_index import PrefixIndex
 from gateway.totals import WorkerTotals
+
+T = TypeVar("T")
 
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill",
@@ -43,6 +46,39 @@ class MembershipEvent:
     detail: str = ""
 
 
+class ActiveRequests(dict[str, int]):
+    """Request id -> tokens held on a worker, with their sum kept as they change: routing
+    reads it for every worker of every request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+
+    def __setitem__(self, request_id: str, tokens: int) -> None:
+        self.tokens += tokens - self.get(request_id, 0)
+        super().__setitem__(request_id, tokens)
+
+    def __delitem__(self, request_id: str) -> None:
+        self.tokens -= self[request_id]
+        super().__delitem__(request_id)
+
+    def pop(self, request_id: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        if request_id not in self:
+            return default
+        tokens = super().pop(request_id)
+        self.tokens -= tokens
+        return tokens
+
+    def clear(self) -> None:
+        super().clear()
+        self.tokens = 0
+
+    def update(self, other: Mapping[str, int] | None = None,  # type: ignore[override]
+               /, **more: int) -> None:
+        for request_id, tokens in {**(other or {}), **more}.items():
+            self[request_id] = tokens
+
+
 @dataclass
 class WorkerInfo:
     worker_id: str
@@ -53,10 +89,14 @@ class WorkerInfo:
     num_blocks: int
     last_seen: float  # its last sign of life: an Alive beat or a loop heartbeat
     load: Heartbeat | None = None  # as last reported; routing uses `active` instead
-    active: dict[str, int] = field(default_factory=dict)  # request id -> tokens held here
+    active: ActiveRequests = field(default_factory=ActiveRequests)  # request id -> tokens held
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(0))  # its cache, probably
     progressed_at: float = 0.0  # when its progress counter last moved (or it had no work)
     reported_at: float = 0.0  # its loop's last heartbeat (or its registration)
+    # When its last two loop heartbeats were sent, on its own clock, and the least lag seen
+    # from its clock to ours: when it sent them on ours, however late we read them.
+    heartbeats_sent: tuple[float, float] = (0.0, 0.0)
+    clock_lag: float = math.inf
     stalled: bool = False  # had work but no progress for the stall timeout: not routed to
     wedged: bool = False  # stalled because its loop sent no heartbeat for the stall timeout
     unreachable: bool = False  # a prefill worker could not send it KV (until its next heartbeat)
@@ -73,6 +113,12 @@ class WorkerInfo:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def reported_twice_since(self, since: float) -> bool:
+        """Whether it has sent two loop heartbeats since `since` (our clock): the second
+        lists whatever reached it before the first."""
+        earlier, _ = self.heartbeats_sent
+        return earlier > 0 and earlier + self.clock_lag > since
+
     @property
     def busy(self) -> bool:
         """Whether its last heartbeat reported sequences running or waiting."""
@@ -81,7 +127,7 @@ class WorkerInfo:
     @property
     def held_tokens(self) -> int:
         """Tokens of the requests routed here and not yet released: fresh, unlike heartbeats."""
-        return sum(self.active.values())
+        return self.active.tokens
 
 
 @dataclass(frozen=True)
@@ -155,6 +201,9 @@ class Registry:
         self.preemptions = WorkerTotals()  # per worker id, across its restarts
         # Decode workers' pulls of cached prefixes (core/messages.PullTotals), field by field.
         self.pulled = {name: WorkerTotals() for name in PULL_FIELDS}
+        # While a route is being picked: pools and units as they are then (none change
+        # meanwhile), found once rather than by each of its steps.
+        self._memo: dict[str, Any] | None = None
 
     def _note(self, kind: EventKind, worker: WorkerInfo | Register, detail: str = "") -> None:
         self.events.append(MembershipEvent(time.time(), kind, worker.worker_id, worker.role,
@@ -208,6 +257,9 @@ class Registry:
         if info.stalled and (moved or back_idle):
             info.stalled = info.wedged = False
             self._note("recovered", info, "computing again" if moved else "its loop reports again")
+        sent = message.sent_at if message.sent_at > 0 else now  # unknown: as if just sent
+        info.clock_lag = min(info.clock_lag, now - sent)
+        info.heartbeats_sent = (info.heartbeats_sent[1], sent)
         info.last_seen = info.reported_at = now
         info.load = message
         info.unreachable = False
@@ -278,7 +330,18 @@ class Registry:
     def serving(self, role: Role) -> list[WorkerInfo]:
         """The live workers of `role` that are making progress and not draining: the ones
         routed to."""
-        return [w for w in self.alive(role) if not w.stalled and not w.draining]
+        return self._remembered(role, lambda: [
+            w for w in self.workers.values()
+            if w.role == role and not w.stalled and not w.draining])
+
+    def _remembered(self, key: str, find: Callable[[], T]) -> T:
+        """`find()`, found once per route."""
+        if self._memo is None:
+            return find()
+        if key not in self._memo:
+            self._memo[key] = find()
+        found: T = self._memo[key]
+        return found
 
     def ready(self) -> bool:
         ready = bool(self.serving("decode")) and all(
@@ -318,7 +381,7 @@ class Registry:
 
     def _pick_prefill(self, chain: Chains) -> WorkerInfo | None:
         best = self._best_prefill(chain)
-        if best is not None:
+        if best is not None and best[0].prefix_caching:
             best[0].prefixes.add(chain.of(best[0]))
         return None if best is None else best[0]
 
@@ -348,7 +411,16 @@ class Registry:
         Either way a decode worker that holds the prompt's prefix (a chat's earlier turns),
         or can pull it, takes it, and computes only the rest, when that is less work
         (`_cached_decode`)."""
-        chain = Chains(prompt, salt)
+        self._memo = {}
+        try:
+            chain = Chains(prompt, salt)
+            chain.look_for(self.workers.values())
+            return self._route(chain)
+        finally:
+            self._memo = None
+
+    def _route(self, chain: Chains) -> Route | None:
+        prompt = chain.prompt
         avoid = self._avoided(chain)
         decode = self.pick_decode(len(prompt), avoid)
         if decode is None:
@@ -387,8 +459,10 @@ class Registry:
         `pick_prefill` counts it, per slot (its KV's transfer to decode, not counted, only adds
         to that path). Only workers with room for the sequence, and of those, the ones not to
         `avoid` if any."""
+        if chain.nowhere:
+            return None
         serving = [w for w in self.serving("decode")
-                   if not w.unreachable and self._takes_sequence(w, len(chain.prompt))]
+                   if not w.unreachable and self._room_for(len(chain.prompt))(w)]
         serving = [w for w in serving if w.worker_id not in avoid] or serving
         source = self._pull_source(chain)
         best: tuple[tuple[float, int, int, str], WorkerInfo, Pull | None] | None = None
@@ -464,25 +538,29 @@ class Registry:
         CPUs run at once (gateway/packing.py); every worker again when none has room. Workers
         to `avoid` only when there is no other."""
         serving = self.serving("decode")
-        serving = [w for w in serving if w.worker_id not in (avoid or ())] or serving
+        if avoid:
+            serving = [w for w in serving if w.worker_id not in avoid] or serving
         pool = [w for w in serving if not w.unreachable] or serving
         if self.packing.decode == "pack":
-            pool = packed(units(pool), lambda w: self._takes_sequence(w, prompt_len),
-                          lambda w: len(w.active)) or pool
-        return max(pool, key=lambda w: (w.capacity_tokens - w.held_tokens, -len(w.active)),
-                   default=None)
+            pool = pack(pool, self._room_for(prompt_len), lambda w: len(w.active)) or pool
+        return max(pool, key=_free_then_fewest, default=None)
 
-    def _takes_sequence(self, decode: WorkerInfo, prompt_len: int) -> bool:
-        """Whether a packed decode worker has room for one more sequence: in its batch, and
-        in its KV up to `pack_kv_fraction` of it."""
-        batch_full = 0 < decode.max_running <= len(decode.active)
-        kv_after = decode.held_tokens + prompt_len
-        return not batch_full and kv_after <= decode.capacity_tokens * self.packing.kv_fraction
+    def _room_for(self, prompt_len: int) -> Callable[[WorkerInfo], bool]:
+        """Whether a packed decode worker has room for one more sequence of `prompt_len`
+        tokens: in its batch, and in its KV up to `pack_kv_fraction` of it."""
+        fraction = self.packing.kv_fraction
+
+        def takes(decode: WorkerInfo) -> bool:
+            batch_full = 0 < decode.max_running <= len(decode.active)
+            kv_after = decode.active.tokens + prompt_len
+            return not batch_full and kv_after <= decode.num_blocks * decode.block_size * fraction
+        return takes
 
     def _prefill_units(self) -> list[Unit[WorkerInfo]]:
         """The serving prefill workers grouped as `prefill_routing` sees them."""
         pool = self.serving("prefill")
-        return units(pool) if self.packing.prefill == "pack" else alone(pool)
+        group = units if self.packing.prefill == "pack" else alone
+        return self._remembered("prefill units", lambda: group(pool))
 
 
 class Chains:
@@ -494,6 +572,7 @@ class Chains:
         self.salt = salt
         self._by_size: dict[int, list[bytes]] = {}
         self._cached: dict[str, int] = {}  # by worker id: routing asks several times
+        self.nowhere = False  # no worker holds any of it (`look_for`)
 
     def of(self, worker: WorkerInfo) -> list[bytes]:
         size = worker.block_size
@@ -501,9 +580,25 @@ class Chains:
             self._by_size[size] = block_hashes(self.prompt, size, self.salt)
         return self._by_size[size]
 
+    def look_for(self, workers: Iterable[WorkerInfo]) -> None:
+        """Note whether any of `workers` (routing's candidates) has the prompt's first block:
+        most prompts are new, and then no worker holds any of them."""
+        first: dict[int, bytes] = {}  # by block size
+        for worker in workers:
+            if worker.prefix_caching:
+                if worker.block_size not in first:
+                    hashes = self.of(worker)
+                    first[worker.block_size] = hashes[0] if hashes else b""  # none: no block
+                if first[worker.block_size] in worker.prefixes:
+                    self.nowhere = False
+                    return
+        self.nowhere = True
+
     def cached(self, worker: WorkerInfo) -> int:
         """Prompt tokens the worker probably has cached: its leading blocks it was sent or
         finished with (never the last token, which must be computed)."""
+        if self.nowhere:
+            return 0
         if worker.worker_id not in self._cached:
             matched = (worker.prefixes.matched(self.of(worker)) * worker.block_size
                        if worker.prefix_caching else 0)
@@ -517,11 +612,17 @@ def _prefill_cost(worker: WorkerInfo, unit: Unit[WorkerInfo], prompt_len: int,
     compute per slot; then, among workers sharing them, whether its KV is full, and the
     busiest first; then the fewest requests; then the id, so that a tie does not depend on
     which worker registered first."""
-    work = (unit.held_tokens + prompt_len - cached) / unit.slots
-    if len(unit.workers) == 1:
+    if len(unit.workers) == 1:  # alone on its CPUs (or a GPU's): its own queue is the work
+        work = float(worker.active.tokens + prompt_len - cached)
         return work, False, 0, len(worker.active), worker.worker_id
+    work = (unit.held_tokens + prompt_len - cached) / unit.slots
     full = worker.held_tokens + prompt_len > worker.capacity_tokens
     return work, full, -worker.held_tokens, len(worker.active), worker.worker_id
+
+
+def _free_then_fewest(decode: WorkerInfo) -> tuple[int, int]:
+    """A decode worker's rank: the most free KV, then the fewest sequences."""
+    return decode.num_blocks * decode.block_size - decode.active.tokens, -len(decode.active)
 
 
 def _pull_latency(decode: WorkerInfo) -> float:

@@ -8,7 +8,7 @@ from prefill.worker import PrefillWorker
 
 
 def build(worker_id: str, config: Config) -> PrefillWorker:
-    runner = load_runner(config.model, config.prefill, config.engine)
+    runner = load_runner(config.model, config.prefill, config.engine, config.sim)
     return PrefillWorker(worker_id, config, runner)
 
 

@@ -32,8 +32,7 @@ from engine.kv.allocator import blocks_needed
 from engine.kv.block_hash import block_hashes
 from engine.kv.prefix_cache import PrefixCache, capacity
 from engine.model.batch import ForwardBatch
-from engine.model.chunk_cost import ChunkCost
-from engine.runner import ModelRunner
+from engine.runner import Runner
 from engine.sampling.grammar import Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
@@ -63,7 +62,7 @@ class _StepAborted(Exception):
 
 
 class PrefillWorker(Worker):
-    def __init__(self, worker_id: str, config: Config, runner: ModelRunner) -> None:
+    def __init__(self, worker_id: str, config: Config, runner: Runner) -> None:
         identity = WorkerIdentity(worker_id, "prefill", runner.kv_fingerprint,
                                   runner.block_size, runner.allocator.num_total,
                                   torch.get_num_threads(), isa=runner.kernel_isa,
@@ -76,7 +75,7 @@ class PrefillWorker(Worker):
         self.scheduler = PrefillScheduler(config.prefill.max_batch_tokens, runner.block_size,
                                           config.prefill.chunk_tokens,
                                           config.prefill.ttft_ms_per_token / 1000,
-                                          ChunkCost.of(runner.spec))
+                                          runner.chunk_cost)
         self.sender = make_sender(self.context, config.kv_transfer, self.keys, runner.device)
         self.sender.while_waiting = self.maybe_heartbeat  # a dead receiver's connect wait
         self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)

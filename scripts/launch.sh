@@ -5,6 +5,8 @@
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
 #                     [--otlp-endpoint URL] [--log-format text|json]
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
+#   --model sim (or sim:PROFILE): the real processes with a simulated model's step times and
+#   tokens (docs/simulation.md), for many workers and streams on a small host
 # Across hosts (docs/scaling.md):
 #   scripts/launch.sh --gateway-only --control tcp://0.0.0.0:8100 --keys DIR [--host 0.0.0.0]
 #       a gateway that waits for workers; DIR gets the cluster's CURVE keys (copy it to the
@@ -130,6 +132,8 @@ PREFILL_POOL=($(expand_cpus "${PREFILL_CPUS:-$(echo "${CPUS[@]:0:$HALF}" | tr ' 
 DECODE_POOL=($(expand_cpus "${DECODE_CPUS:-$(echo "${CPUS[@]:$HALF}" | tr ' ' ,)}"))
 [[ ${#DECODE_POOL[@]} -gt 0 ]] || DECODE_POOL=("${PREFILL_POOL[@]}")
 WORKERS=$(( PREFILL + DECODE ))
+# Simulated workers (--model sim, engine/sim) stand for GPUs: they sleep through their steps.
+[[ $PIN == auto && ( "$MODEL" == sim || "$MODEL" == sim:* ) ]] && PIN=0
 if [[ $PIN == auto ]]; then  # pinned, unless the workers outnumber the CPUs and none were named
   PIN=1
   if [[ $COLOCATED == 0 && -z "$PREFILL_CPUS$DECODE_CPUS" && $WORKERS -gt ${#CPUS[@]} ]]; then

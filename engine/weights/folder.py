@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from core.config import sim_profile_of
+from engine.sim.folder import sim_folder
 from engine.weights.files import QUANT_FILE, READY_MARKER
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -29,7 +31,11 @@ def packaged_gguf(name: str) -> Path:
 
 def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
     """A local model folder for `name_or_path`, preparing the packaged model if needed. A path
-    to an existing folder is returned unchanged."""
+    to an existing folder is returned unchanged; `sim` and `sim:PROFILE`, a simulated model's
+    folder (engine.sim.folder)."""
+    profile = sim_profile_of(name_or_path)
+    if profile is not None:
+        return sim_folder(profile, cache_dir)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

@@ -17,6 +17,7 @@ from core.config import (
     PrefillConfig,
     config_field,
     load_config,
+    sim_profile_of,
 )
 
 DEFAULT_YAML = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -236,3 +237,17 @@ def test_routing_packs_by_default_and_may_spread() -> None:
 def test_pack_kv_fraction_is_a_share_of_the_kv(fraction: str) -> None:
     with pytest.raises(ValueError, match="pack_kv_fraction"):
         load_config(overrides={"gateway.pack_kv_fraction": fraction})
+
+
+def test_a_simulated_model_is_named_with_its_profile() -> None:
+    assert ModelConfig(name="sim").sim_profile == "default"
+    assert ModelConfig(name="sim:llama-8b").sim_profile == "llama-8b"
+    assert ModelConfig().sim_profile is None and sim_profile_of("simple") is None
+    with pytest.raises(ValueError, match="profile after the colon"):
+        ModelConfig(name="sim:")
+    bads: list[dict[str, object]] = [{"sim.kv_bytes": 0}, {"sim.kv_bytes": 1.5},
+                                     {"sim.time_scale": -1}]
+    for bad in bads:
+        with pytest.raises(ValueError, match=r"sim\.kv_bytes"):
+            load_config(None, bad)
+    assert load_config(None, {"sim.kv_bytes": "0.25"}).sim.kv_bytes == 0.25

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.sim_streams import PHASES, abandon
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.e2e
 REQUESTS = 1000
 CONCURRENCY = 48
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
-PHASES = ("before sending", "queued or prefilling", "after the first token", "decoding")
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +37,6 @@ def body(model: str, rng: random.Random) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def abandon(client: httpx.AsyncClient, model: str, rng: random.Random, phase: str) -> str:
-    """One streamed request, dropped by the client in `phase`; what the client saw."""
-    request = body(model, rng)
-    try:
-        async with asyncio.timeout(30):
-            async with client.stream("POST", "/v1/completions", json=request) as response:
-                if phase == "before sending":
-                    return "closed"
-                if phase == "queued or prefilling":
-                    await asyncio.sleep(rng.uniform(0, 0.02))
-                    return "closed"
-                tokens_wanted = 1 if phase == "after the first token" else rng.randint(2, 30)
-                seen = 0
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data: {")
-                    if seen >= tokens_wanted:
-                        return "closed"
-                return "finished first"
-    except TimeoutError:
-        return "timeout"
-
-
 async def storm(url: str, model: str) -> Counter[str]:
     rng = random.Random(7)
     outcomes: Counter[str] = Counter()
@@ -67,7 +45,8 @@ async def storm(url: str, model: str) -> Counter[str]:
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
         async def one(i: int) -> None:
             async with gate:
-                outcomes[await abandon(client, model, rng, PHASES[i % len(PHASES)])] += 1
+                outcomes[await abandon(client, body(model, rng), rng, PHASES[i % len(PHASES)],
+                                       timeout_s=30)] += 1
         await asyncio.gather(*(one(i) for i in range(REQUESTS)))
     return outcomes
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import DecodeConfig, ModelConfig
+from core.config import DecodeConfig, ModelConfig, SimConfig
 from engine.__main__ import thread_counts
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner, load_runner, set_threads
+from engine.sim.runner import SimRunner
 from engine.weights.quant_rows import MeasuredQuantRows
 from engine.weights.spec import kv_fingerprint, load_spec
 
@@ -60,6 +61,13 @@ def test_the_kv_fingerprint_names_the_cache_dtype(tiny_model_dir: Path) -> None:
     assert "|bfloat16|" in runner.kv_fingerprint
 
 
+def quant_rows(model: ModelConfig, pool: DecodeConfig) -> int:
+    """The quant row count of the runner a worker of `pool` loads."""
+    runner = load_runner(model, pool)
+    assert isinstance(runner, ModelRunner)
+    return runner.model.quant_rows
+
+
 @pytest.mark.kernels
 def test_a_worker_measures_once_and_later_ones_read_it(quant_model_dir: Path,
                                                        tmp_path: Path) -> None:
@@ -69,12 +77,11 @@ def test_a_worker_measures_once_and_later_ones_read_it(quant_model_dir: Path,
     pool = DecodeConfig(num_kv_blocks=4, threads=1)
     threads = torch.get_num_threads()
     try:
-        first = load_runner(model, pool).model.quant_rows
+        first = quant_rows(model, pool)
         assert MeasuredQuantRows(tmp_path).get("float32") == first
         MeasuredQuantRows(tmp_path).put("float32", 3)
-        assert load_runner(model, pool).model.quant_rows == 3
-        fixed = dataclasses.replace(model, quant_rows=0)
-        assert load_runner(fixed, pool).model.quant_rows == 0
+        assert quant_rows(model, pool) == 3
+        assert quant_rows(dataclasses.replace(model, quant_rows=0), pool) == 0
     finally:
         torch.set_num_threads(threads)
 
@@ -96,3 +103,17 @@ def test_preparation_measures_each_thread_count_a_worker_may_run_with() -> None:
     cpus = len(os.sched_getaffinity(0))
     assert thread_counts(DecodeConfig(threads=3)) == (3,)
     assert thread_counts(DecodeConfig(threads=0)) == (1, cpus)
+
+
+def test_a_simulated_model_gets_a_sim_runner_with_its_settings(tmp_path: Path) -> None:
+    model = ModelConfig(name="sim", cache_dir=str(tmp_path))
+    pool = DecodeConfig(num_kv_blocks=8, block_size=4, threads=1)
+    threads = torch.get_num_threads()
+    try:
+        runner = load_runner(model, pool, sim=SimConfig(kv_bytes=0.5, time_scale=0))
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(runner, SimRunner) and runner.time_scale == 0
+    assert runner.allocator.num_total == 8 and runner.block_size == 4
+    assert runner.spec.num_kv_heads * runner.spec.head_dim == 96  # half of 3 x 64
+    assert runner.model_dir == tmp_path / "sim-default"

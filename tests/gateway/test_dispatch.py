@@ -19,6 +19,7 @@ from core.channels import ControlClient, ControlServer
 from core.config import Role
 from core.messages import (
     Abort,
+    Alive,
     Drain,
     Drained,
     FinishReason,
@@ -1023,6 +1024,9 @@ class EndlessControl(RecordingControl):
             raise RuntimeError("the backlog starved everything else")
         return "ghost", Heartbeat("ghost", "i0", 0, 0, 0, 0)
 
+    def pending(self) -> bool:
+        return True
+
 
 def test_serve_yields_to_the_event_loop_under_a_backlog() -> None:
     async def body() -> None:
@@ -1096,6 +1100,58 @@ def test_a_request_no_worker_holds_is_resumed(tmp_path: Path) -> None:
             assert again.task.prompt_ids == [*TASK.prompt_ids, 5, 6]
             assert again.task.max_tokens == TASK.max_tokens - 2
             assert gw.dispatcher.resumed == 2 and not held.done and not lost.done
+
+    asyncio.run(body())
+
+
+def test_a_worker_that_reads_its_messages_late_keeps_its_requests(tmp_path: Path) -> None:
+    """A loop starved of CPU sends no heartbeat for longer than the timeout (its Alive beats
+    go on): its requests are not taken for lost before it has sent two heartbeats without
+    them, and it holds them when it does report."""
+    async def body() -> None:
+        async with gateway(tmp_path, heartbeat_timeout_s=0.4) as gw:
+            prefill, decode = await pair(gw)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.05)))
+
+            async def alive() -> None:  # their pulse threads beat on
+                while True:
+                    for worker in (prefill, decode):
+                        worker.send(Alive(worker.worker_id, "i0"))
+                    await asyncio.sleep(0.05)
+            gw.tasks.append(asyncio.create_task(alive()))
+            handle = await submitted(gw, prefill)
+            await asyncio.sleep(1.0)  # no heartbeat from either: they may not have read it
+            assert await prefill.quiet() == [] and gw.dispatcher.resumed == 0
+            gw.beating.update(p1=prefill, d1=decode)  # they report again, holding it
+            await asyncio.sleep(1.0)
+            assert await prefill.quiet() == [] and gw.dispatcher.resumed == 0
+            assert not handle.done
+
+    asyncio.run(body())
+
+
+def test_no_worker_is_judged_while_its_beats_wait_unread(tmp_path: Path) -> None:
+    """A gateway behind on reading (a burst, a starved CPU) judges no worker dead on beats it
+    has not read; once it has read them, a worker that really went silent is declared dead."""
+    async def body() -> None:
+        async with gateway(tmp_path, heartbeat_timeout_s=0.4) as gw:
+            prefill, decode = await pair(gw)
+            serving = gw.tasks[0]
+            serving.cancel()  # nothing reads the control socket now
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+            for _ in range(12):  # 0.6 s of beats, waiting unread
+                for worker in (prefill, decode):
+                    worker.send(Alive(worker.worker_id, "i0"))
+                await asyncio.sleep(0.05)
+            await until(gw.server.pending, "beats waiting")
+            watching = asyncio.create_task(gw.dispatcher.watch_liveness(0.05))
+            await asyncio.sleep(0.3)
+            assert set(gw.registry.workers) == {"p1", "d1"}  # judged on nothing read: no one
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.serve()))
+            await until(lambda: not gw.server.pending(), "the beats read")
+            await until(lambda: not gw.registry.workers, "both declared dead after all")
+            watching.cancel()
 
     asyncio.run(body())
 
@@ -1271,4 +1327,22 @@ def test_stages_are_observed_once_each_and_kept_for_the_breakdown(tmp_path: Path
             assert stages["prefill_compute"] == 0.3 and stages["first_decode"] == 0.04
             assert handle.timing.resumed == 1 and len(observed) == 6  # gateway_queue once
 
+    asyncio.run(body())
+
+
+def test_every_route_is_timed_and_every_control_message_counted(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            routes: list[float] = []
+            kinds: list[str] = []
+            gw.dispatcher.observe_route = routes.append
+            gw.dispatcher.count_message = kinds.append
+            prefill, _ = await pair(gw)
+            assert kinds.count("Register") == 2 and "Heartbeat" in kinds
+            handle = gw.dispatcher.submit_choices(TASK, 1)[0]
+            await prefill.expect(1)
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            assert len(routes) == 1 and 0 < routes[0] < 0.1
+            assert "FirstToken" in kinds
     asyncio.run(body())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.packing import Unit, alone, packed, units
+from gateway.packing import Unit, alone, pack, packed, units
 
 
 @dataclass
@@ -80,3 +80,19 @@ def test_packed_breaks_ties_by_id_and_fills_every_slot() -> None:
 
 def test_packed_is_empty_when_none_has_room() -> None:
     assert packed(units([Worker("d0"), Worker("d1")]), lambda w: False, lambda w: 0) == []
+
+
+def test_pack_lets_workers_of_unknown_cpus_take_work_alone() -> None:
+    workers = [Worker("g0", cpus=(), running=64), Worker("g1", cpus=()), Worker("d0"),
+               Worker("d1", running=2)]
+
+    def room(w: Worker) -> bool:
+        return w.running < 64
+
+    def load(w: Worker) -> int:
+        return w.running
+
+    assert [w.worker_id for w in pack(workers, room, load)] == ["g1", "d1"]
+    assert [w.worker_id for w in pack(workers[:2], room, load)] == ["g1"]
+    assert sorted(w.worker_id for w in pack(workers, room, load)) == sorted(
+        w.worker_id for w in packed(units(workers), room, load))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import cast
 
 import pytest
@@ -889,3 +890,41 @@ def test_the_gateway_expects_no_more_cached_than_a_workers_cache_keeps() -> None
     reg.finished("decode-1", HISTORY, "")  # 25 blocks: the first 15 are gone from its cache
     route = reg.route(TURN)
     assert route is not None and route.path == "disaggregated"
+
+
+def test_held_tokens_follow_every_way_requests_come_and_go() -> None:
+    reg = registry()
+    reg.register(register("d1", "decode", num_blocks=10))
+    active = reg.workers["d1"].active
+    active.update({"a": 5, "b": 7}, c=1)
+    active["b"] = 3
+    assert active.pop("a") == 5 and active.pop("gone", None) is None
+    assert reg.workers["d1"].held_tokens == 4 == sum(active.values())
+    active.clear()
+    assert reg.workers["d1"].held_tokens == 0
+
+
+def test_heartbeats_read_late_count_from_when_they_were_sent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway reading its messages seconds late (starved of CPU) must not count heartbeats
+    sent before a request reached the worker as sent after it: their worker's clock says when
+    (its least lag to ours, from its first heartbeat, converts it)."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    reg = registry()
+    reg.register(register("p1"))
+    worker = reg.workers["p1"]
+
+    def sent(at: float, read: float) -> None:
+        now[0] = read
+        reg.heartbeat(replace(heartbeat("p1"), sent_at=at))
+
+    sent(100.0, read=1000.0)  # the worker's clock runs 900 s behind ours
+    dispatched = 1000.2
+    sent(100.1, read=1003.0)
+    sent(100.15, read=1003.1)  # both sent before the request left: read late
+    assert not worker.reported_twice_since(dispatched)
+    sent(100.7, read=1003.2)
+    assert not worker.reported_twice_since(dispatched)  # one sent since: it may not list it
+    sent(101.2, read=1003.3)
+    assert worker.reported_twice_since(dispatched)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,16 @@ def test_it_encodes_decodes_and_templates_as_auto_tokenizer(
             ids, skip_special_tokens=True)
     assert ours.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == \
         theirs.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+
+
+def test_any_ids_decode_as_transformers_decodes_them(real_model_dir: Path) -> None:
+    """Straight from the backend, as the wrapper does it: cut characters, special tokens."""
+    ours, theirs = load_tokenizer(real_model_dir), AutoTokenizer.from_pretrained(real_model_dir)
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.randrange(len(theirs)) for _ in range(rng.randint(1, 12))]
+        for skip in (False, True):
+            assert decode_text(ours, ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
 
 
 def test_a_class_transformers_lacks_is_left_to_auto_tokenizer(tiny_model_dir: Path,

@@ -1,0 +1,90 @@
+"""A simulated model (`--model sim`) behind the real gateway, workers, channels and KV: every
+stream is the one the token chain predicts, which it is only if every position's KV reached
+its decode worker whole and under the right request; a killed decode worker's streams go on
+elsewhere, still right."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from bench.sim_streams import run_streams, sim_requests, summarize
+from engine.sim.folder import scaled_kv, sim_folder
+from engine.sim.profile import load_profile
+from engine.sim.tokens import continuation, text_of
+from engine.weights.spec import load_spec
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, wait_for
+
+pytestmark = pytest.mark.e2e
+
+MEAN = load_profile("default").mean_output_tokens
+MODELS = "~/.cache/raging/models"
+CONFIG = {**TEST_CONFIG, "sim": {"kv_bytes": 0.25, "time_scale": 0.3},
+          "decode": {**TEST_CONFIG["decode"], "num_kv_blocks": 1024, "max_running": 128},
+          "prefill": {**TEST_CONFIG["prefill"], "num_kv_blocks": 1024}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), "sim", prefill=2, decode=2,
+                config=CONFIG) as running:
+        yield running
+
+
+def test_two_hundred_streams_are_each_the_predicted_one(cluster: Cluster) -> None:
+    requests = sim_requests(200, 60, seed=11, prompt_lens=(1, 400))
+    began = time.monotonic()
+    outcomes = asyncio.run(run_streams(cluster.url, cluster.model, requests, timeout_s=120))
+    summary = summarize(requests, outcomes, time.monotonic() - began, MEAN)
+    assert (summary.right, summary.failed) == (200, 0), summary
+    sent = sum(cluster.metric("raging_kv_transfer_bytes_total",
+                              f'backend="shm",direction="send",worker="prefill-{i}"')
+               for i in range(2))
+    assert sent >= sum(len(r.prompt) for r in requests) * kv_bytes_per_token()
+
+
+def kv_bytes_per_token() -> int:
+    """The cluster's KV per token: a quarter of SmolLM2-135M's, in bf16."""
+    spec = scaled_kv(load_spec(sim_folder("default", MODELS)), CONFIG["sim"]["kv_bytes"])
+    return spec.kv_bytes_per_token(torch.bfloat16)
+
+
+def test_a_chat_answer_is_the_chain_over_its_templated_prompt(cluster: Cluster) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    tokenizer = AutoTokenizer.from_pretrained(sim_folder("default", MODELS))
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            tokenize=False))
+    answer = cluster.client.post("/v1/chat/completions", json={
+        "model": cluster.model, "messages": messages, "max_tokens": 300, "temperature": 0.7,
+        "seed": 3}).json()
+    expected = continuation(prompt, 300, MEAN)
+    assert answer["choices"][0]["message"]["content"] == text_of(expected)
+    assert answer["usage"]["completion_tokens"] == len(expected)
+    assert answer["choices"][0]["finish_reason"] == ("stop" if expected[-1] > 255 else "length")
+
+
+def test_a_killed_decode_workers_streams_finish_right_elsewhere(cluster: Cluster) -> None:
+    requests = sim_requests(120, 150, seed=12)
+    resumed_before = cluster.metric("raging_requests_resumed_total")
+
+    def kill_one_midway() -> None:
+        wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') >= 20,
+                 60, "streams on decode-0")
+        os.kill(cluster.pids()["decode-0"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_one_midway)
+    killer.start()
+    began = time.monotonic()
+    outcomes = asyncio.run(run_streams(cluster.url, cluster.model, requests, timeout_s=180))
+    killer.join()
+    summary = summarize(requests, outcomes, time.monotonic() - began, MEAN)
+    assert (summary.right, summary.failed) == (120, 0), summary
+    assert cluster.metric("raging_requests_resumed_total") - resumed_before >= 20
