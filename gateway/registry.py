@@ -440,8 +440,8 @@ class Registry:
 
     def _avoided(self, chain: Chains) -> set[str]:
         """`history_routing: spread`: the decode workers holding the longest cached prefix of
-        the prompt (a chat's history; not a mere system prompt that many share), which get it
-        only when no other has room."""
+        the prompt, which get it only when no other has room. Any prefix counts, a system
+        prompt that many share as much as a chat's history (the one it lands on may pull it)."""
         if self.pulling.history == "follow":
             return set()
         cached = {w.worker_id: chain.cached(w) for w in self.serving("decode")}
