@@ -156,6 +156,28 @@ def make_tiny_model(
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Qwen2 (the tiny Llama's sizes, untied embeddings, q/k/v biases drawn
+    large enough to count: transformers starts them at zero) with the real tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, "tie_word_embeddings": False,
+                                            "rope_theta": 1000000.0}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                               layer.self_attn.v_proj):
+                projection.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with the real tokenizer."""
     return make_tiny_model()

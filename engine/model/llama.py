@@ -40,6 +40,7 @@ class Layer:
     post_attention_norm: torch.Tensor
     gate_up: Projection
     down: Linear
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # Qwen2's
 
     def matrices(self) -> tuple[Matrices, ...]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -54,9 +55,9 @@ class Layer:
 
 
 def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], index: int,
-               layout: WeightLayout) -> Layer:
+               layout: WeightLayout, has_bias: bool = False) -> Layer:
     """Layer `index` from Hugging Face-named `weights` (and the `quant` blocks of those that
-    have them), its matrices prepared by `layout`."""
+    have them), its matrices prepared by `layout`; with `has_bias`, its q/k/v biases."""
     prefix = f"model.layers.{index}."
 
     def get(name: str) -> torch.Tensor:
@@ -79,6 +80,8 @@ def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], 
         post_attention_norm=get("post_attention_layernorm.weight"),
         gate_up=project("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         down=linear("mlp.down_proj.weight"),
+        qkv_bias=((get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"),
+                   get("self_attn.v_proj.bias")) if has_bias else None),
     )
 
 
@@ -92,7 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP."""
+    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP; and Qwen2's,
+    the same with biases on q, k and v."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  layout: WeightLayout | None = None, quant: dict[str, QuantMatrix] | None = None,
@@ -112,7 +116,7 @@ class LlamaModel:
         self.lm_head = self.layout.linear(weights[LM_HEAD],
                                           quant.get(LM_HEAD, quant.get(EMBED) if tied else None))
         self.norm = weights["model.norm.weight"]
-        self.layers = [load_layer(weights, quant, i, self.layout)
+        self.layers = [load_layer(weights, quant, i, self.layout, spec.qkv_bias)
                        for i in range(spec.num_layers)]
         if quant_rows is None:
             quant_rows = measure_quant_rows(self.matrices(), self.dtype) if quant else 0
@@ -169,6 +173,8 @@ class LlamaModel:
         h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
         q_size = spec.num_heads * spec.head_dim
         q, k, v = layer.qkv(h)
+        if layer.qkv_bias is not None:
+            q, k, v = (t + bias for t, bias in zip((q, k, v), layer.qkv_bias, strict=True))
         q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         v = v.view_as(k)

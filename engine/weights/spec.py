@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     name: str
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
@@ -73,6 +74,7 @@ def load_spec(folder: Path) -> ModelSpec:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(config, generation),
         name=folder.name,
+        qkv_bias=config["model_type"] == "qwen2",
     )
 
 
@@ -91,10 +93,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _check_supported(config: dict[str, Any]) -> None:
     model_type = config.get("model_type")
-    if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported: {_SUPPORTED_MODEL_TYPES}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError("use_sliding_window (sliding-window attention) is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
 
