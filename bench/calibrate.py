@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from core.config import DecodeConfig, EngineConfig, ModelConfig
-from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
+from engine.kernels.isa import cpu_summary
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner, load_runner
 from engine.sim.profile import Latency, SimProfile, profile_path
@@ -183,10 +183,9 @@ def _shape(runner: ModelRunner) -> dict[str, int]:
 
 
 def _source(runner: ModelRunner, model: str) -> str:
-    flags = " ".join(sorted(cpu_flags() & ISA_FLAGS))
     return (f"{model}, {str(runner.cache.dtype).removeprefix('torch.')}, kernels "
-            f"{runner.kernel_isa}, {torch.get_num_threads()} threads, on {cpu_name() or '?'} "
-            f"({flags}), {time.strftime('%Y-%m-%d')}: python -m bench calibrate")
+            f"{runner.kernel_isa}, {torch.get_num_threads()} threads, on {cpu_summary()}, "
+            f"{time.strftime('%Y-%m-%d')}: python -m bench calibrate")
 
 
 def _report(profile: SimProfile, steps: list[Step]) -> str:

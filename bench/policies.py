@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
 import sys
 import time
@@ -41,13 +40,13 @@ from bench.load import LoadRun
 from bench.plots import cdf
 from bench.report import table, write_json
 from bench.serve import open_client
+from bench.sim_streams import expected_text
 from bench.stats import Distribution, Slo
 from bench.summary import Summary, summarize
 from bench.trace import TraceRequest, describe, read_trace
 from bench.workloads import RequestSpec
-from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
+from engine.kernels.isa import cpu_summary
 from engine.sim.profile import load_profile
-from engine.sim.tokens import continuation, text_of
 
 LOW_ID, HIGH_ID = 32, 126  # printable ASCII: one byte, one token of the simulated vocabulary
 COMPLETIONS = "/v1/completions"
@@ -138,12 +137,6 @@ def prompt_ids(request: TraceRequest, index: int) -> tuple[int, ...]:
     if own and group and own[0] == group[shared]:
         own[0] = LOW_ID + (own[0] - LOW_ID + 1) % (HIGH_ID - LOW_ID + 1)
     return group[:shared] + tuple(own)
-
-
-def expected_text(prompt: Sequence[int], max_tokens: int, mean_output_tokens: int) -> str:
-    """The text of the simulated model's answer to `prompt`, generated past its ends
-    (`ignore_eos`)."""
-    return text_of(continuation(prompt, max_tokens, mean_output_tokens, ignore_eos=True))
 
 
 @dataclass(frozen=True)
@@ -367,16 +360,6 @@ SUMMARY_HEADER = ["policy", "goodput (req/s)", "SLO attainment", "TTFT p50 / p99
                   "wrong streams"]
 
 
-def machine() -> str:
-    """The CPU this ran on: its name, cores and instruction-set flags."""
-    flags = " ".join(sorted(cpu_flags() & ISA_FLAGS))
-    return f"{cpu_name() or 'unknown CPU'}, {_cores()} cores ({flags})"
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
 def markdown(plan: ReplayPlan, summaries: Sequence[PolicySummary]) -> str:
     """The results as Markdown: the setting, the per-policy table, the policies, the notes."""
     shape = describe(plan.prepared.trace)
@@ -387,7 +370,7 @@ def markdown(plan: ReplayPlan, summaries: Sequence[PolicySummary]) -> str:
         f"{shape['groups']} prefix groups.",
         f"Cluster: `{' '.join(plan.flags(Policy('-', (), '')))}` plus each policy's flags; "
         f"SLO: TTFT <= {plan.slo.ttft_s * 1000:.0f} ms and TPOT <= "
-        f"{plan.slo.tpot_s * 1000:.0f} ms. Machine: {machine()}.", "",
+        f"{plan.slo.tpot_s * 1000:.0f} ms. Machine: {cpu_summary()}.", "",
         table(SUMMARY_HEADER, [summary_row(s) for s in summaries]), "",
         table(["policy", "flags", "what"],
               [[f"`{p.name}`", f"`{' '.join(p.flags())}`" if p.settings else "(none)",
@@ -416,7 +399,7 @@ def as_json(plan: ReplayPlan, runs: Sequence[PolicyRun],
             summaries: Sequence[PolicySummary]) -> dict[str, Any]:
     """The whole report: the setting, then per policy its flags, summary and requests."""
     return {"benchmark": "policies", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": sys.argv, "machine": machine(), "trace": plan.trace_path,
+            "command": sys.argv, "machine": cpu_summary(), "trace": plan.trace_path,
             "trace_shape": describe(plan.prepared.trace), "slo": plan.slo,
             "cluster": {"prefill": plan.prefill, "decode": plan.decode,
                         "profile": plan.profile, "time_scale": plan.time_scale,

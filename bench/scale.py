@@ -49,7 +49,7 @@ from bench.sim_streams import (
 )
 from core.config import GatewayConfig, Role
 from core.messages import Heartbeat, Register
-from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
+from engine.kernels.isa import cpu_summary
 from engine.sim.profile import load_profile
 from gateway.__main__ import make_registry
 from gateway.registry import Registry
@@ -409,7 +409,7 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
 
 def run(plan: ScalePlan, scenarios: Sequence[str], out: Path, argv: list[str]) -> int:
     results: dict[str, Any] = {"command": ["python", "-m", "bench", *argv], "plan": asdict(plan),
-                               "cpu": _cpu(), "profile": load_profile(plan.profile).source}
+                               "cpu": cpu_summary(), "profile": load_profile(plan.profile).source}
     for name in scenarios:
         print(f"[scale] {name}", flush=True)
         results[name] = RUNS[name](plan)
@@ -417,8 +417,3 @@ def run(plan: ScalePlan, scenarios: Sequence[str], out: Path, argv: list[str]) -
         print(json.dumps(results[name], indent=1, default=str), flush=True)
     print(f"wrote {out}")
     return 0
-
-
-def _cpu() -> str:
-    flags = " ".join(sorted(cpu_flags() & ISA_FLAGS))
-    return f"{cpu_name() or '?'}, {os.cpu_count()} CPUs, {flags}"

@@ -11,15 +11,23 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
 from bench.client import StreamError, read_stream
+from bench.serve import open_client
 from bench.stats import percentile
 from engine.sim.tokens import continuation, text_of
 
 PHASES = ("before sending", "queued or prefilling", "after the first token", "decoding")
+
+
+def expected_text(prompt: Sequence[int], max_tokens: int, mean_output_tokens: int) -> str:
+    """The text of the simulated model's answer to `prompt`, generated past its ends, as
+    requests asking `ignore_eos` get it."""
+    return text_of(continuation(prompt, max_tokens, mean_output_tokens, ignore_eos=True))
 
 
 @dataclass(frozen=True)
@@ -35,8 +43,7 @@ class SimRequest:
 
     def expected(self, mean_output_tokens: int) -> str:
         """The text a simulated model streams back (EOS ignored)."""
-        return text_of(continuation(self.prompt, self.max_tokens, mean_output_tokens,
-                                    ignore_eos=True))
+        return expected_text(self.prompt, self.max_tokens, mean_output_tokens)
 
 
 @dataclass(frozen=True)
@@ -74,11 +81,6 @@ def sim_requests(count: int, output_len: int, seed: int = 0,
                        output_len) for _ in range(count)]
 
 
-def open_client(url: str, connections: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
-
-
 async def stream_one(client: httpx.AsyncClient, model: str, request: SimRequest,
                      timeout_s: float) -> StreamOutcome:
     began = time.perf_counter()
@@ -95,7 +97,7 @@ async def stream_one(client: httpx.AsyncClient, model: str, request: SimRequest,
 async def run_streams(url: str, model: str, requests: list[SimRequest],
                       timeout_s: float = 600) -> list[StreamOutcome]:
     """Every request streamed at once."""
-    async with open_client(url, len(requests), timeout_s) as client:
+    async with open_client(url, None, timeout_s) as client:
         return list(await asyncio.gather(*(stream_one(client, model, r, timeout_s)
                                            for r in requests)))
 
@@ -118,7 +120,7 @@ async def abort_storm(url: str, model: str, requests: list[SimRequest],
     rng = random.Random(7)
     gate = asyncio.Semaphore(concurrency)
     seen: Counter[str] = Counter()
-    async with open_client(url, concurrency, 60) as client:
+    async with open_client(url, None, 60) as client:
         async def one(index: int, request: SimRequest) -> None:
             async with gate:
                 seen[await abandon(client, request.body(model), rng,

@@ -7,8 +7,6 @@ brings torch in through xgrammar, the first time one comes).
 
 from __future__ import annotations
 
-import gc
-
 import uvicorn
 from starlette.applications import Starlette
 
@@ -81,11 +79,6 @@ def main() -> None:
     except KeysError as exc:
         raise SystemExit(f"auth error: {exc}") from None
     gateway = config.gateway
-    # Everything loaded so far (tokenizer, transformers' modules: ~10^6 objects) lives as long
-    # as the process: out of the collector's sight, a collection walks only what requests
-    # made. Without it, the collections that streaming's short-lived objects set off took
-    # half the gateway's CPU.
-    gc.freeze()
     # log_config=None: uvicorn's lines go through this process's handler (JSON too).
     uvicorn.run(app, host=gateway.host, port=gateway.port, loop="uvloop",
                 http="httptools", log_level="warning", log_config=None,

@@ -7,6 +7,7 @@ The gateway resolves `model.dtype: auto` with these flags too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -71,6 +72,13 @@ def cpu_name(cpuinfo: Path = CPUINFO) -> str:
         return ""
     return next((line.split(":", 1)[1].strip() for line in text.splitlines()
                  if line.startswith("model name")), "")
+
+
+def cpu_summary() -> str:
+    """This CPU as benchmarks record it: its name, the CPUs this process may use, and its
+    instruction-set flags."""
+    flags = " ".join(sorted(cpu_flags() & ISA_FLAGS))
+    return f"{cpu_name() or 'unknown CPU'}, {len(os.sched_getaffinity(0))} CPUs ({flags})"
 
 
 def native_bf16(cpuinfo: Path = CPUINFO) -> bool:

@@ -51,7 +51,6 @@ class SimRunner:
     x `block_size` cache. Step times are the profile's, times `time_scale`."""
 
     kernel_isa = "sim"
-    graphs = None
 
     def __init__(self, model_dir: Path, num_blocks: int, block_size: int, kv_bytes: float = 1.0,
                  time_scale: float = 1.0) -> None:

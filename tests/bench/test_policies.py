@@ -18,7 +18,6 @@ from bench.policies import (
     Replayed,
     ReplayPlan,
     as_json,
-    expected_text,
     markdown,
     policy_named,
     prepare_trace,
@@ -27,6 +26,7 @@ from bench.policies import (
     summarize_run,
     write_results,
 )
+from bench.sim_streams import expected_text
 from bench.stats import Slo
 from bench.trace import TraceRequest
 from core.config import Config, Routing, load_config

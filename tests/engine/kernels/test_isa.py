@@ -4,13 +4,22 @@ this CPU lacks gets."""
 from __future__ import annotations
 
 import itertools
+import os
 import typing
 from pathlib import Path
 
 import pytest
 
 from core.config import KernelIsa, load_config
-from engine.kernels.isa import ISA_NAMES, LEVELS, cpu_name, resolve_isa, runnable_levels
+from engine.kernels.isa import (
+    ISA_NAMES,
+    LEVELS,
+    cpu_flags,
+    cpu_name,
+    cpu_summary,
+    resolve_isa,
+    runnable_levels,
+)
 
 AVX2_ONLY = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
 AVX512_NO_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -59,3 +68,10 @@ def test_the_cpu_name_is_read_from_cpuinfo(tmp_path: Path) -> None:
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n")
     assert cpu_name(cpuinfo) == "AMD EPYC 7B13"
     assert cpu_name(tmp_path / "missing") == ""
+
+
+def test_the_cpu_summary_names_the_cpu_its_count_and_its_isa_flags() -> None:
+    summary = cpu_summary()
+    assert summary.startswith(cpu_name() or "unknown CPU")
+    assert f"{len(os.sched_getaffinity(0))} CPUs" in summary
+    assert ("avx2" in summary) == ("avx2" in cpu_flags())
