@@ -178,6 +178,21 @@ def tiny_qwen2_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Mistral (the tiny Llama's sizes) whose sliding window of 8 keys is
+    shorter than the prompts tests give it, with the real tokenizer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-mistral")
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**TINY_CONFIG, sliding_window=8)).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with the real tokenizer."""
     return make_tiny_model()

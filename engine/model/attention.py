@@ -4,7 +4,9 @@ New tokens of all sequences are laid out as consecutive rows of one flat batch. 
 sequences (decode steps) attend together, straight from the paged cache
 (engine.kernels.cpu.paged_decode); longer ones (prefill chunks) each attend causally to cached
 prefix + new tokens, straight from the cache where engine.kernels.cpu.paged_prefill applies
-(bf16 on a CPU with AVX512-BF16), else in their own SDPA call.
+(bf16 on a CPU with AVX512-BF16), else in their own SDPA call. Under a sliding window (Mistral)
+a query sees only its `window` latest keys (itself included), as transformers masks them: where
+the window hides some key of a sequence, its attention is masked SDPA over the gathered context.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class DecodePlan:
     blocks: torch.Tensor  # [B, max_blocks] their block tables, padded, covering every context
     contexts: torch.Tensor  # [B] tokens each attends to (cached + itself)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size]: 0 for keys in context, else -inf
+    windowed: bool = False  # the window hides some key in context: only the mask applies it
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class PrefillPlan:
     blocks: torch.Tensor  # [num_blocks] the blocks holding its context
     context_len: int  # cached prefix + new tokens
     mask: torch.Tensor | None  # [T, context_len]; None means plain causal (no cached prefix)
+    windowed: bool = False  # the window hides some key in context: only the mask applies it
 
 
 @dataclass(frozen=True)
@@ -80,16 +84,18 @@ class AttentionPlan:
 
 def plan_attention(
     batch: ForwardBatch, block_size: int, dtype: torch.dtype = torch.float32,
-    decode_blocks: int | None = None,
+    decode_blocks: int | None = None, window: int | None = None,
 ) -> AttentionPlan:
     """Vectorized index bookkeeping for `batch` over a cache of `block_size`-token blocks;
     decode steps attend over `decode_blocks` blocks of their tables (masked past each
-    context), by default as many as the longest context fills."""
+    context), by default as many as the longest context fills. `window`: each query sees
+    only that many latest keys (None: all before it)."""
     tables = _padded_tables(batch, block_size)
     lengths = [len(tokens) for tokens in batch.token_ids]
     begins = list(accumulate(lengths, initial=0))
     prefills = tuple(
-        _plan_prefill(tables[i], begins[i], batch.start_positions[i], lengths[i], block_size)
+        _plan_prefill(tables[i], begins[i], batch.start_positions[i], lengths[i], block_size,
+                      window)
         for i in range(batch.num_seqs)
         if lengths[i] > 1
     )
@@ -105,7 +111,7 @@ def plan_attention(
         slots=slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0],
         last_rows=ends - 1,
         decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size,
-                            dtype, decode_blocks),
+                            dtype, decode_blocks, window),
         prefills=prefills,
     )
 
@@ -125,7 +131,7 @@ def _padded_tables(batch: ForwardBatch, block_size: int) -> torch.Tensor:
 
 def _plan_decode(
     tables: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int,
-    dtype: torch.dtype, num_blocks: int | None,
+    dtype: torch.dtype, num_blocks: int | None, window: int | None,
 ) -> DecodePlan | None:
     if len(tables) == 0:
         return None
@@ -133,22 +139,37 @@ def _plan_decode(
     num_blocks = num_blocks or blocks_needed(int(context.max()), block_size)
     assert num_blocks <= tables.shape[1]
     keys = torch.arange(num_blocks * block_size)
-    visible = (keys[None, :] < context[:, None])[:, None, None, :]
+    visible = keys[None, :] < context[:, None]
+    hiding = _hiding(window, int(context.max()))
+    if hiding is not None:
+        visible &= keys[None, :] >= (context - hiding)[:, None]
     # Additive and built once per step: SDPA would convert a boolean mask in every layer.
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(ends - 1, tables[:, :num_blocks].contiguous(), context, mask)
+    mask = torch.zeros(visible[:, None, None, :].shape, dtype=dtype)
+    mask.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    return DecodePlan(ends - 1, tables[:, :num_blocks].contiguous(), context, mask,
+                      hiding is not None)
 
 
 def _plan_prefill(
-    table: torch.Tensor, begin: int, start: int, num_new: int, block_size: int
+    table: torch.Tensor, begin: int, start: int, num_new: int, block_size: int,
+    window: int | None,
 ) -> PrefillPlan:
     context_len = start + num_new
     blocks = table[: blocks_needed(context_len, block_size)]
+    hiding = _hiding(window, context_len)
     mask = None
-    if start > 0:
-        queries = torch.arange(start, context_len)
-        mask = queries[:, None] >= torch.arange(context_len)[None, :]
-    return PrefillPlan(begin, begin + num_new, blocks, context_len, mask)
+    if start > 0 or hiding is not None:
+        queries = torch.arange(start, context_len)[:, None]
+        keys = torch.arange(context_len)[None, :]
+        mask = queries >= keys
+        if hiding is not None:
+            mask &= keys > queries - hiding
+    return PrefillPlan(begin, begin + num_new, blocks, context_len, mask, hiding is not None)
+
+
+def _hiding(window: int | None, longest_context: int) -> int | None:
+    """`window`, where it hides some key of a context this long; else None."""
+    return window if window is not None and longest_context > window else None
 
 
 def attend(
@@ -172,8 +193,8 @@ def attend(
     for prefill in plan.prefills:
         rows = slice(prefill.begin, prefill.end)
         start = prefill.context_len - (prefill.end - prefill.begin)
-        direct = paged_prefill(q[rows], k_cache, v_cache, prefill.blocks, start,
-                               plan.block_size) if kernel_is_faster(q.dtype) else None
+        direct = paged_prefill(q[rows], k_cache, v_cache, prefill.blocks, start, plan.block_size
+                               ) if kernel_is_faster(q.dtype) and not prefill.windowed else None
         if direct is not None:
             out[rows] = direct
         elif prefill.mask is None:  # nothing cached before this prompt
@@ -209,9 +230,10 @@ class _Paged:
 
 
 def _decode_attention(q: torch.Tensor, paged: _Paged, plan: DecodePlan) -> torch.Tensor:
-    direct = paged_decode(q, paged.k, paged.v, plan.blocks, plan.contexts, paged.block_size)
-    if direct is not None:
-        return direct
+    if not plan.windowed:
+        direct = paged_decode(q, paged.k, paged.v, plan.blocks, plan.contexts, paged.block_size)
+        if direct is not None:
+            return direct
     return gathered_decode(q, paged.k, paged.v, plan, paged.block_size, paged.workspace)
 
 

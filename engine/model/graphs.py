@@ -54,7 +54,7 @@ def plan_tensors(plan: AttentionPlan) -> Iterator[torch.Tensor]:
     yield from (decode.rows, decode.blocks, decode.contexts, decode.mask)
 
 
-def padded_plan(batch: ForwardBatch, cache: PagedKVCache
+def padded_plan(batch: ForwardBatch, cache: PagedKVCache, window: int | None = None
                 ) -> tuple[tuple[int, int], AttentionPlan] | None:
     """The (batch size, table width) of the graph that runs a decode-only `batch`, and the
     plan of `batch` padded to them (on the host); None for a batch no graph runs."""
@@ -67,7 +67,7 @@ def padded_plan(batch: ForwardBatch, cache: PagedKVCache
                 max(len(table) for table in batch.block_tables))
     padded = padded_batch(batch, size, width, cache.pad_block)
     return (size, width), plan_attention(padded, cache.block_size, cache.dtype,
-                                         decode_blocks=width)
+                                         decode_blocks=width, window=window)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class DecodeGraphs:
     def replay(self, batch: ForwardBatch) -> torch.Tensor | None:
         """fp32 logits `[num_seqs, vocab]` of a decode-only `batch`, by replaying its graph
         (captured now if new); None when the batch has a prompt chunk or is too large."""
-        planned = padded_plan(batch, self.cache)
+        planned = padded_plan(batch, self.cache, self.model.spec.sliding_window)
         if planned is None:
             return None
         key, plan = planned

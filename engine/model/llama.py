@@ -95,8 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP; and Qwen2's,
-    the same with biases on q, k and v."""
+    """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP; Qwen2's, the
+    same with biases on q, k and v; Mistral's, the same under a sliding window."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  layout: WeightLayout | None = None, quant: dict[str, QuantMatrix] | None = None,
@@ -140,7 +140,8 @@ class LlamaModel:
         K/V are written.
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
-        plan = plan_attention(batch, cache.block_size, cache.dtype)
+        plan = plan_attention(batch, cache.block_size, cache.dtype,
+                              window=self.spec.sliding_window)
         self.check_inputs(plan)
         return self.run(plan.to(cache.device), cache, layer_hook)
 

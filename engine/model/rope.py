@@ -11,17 +11,40 @@ from engine.weights.spec import ModelSpec
 
 
 def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
-    """`[head_dim // 2]` rotation frequencies, scaled per `spec.rope_scaling`."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    """`[head_dim // 2]` rotation frequencies, scaled per `spec.rope_scaling` (a dynamic
+    scaling's within its original length: unscaled)."""
+    inv_freq = _frequencies(spec.rope_theta, spec.head_dim)
     scaling = spec.rope_scaling or {"rope_type": "default"}
     rope_type = scaling["rope_type"]
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
-    assert rope_type == "default", rope_type
+    assert rope_type in ("default", "dynamic"), rope_type
     return inv_freq
+
+
+def _frequencies(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
+    """Plain RoPE frequencies `[..., dim // 2]` for a base `theta` (`[...]` bases: one row
+    each)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if isinstance(theta, torch.Tensor):
+        return 1.0 / (theta[:, None] ** exponents)
+    return 1.0 / (theta ** exponents)
+
+
+def _dynamic_angles(spec: ModelSpec, positions: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK scaling's angles `[positions, head_dim // 2]`: each token is rotated at the
+    base for the sequence up to itself, as transformers rotates a sequence fed one token at a
+    time (its one-pass prefill of a prompt past the original length rotates every token at
+    the prompt's length, which would make a token's KV depend on how its prompt was cut)."""
+    scaling = spec.rope_scaling
+    assert scaling is not None
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    lengths = torch.clamp(positions + 1, min=original)
+    dim = spec.head_dim
+    bases = spec.rope_theta * ((factor * lengths / original) - (factor - 1)) ** (dim / (dim - 2))
+    return positions[:, None] * _frequencies(bases, dim)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -46,7 +69,10 @@ class RotaryEmbedding:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         positions = torch.arange(spec.max_position_embeddings, dtype=torch.float)
-        freqs = positions[:, None] * inverse_frequencies(spec)[None, :]
+        if spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "dynamic":
+            freqs = _dynamic_angles(spec, positions)
+        else:
+            freqs = positions[:, None] * inverse_frequencies(spec)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)

@@ -11,16 +11,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the engine needs to know about a model's architecture and special tokens.
 
-    `rope_scaling` is None for plain RoPE, else a dict with "rope_type" ("linear" or "llama3")
-    and that type's parameters, as transformers names them.
+    `rope_scaling` is None for plain RoPE, else a dict with "rope_type" ("dynamic", "linear" or
+    "llama3") and that type's parameters, as transformers names them. A dynamic one stretches
+    the context `factor` times: `max_position_embeddings` is the stretched length, its
+    "original_max_position_embeddings" the config's.
     """
 
     vocab_size: int
@@ -39,6 +41,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     name: str
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    sliding_window: int | None = None  # a query sees only this many latest keys (Mistral)
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
@@ -58,6 +61,9 @@ def load_spec(folder: Path) -> ModelSpec:
     generation = _read_json(folder / "generation_config.json") or {}
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope_settings(config)
+    max_positions = config.get("max_position_embeddings", 2048)
+    if rope_scaling is not None and rope_scaling["rope_type"] == "dynamic":
+        max_positions = int(max_positions * rope_scaling["factor"])
     return ModelSpec(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -69,12 +75,13 @@ def load_spec(folder: Path) -> ModelSpec:
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(config, generation),
         name=folder.name,
         qkv_bias=config["model_type"] == "qwen2",
+        sliding_window=config.get("sliding_window") if config["model_type"] == "mistral" else None,
     )
 
 
@@ -99,7 +106,8 @@ def _check_supported(config: dict[str, Any]) -> None:
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias are not supported")
     if config.get("use_sliding_window"):
-        raise ValueError("use_sliding_window (sliding-window attention) is not supported")
+        raise ValueError("use_sliding_window (Qwen2's sliding-window attention on some layers) "
+                         "is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported")
 
@@ -117,6 +125,8 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
         return theta, None
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    if rope_type == "dynamic":  # transformers stretches the config's length, whatever else says
+        params["original_max_position_embeddings"] = config["max_position_embeddings"]
     return theta, {"rope_type": rope_type, **params}
 
 

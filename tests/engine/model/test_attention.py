@@ -43,13 +43,16 @@ def test_table_too_short_is_a_value_error() -> None:
         plan_attention(ForwardBatch([[1, 2]], [3], [[0]]), block_size=4)
 
 
+@pytest.mark.parametrize("window", [None, 3, 6], ids=["all", "window3", "window6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_attend_matches_causal_attention_over_each_context(dtype: torch.dtype) -> None:
+def test_attend_matches_causal_attention_over_each_context(dtype: torch.dtype,
+                                                           window: int | None) -> None:
     """A chunk after a cached prefix, a whole prompt and a decode token in one batch, whichever
-    kernels serve them here."""
+    kernels serve them here; under a sliding window, each query sees its `window` latest keys
+    (with 6, the decode token's context of 5 fits the window, the others do not)."""
     torch.manual_seed(0)
     batch = ForwardBatch([[0] * 7, [0] * 5, [0]], [9, 0, 4], [[3, 1, 6, 0], [2, 5], [7, 4]])
-    plan = plan_attention(batch, block_size=4, dtype=dtype)
+    plan = plan_attention(batch, block_size=4, dtype=dtype, window=window)
     k_cache, v_cache = (torch.randn(32, 3, 64).to(dtype) for _ in range(2))
     q = torch.randn(batch.num_tokens, 9, 64).to(dtype)
     new_kv = k_cache[plan.slots], v_cache[plan.slots]
@@ -59,7 +62,8 @@ def test_attend_matches_causal_attention_over_each_context(dtype: torch.dtype) -
                                     strict=True):
         context = start + len(tokens)
         slots = (torch.tensor(table)[:, None] * 4 + torch.arange(4)).flatten()[:context]
-        visible = torch.arange(start, context)[:, None] >= torch.arange(context)[None, :]
+        queries, keys = torch.arange(start, context)[:, None], torch.arange(context)[None, :]
+        visible = (queries >= keys) & (keys > queries - (window or context))
         rows = slice(row, row + len(tokens))
         expected = F.scaled_dot_product_attention(
             q[rows].float().transpose(0, 1), k_cache[slots].float().transpose(0, 1),
@@ -68,3 +72,14 @@ def test_attend_matches_causal_attention_over_each_context(dtype: torch.dtype) -
         torch.testing.assert_close(out[rows].float(), expected.transpose(0, 1),
                                    atol=tolerance, rtol=tolerance)
         row += len(tokens)
+
+
+def test_a_window_masks_only_where_it_hides_keys() -> None:
+    batch = ForwardBatch([[0] * 3, [0] * 4, [0]], [0, 0, 6], [[1], [2], [3, 4]])
+    plan = plan_attention(batch, block_size=4, window=3)
+    fits, longer = plan.prefills
+    assert (fits.windowed, fits.mask) == (False, None)
+    assert longer.windowed and longer.mask is not None
+    assert longer.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
+    assert plan.decode is not None and plan.decode.windowed
+    assert (plan.decode.mask == 0).flatten().tolist() == [False] * 4 + [True] * 3 + [False]

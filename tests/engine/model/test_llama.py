@@ -13,6 +13,7 @@ from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
 from engine.model.linear import PACKED, PLAIN, can_pack_bf16
 from engine.model.llama import LlamaModel
+from engine.runner import ModelRunner
 from engine.weights.load import load_weights
 from engine.weights.quant_blocks import load_quant_blocks
 from engine.weights.spec import load_spec
@@ -150,6 +151,26 @@ def test_rope_scaling_matches_transformers(
     logits = scaled.model.forward(ForwardBatch(prompts, [0, 0], tables), scaled.cache)
     for row, prompt in enumerate(prompts):
         assert_close(logits[row], scaled.reference(prompt))
+
+
+def test_dynamic_rope_past_the_original_length_generates_what_transformers_does(
+        make_tiny_model: Callable[..., Path]) -> None:
+    folder = make_tiny_model(max_position_embeddings=32,
+                             rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                              "rope_theta": 10000.0})
+    runner = ModelRunner(folder, 40, BLOCK_SIZE, quant_rows=0)
+    assert runner.spec.max_position_embeddings == 128
+    reference = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt, count = random_prompt(20, seed=8), 60  # generated one at a time from 20 to 80
+    with torch.inference_mode():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=count,
+                                    do_sample=False, min_new_tokens=count)[0, len(prompt):]
+    table = list(range(40))
+    ours = [int(runner.forward(ForwardBatch([prompt], [0], [table]))[0].argmax())]
+    while len(ours) < count:
+        step = ForwardBatch([ours[-1:]], [len(prompt) + len(ours) - 1], [table])
+        ours.append(int(runner.forward(step)[0].argmax()))
+    assert ours == theirs.tolist()
 
 
 @needs_mkldnn_bf16

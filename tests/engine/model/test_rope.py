@@ -16,6 +16,7 @@ from engine.weights.spec import load_spec
 
 SCALINGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "dynamic": {"factor": 2.0},
     "linear": {"factor": 3.0},
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256},
@@ -40,7 +41,8 @@ def test_inverse_frequencies_match(rope_type: str, tmp_path: Path) -> None:
     expected = ROPE_INIT_FUNCTIONS[rope_type](config)[0] if rope_type != "default" else unscaled
     ours = inverse_frequencies(load_spec(tmp_path))
     assert torch.allclose(ours, expected, rtol=1e-6, atol=0)
-    assert torch.equal(ours, unscaled) == (rope_type == "default")
+    # dynamic scaling changes nothing within the original length
+    assert torch.equal(ours, unscaled) == (rope_type in ("default", "dynamic"))
 
 
 def test_rotation_matches(rope_type: str, tmp_path: Path) -> None:
@@ -55,3 +57,24 @@ def test_rotation_matches(rope_type: str, tmp_path: Path) -> None:
     theirs = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     for mine, reference in zip(ours, theirs, strict=True):
         assert torch.allclose(mine, reference[0].transpose(0, 1), atol=1e-5)
+
+
+def test_dynamic_rotation_past_the_original_length_is_transformers_one_token_at_a_time(
+        tmp_path: Path) -> None:
+    config = config_for("dynamic")
+    config.save_pretrained(tmp_path)
+    spec = load_spec(tmp_path)
+    assert spec.max_position_embeddings == 8192
+    positions = [4095, 4096, 4097, 5000, 8191]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(len(positions), 2, 128, generator=g)
+    cos, sin = RotaryEmbedding(spec, torch.float32).lookup(torch.tensor(positions))
+    ours = apply_rope(q, cos, sin)
+    cos, sin = LlamaRotaryEmbedding(config_for("default"))(q, torch.tensor([positions]))
+    unscaled = apply_rope(q, cos[0][:, None], sin[0][:, None])
+    assert not torch.allclose(ours[3:], unscaled[3:], atol=1e-2)
+    for row, position in enumerate(positions):
+        # a fresh module: transformers keeps the longest length it has seen
+        cos, sin = LlamaRotaryEmbedding(config)(q, torch.tensor([[position]]))
+        theirs = apply_rotary_pos_emb(q[row:row + 1].transpose(0, 1)[None], q[:1, :1], cos, sin)
+        assert torch.allclose(ours[row], theirs[0][0].transpose(0, 1)[0], atol=1e-4)

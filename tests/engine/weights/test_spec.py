@@ -82,3 +82,28 @@ def test_unsupported_configs_are_value_errors(tmp_path: Path, config: dict[str, 
 def test_missing_config_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         load_spec(tmp_path)
+
+
+def test_unsupported_architectures_are_named_with_the_supported_ones(tmp_path: Path) -> None:
+    for config, says in (({"model_type": "gemma"},
+                          "'gemma' is not supported: llama, mistral, qwen2"),
+                         ({"model_type": "qwen2", "use_sliding_window": True},
+                          "sliding-window")):
+        write_folder(tmp_path, **config)
+        with pytest.raises(ValueError, match=says):
+            load_spec(tmp_path)
+
+
+def test_a_mistral_window_is_read_and_other_families_have_none(tmp_path: Path) -> None:
+    assert load_spec(write_folder(tmp_path, model_type="mistral",
+                                  sliding_window=4096)).sliding_window == 4096
+    assert load_spec(write_folder(tmp_path, model_type="mistral",
+                                  sliding_window=None)).sliding_window is None
+    assert load_spec(write_folder(tmp_path, sliding_window=4096)).sliding_window is None
+
+
+def test_dynamic_rope_stretches_the_context_by_its_factor(tmp_path: Path) -> None:
+    spec = load_spec(write_folder(tmp_path, rope_scaling={"type": "dynamic", "factor": 4.0}))
+    assert spec.max_position_embeddings == 2048
+    assert spec.rope_scaling == {"rope_type": "dynamic", "factor": 4.0,
+                                 "original_max_position_embeddings": 512}
