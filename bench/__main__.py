@@ -22,6 +22,8 @@
         --count 400 --out runs/trace.jsonl
     python -m bench policies --trace runs/trace.jsonl --prefill 2 --decode 6 --out runs/policies
     python -m bench scale streams relay workers
+    python -m bench gguf write --shape 7b --out /tmp/random-7b.gguf
+    python -m bench gguf measure --model /tmp/random-7b.gguf --weights quant
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench import calibrate as sim_profile
 from bench import chats as chat_turns
 from bench import chunked as chunked_prefill
 from bench import fidelity as greedy_fidelity
+from bench import gguf as gguf_models
 from bench import goodput as slo_goodput
 from bench import gpu as on_gpu
 from bench import handoff as kv_handoff
@@ -510,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     request_trace.add_parser(commands)
     routing_policies.add_parser(commands)
     many_streams.add_parser(commands)
+    gguf_models.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         level = use_isa(args.isa)

@@ -39,6 +39,7 @@ HistoryRouting = Literal["follow", "spread"]
 PullMode = Literal["auto", "always", "never"]
 # What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).
 QuantInputs = Literal["exact", "int8"]
+WeightsMode = Literal["auto", "dense", "quant"]
 
 
 def is_device_name(name: str) -> bool:
@@ -78,6 +79,12 @@ class ModelConfig:
                                   "sequences) read the GGUF's 4-/8-bit quant blocks, where the "
                                   "weights are exactly those; -1: as many as is faster, "
                                   "measured once per machine; 0: never")
+    weights: WeightsMode = setting("auto", "which copies of the weight matrices workers multiply: "
+                                           "quant: the GGUF's quant blocks alone (memory-mapped, "
+                                           "shared by every worker on a host); dense: a dense "
+                                           "copy too, for long chunks; auto: as the folder has "
+                                           "them, and a dense copy of a GGUF's blocks if it "
+                                           "takes under a quarter of the free memory")
     quant_inputs: QuantInputs = setting("exact", "exact: those products multiply the inputs as "
                                                  "they are (results equal the dense product's "
                                                  "up to summation order); int8: inputs quantized "

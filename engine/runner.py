@@ -3,6 +3,8 @@ worker builds one from config (`load_runner`)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +12,14 @@ from typing import Protocol
 
 import torch
 
-from core.config import EngineConfig, ModelConfig, PoolConfig, QuantInputs, SimConfig
+from core.config import (
+    EngineConfig,
+    ModelConfig,
+    PoolConfig,
+    QuantInputs,
+    SimConfig,
+    WeightsMode,
+)
 from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
@@ -21,6 +30,7 @@ from engine.model.chunk_cost import ChunkCost
 from engine.model.graphs import DecodeGraphs
 from engine.model.llama import LlamaModel
 from engine.sim.runner import SimRunner
+from engine.weights.choice import choose_weights
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
 from engine.weights.load import load_weights
@@ -63,6 +73,16 @@ def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[st
     copies: dict[int, torch.Tensor] = {}
     return {name: copies.setdefault(id(tensor), tensor.to(device))
             for name, tensor in weights.items()}
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system. Loading leaves hundreds of MB of them
+    (dtype casts, dequantized and unpacked copies of the weights, freed once packed) that
+    glibc keeps for later: measured 740 -> 500 MB of SmolLM2 worker's own memory."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 def set_threads(n: int | None) -> None:
@@ -108,20 +128,23 @@ class ModelRunner:
         quant_inputs: QuantInputs = "exact",
         device: torch.device | str = "cpu",
         cuda_graphs: bool = True,
+        weights: WeightsMode = "auto",
     ) -> None:
         """`quant_rows`: products of at most this many rows read the model's quant blocks
         where it has them (engine.weights.quant_blocks); None: measured here at load, 0:
         never. `quant_inputs`: what those products multiply (`model.quant_inputs`).
         `device`: where weights, cache and step inputs live; on a GPU, decode steps replay
-        CUDA graphs unless `cuda_graphs` is off."""
+        CUDA graphs unless `cuda_graphs` is off. `weights`: which copies of the matrices to
+        multiply (engine.weights.choice)."""
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        quant = load_quant_blocks(self.model_dir, quant_inputs == "int8") if on_cpu else {}
-        self.model = LlamaModel(self.spec, on_device(load_weights(self.model_dir, dtype),
-                                                     self.device),
+        dense, quant = choose_weights(load_weights(self.model_dir, dtype),
+                                      load_quant_blocks(self.model_dir, quant_inputs == "int8"),
+                                      weights, dtype, on_cpu and kernels() is not None)
+        self.model = LlamaModel(self.spec, on_device(dense, self.device),
                                 quant=quant, quant_rows=quant_rows if on_cpu else 0)
         graphed = cuda_graphs and self.device.type == "cuda"
         self.cache = PagedKVCache(self.spec, num_blocks, block_size, dtype, self.device,
@@ -181,11 +204,14 @@ def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | Non
     measured = MeasuredQuantRows(folder, model.quant_inputs)
     rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
     runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows,
-                         model.quant_inputs)
-    if rows is None:  # measured just now
+                         model.quant_inputs, weights=model.weights)
+    matrices = runner.model.matrices()
+    if rows is None and any(m.quant and m.matrices for m in matrices):  # measured just now
         measured.put(dtype, runner.model.quant_rows)
-    log.info("products of up to %d rows read the weights' quant blocks (inputs: %s)",
-             runner.model.quant_rows, model.quant_inputs)
+    return_freed_memory()  # the weights as loaded are gone now
+    log.info("products of up to %d rows read the weights' quant blocks (inputs: %s); "
+             "%d of %d matrices are read from them only", runner.model.quant_rows,
+             model.quant_inputs, sum(not m.matrices for m in matrices), len(matrices))
     return runner
 
 
@@ -196,7 +222,7 @@ def _load_cuda_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig
         torch.cuda.set_per_process_memory_fraction(pool.gpu_memory_fraction, device)
     folder = resolve_model(model.name, model.cache_dir)
     runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype, device),
-                         0, model.quant_inputs, device, engine.cuda_graphs)
+                         0, model.quant_inputs, device, engine.cuda_graphs, model.weights)
     log.info("model on %s (%s), %s; CUDA graphs %s", device, torch.cuda.get_device_name(device),
              dtype, "on" if runner.graphs is not None else "off")
     return runner

@@ -39,7 +39,8 @@ class Matrices:
       of the mapped file, shared between processes;
     - over the quant blocks the model shipped in (engine.weights.quant_blocks), where every
       matrix has them: for inputs of at most `quant_rows` rows, where reading a quarter of the
-      bytes beats the dense product's better arithmetic.
+      bytes beats the dense product's better arithmetic; for every input where there is no
+      dense copy (`matrices` empty: engine.weights.choice).
     """
 
     matrices: tuple[torch.Tensor, ...]
@@ -49,7 +50,7 @@ class Matrices:
     quant_rows: int = 0
 
     def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.quant and x.shape[0] <= self.quant_rows:
+        if self.quant and (x.shape[0] <= self.quant_rows or not self.matrices):
             return self.quant_outputs(x)
         return self.dense_outputs(x)
 
@@ -84,26 +85,31 @@ class WeightLayout:
     product: Product
     packed: bool
 
-    def project(self, weights: Sequence[torch.Tensor],
+    def project(self, weights: Sequence[torch.Tensor | None],
                 quant: Sequence[QuantMatrix | None] = (), quant_rows: int = 0) -> Projection:
         """The products of `weights` with one input, stacked where the layout packs; over
         `quant` (each weight's quant blocks, in order) for inputs of at most `quant_rows`
-        rows."""
-        return Projection(*self._matrices(weights), self.product,
-                          *_all_quant(quant, len(weights), quant_rows))
+        rows, and for all where `weights` are None (no dense copy)."""
+        all_quant = _all_quant(quant, len(weights), quant_rows)
+        return Projection(*self._matrices(weights, all_quant[0]), self.product, *all_quant)
 
-    def linear(self, weight: torch.Tensor, quant: QuantMatrix | None = None,
+    def linear(self, weight: torch.Tensor | None, quant: QuantMatrix | None = None,
                quant_rows: int = 0) -> Linear:
-        """The product of one weight (over `quant` for at most `quant_rows` rows)."""
-        return Linear(*self._matrices((weight,)), self.product,
-                      *_all_quant((quant,), 1, quant_rows))
+        """The product of one weight (over `quant` for at most `quant_rows` rows, or for all
+        without a dense `weight`)."""
+        all_quant = _all_quant((quant,), 1, quant_rows)
+        return Linear(*self._matrices((weight,), all_quant[0]), self.product, *all_quant)
 
-    def _matrices(self, weights: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...],
-                                                                  tuple[int, ...]]:
-        sizes = tuple(weight.shape[0] for weight in weights)
-        if self.packed and len(weights) > 1:
-            return (self.prepare(torch.cat(tuple(weights))),), sizes
-        return tuple(self.prepare(weight) for weight in weights), sizes
+    def _matrices(self, weights: Sequence[torch.Tensor | None], quant: Sequence[QuantMatrix],
+                  ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        dense = [weight for weight in weights if weight is not None]
+        if len(dense) < len(weights):
+            assert quant, "a weight with neither a dense copy nor quant blocks"
+            return (), tuple(matrix.shape[0] for matrix in quant)
+        sizes = tuple(weight.shape[0] for weight in dense)
+        if self.packed and len(dense) > 1:
+            return (self.prepare(torch.cat(dense)),), sizes
+        return tuple(self.prepare(weight) for weight in dense), sizes
 
 
 def _all_quant(quant: Sequence[QuantMatrix | None], count: int,
@@ -121,7 +127,7 @@ def measure_quant_rows(weights: Sequence[Matrices], dtype: torch.dtype,
     the CPU, the dtype and the dense layout (on an AVX-512 EPYC, two threads: 8-16 rows against
     packed bf16, 12-48 against packed fp32, from run to run); engine.weights.quant_rows keeps
     the result per machine."""
-    timed = [matrices for matrices in weights if matrices.quant]
+    timed = [matrices for matrices in weights if matrices.quant and matrices.matrices]
     if not timed:
         return 0
     best = 0

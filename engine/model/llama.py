@@ -23,7 +23,7 @@ from engine.model.linear import (
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model.workspace import Workspace
 from engine.weights.load import EMBED, LM_HEAD
-from engine.weights.quant_blocks import QuantMatrix
+from engine.weights.quant_blocks import QuantMatrix, dequantize
 from engine.weights.spec import ModelSpec
 
 
@@ -65,12 +65,16 @@ def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], 
             raise ValueError(f"missing weight {prefix + name}")
         return weights[prefix + name]
 
+    def matrix(name: str) -> torch.Tensor | None:
+        """Its dense copy; None where it has quant blocks only."""
+        return None if prefix + name in quant and prefix + name not in weights else get(name)
+
     def project(*names: str) -> Projection:
-        return layout.project([get(name) for name in names],
+        return layout.project([matrix(name) for name in names],
                               [quant.get(prefix + name) for name in names])
 
     def linear(name: str) -> Linear:
-        return layout.linear(get(name), quant.get(prefix + name))
+        return layout.linear(matrix(name), quant.get(prefix + name))
 
     return Layer(
         input_norm=get("input_layernorm.weight"),
@@ -106,16 +110,17 @@ class LlamaModel:
         used for products of at most `quant_rows` rows (None: as many as are faster here,
         measured)."""
         self.spec = spec
-        self.embed = weights[EMBED]
-        if self.embed.shape != (spec.vocab_size, spec.hidden_size):
-            raise ValueError(f"{EMBED} has shape {tuple(self.embed.shape)}, spec disagrees")
-        self.dtype = self.embed.dtype
-        self.layout = layout or layout_for(self.dtype, self.embed.device)
-        quant = quant if quant and kernels_for(self.embed) is not None else {}
-        tied = weights[LM_HEAD] is weights[EMBED]
-        self.lm_head = self.layout.linear(weights[LM_HEAD],
-                                          quant.get(LM_HEAD, quant.get(EMBED) if tied else None))
         self.norm = weights["model.norm.weight"]
+        self.dtype = self.norm.dtype
+        self.layout = layout or layout_for(self.dtype, self.norm.device)
+        quant = quant if quant and kernels_for(self.norm) is not None else {}
+        self.embed = Embedding.of(weights, quant, self.dtype)
+        if self.embed.shape != (spec.vocab_size, spec.hidden_size):
+            raise ValueError(f"{EMBED} has shape {self.embed.shape}, spec disagrees")
+        tied = (weights[LM_HEAD] is weights.get(EMBED)) if LM_HEAD in weights \
+            else LM_HEAD not in quant
+        head = EMBED if tied else LM_HEAD
+        self.lm_head = self.layout.linear(weights.get(head), quant.get(head))
         self.layers = [load_layer(weights, quant, i, self.layout, spec.qkv_bias)
                        for i in range(spec.num_layers)]
         if quant_rows is None:
@@ -123,7 +128,7 @@ class LlamaModel:
         self.quant_rows = quant_rows
         self.lm_head = replace(self.lm_head, quant_rows=quant_rows)
         self.layers = [layer.with_quant_rows(quant_rows) for layer in self.layers]
-        self.device = self.embed.device
+        self.device = self.norm.device
         self.rope = RotaryEmbedding(spec, self.dtype, self.device)
         self.workspace = Workspace(self.device)
 
@@ -151,7 +156,7 @@ class LlamaModel:
         """`forward` of a planned batch, its tensors on the model's device: the part a CUDA
         graph captures (engine.model.graphs)."""
         step = _Step(plan, *self.rope.lookup(plan.positions), cache, layer_hook)
-        x = F.embedding(plan.token_ids, self.embed)
+        x = self.embed(plan.token_ids)
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
         last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
@@ -188,6 +193,37 @@ class LlamaModel:
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = layer.gate_up(h)
         return x + layer.down(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The token embedding: a dense matrix, or its quant blocks, whose rows are dequantized
+    as tokens look them up."""
+
+    dense: torch.Tensor | None
+    quant: QuantMatrix | None
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix],
+           dtype: torch.dtype) -> Embedding:
+        if EMBED not in weights and EMBED not in quant:
+            raise ValueError(f"the model has no {EMBED}")
+        return cls(weights.get(EMBED), None if EMBED in weights else quant[EMBED], dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.dense is not None:
+            return self.dense.shape[0], self.dense.shape[1]
+        assert self.quant is not None
+        return self.quant.shape
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return F.embedding(token_ids, self.dense)
+        assert self.quant is not None
+        rows = QuantMatrix(self.quant.packed[token_ids], self.quant.bits)
+        return dequantize(rows).to(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,17 @@ def packaged_gguf(name: str) -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
-    """A local model folder for `name_or_path`, preparing the packaged model if needed. A path
-    to an existing folder is returned unchanged; `sim` and `sim:PROFILE`, a simulated model's
-    folder (engine.sim.folder)."""
+    """A local model folder for `name_or_path`, preparing the packaged model, or a GGUF file,
+    if needed (engine.weights.gguf). A path to an existing folder is returned unchanged; `sim`
+    and `sim:PROFILE`, a simulated model's folder (engine.sim.folder)."""
     profile = sim_profile_of(name_or_path)
     if profile is not None:
         return sim_folder(profile, cache_dir)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.suffix == ".gguf":
+        return _gguf_folder(path, Path(cache_dir).expanduser())
     target = Path(cache_dir).expanduser() / name_or_path
     if (target / READY_MARKER).exists() and (target / QUANT_FILE).exists():
         return target
@@ -50,4 +52,15 @@ def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
         prepare(packaged_gguf(name_or_path), target)
     else:  # prepared before the quant blocks were kept under this name
         write_quant_blocks(target)
+    return target
+
+
+def _gguf_folder(path: Path, cache_dir: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    from engine.weights.gguf import prepare_gguf, prepared_folder
+
+    target = prepared_folder(path, cache_dir)
+    if not (target / READY_MARKER).exists():
+        prepare_gguf(path, target)
     return target

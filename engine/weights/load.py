@@ -36,14 +36,14 @@ def load_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     Tensors already in `dtype` stay views of the memory-mapped file, so processes loading the
     same folder share its page cache. A missing `lm_head.weight` (tied embeddings) is the
-    embedding tensor itself.
+    embedding tensor itself. A folder prepared from a GGUF holds only its weights that are
+    not quant blocks (engine.weights.gguf).
     """
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         weights.update(_load_file(path, dtype))
-    if EMBED not in weights:
-        raise ValueError(f"{folder} has no {EMBED}")
-    weights.setdefault(LM_HEAD, weights[EMBED])
+    if EMBED in weights:
+        weights.setdefault(LM_HEAD, weights[EMBED])
     return weights
 
 

@@ -128,8 +128,10 @@ def sse_events(response: httpx.Response) -> Iterator[Any]:
 
 
 def greedy_reference(model_dir: Path) -> Callable[[list[int], int], list[int]]:
-    """Greedy continuation by transformers itself, EOS ignored."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    """Greedy continuation by transformers itself, EOS ignored (of a model folder, or of a GGUF
+    file as transformers dequantizes it)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval() if model_dir.is_dir() else \
+        AutoModelForCausalLM.from_pretrained(model_dir.parent, gguf_file=model_dir.name).eval()
 
     @torch.inference_mode()
     def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:

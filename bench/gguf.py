@@ -1,0 +1,221 @@
+"""GGUF files read directly, and the copies of the weights a worker multiplies.
+
+    python -m bench gguf write --shape 7b --out /tmp/random-7b.gguf
+    python -m bench gguf measure --model /tmp/random-7b.gguf --weights quant
+
+`write` writes a Llama of a named shape with random weights in Q4_1 quant blocks (the embedding
+in Q8_0), with SmolLM2's tokenizer and chat template, by the `gguf` package: the bytes of each
+quant block are drawn directly, so a 7B file takes seconds and no dense copy ever exists.
+`measure` loads the model once per `--weights` choice (engine.weights.choice), each in a fresh
+process, and reports that process's memory (from /proc/self/smaps_rollup: its own, and mapped
+from files, which workers on a host share) and the time of a prompt chunk and of decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from tqdm import tqdm
+
+from bench.report import write_json
+from core.config import ModelConfig
+from engine.weights.folder import DEFAULT_MODEL, packaged_gguf, resolve_model
+from engine.weights.quant_blocks import QUANT_BLOCK, QUANT_BLOCK_BYTES
+
+# Llama shapes, with SmolLM2's vocabulary (its tokenizer is the one written)
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2},
+    "1b": {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8},
+    "3b": {"hidden": 3072, "intermediate": 8192, "layers": 28, "heads": 24, "kv_heads": 8},
+    "7b": {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8},
+}
+WEIGHT_SCALE = 0.02  # standard deviation of the random weights
+_BLOCK_TYPES = {4: GGMLQuantizationType.Q4_1, 8: GGMLQuantizationType.Q8_0}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("gguf", help="random GGUF models; memory and speed per "
+                                 "copy of the weights", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="action", required=True)
+    write = actions.add_parser("write", help="a random Llama of a named shape as a GGUF")
+    write.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    write.add_argument("--seed", type=int, default=0)
+    write.add_argument("--out", type=Path, required=True)
+    write.set_defaults(prepare=lambda args, argv: lambda: _write(args))
+    measure = actions.add_parser("measure", help="memory and step times per --weights")
+    measure.add_argument("--model", default=DEFAULT_MODEL, help="a GGUF file, or a model")
+    measure.add_argument("--weights", default="quant,dense",
+                         help="comma-separated model.weights choices, each in its own process")
+    measure.add_argument("--dtype", default="auto")
+    measure.add_argument("--chunk", type=int, default=256, help="prompt chunk tokens")
+    measure.add_argument("--batches", default="1,16", help="decode batch sizes")
+    measure.add_argument("--out", type=Path)
+    measure.set_defaults(prepare=lambda args, argv: lambda: _measure_all(args))
+
+
+def _write(args: argparse.Namespace) -> int:
+    write_random_gguf(args.out, SHAPES[args.shape], seed=args.seed)
+    print(args.out)
+    return 0
+
+
+def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, bits: int = 4,
+                      scale: float = WEIGHT_SCALE) -> None:
+    """A Llama of `shape` with random weights of deviation `scale`: its matrices in
+    `bits`-bit quant blocks, its embedding (tied to the output) in 8-bit ones, its norms ones;
+    SmolLM2's tokenizer."""
+    tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
+    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    writer = GGUFWriter(path, "llama")
+    _add_metadata(writer, shape, vocab, tokenizer)
+    tensors = list(_tensor_plan(shape, vocab, bits))
+    for name, rows, columns, kind in tensors:
+        if kind is None:
+            writer.add_tensor_info(name, [rows], np.dtype(np.float32), rows * 4)
+        else:
+            nbytes = rows * columns // QUANT_BLOCK * QUANT_BLOCK_BYTES[kind]
+            writer.add_tensor_info(name, [rows, nbytes // rows], np.dtype(np.uint8), nbytes,
+                                   _BLOCK_TYPES[kind])
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, rows, columns, kind in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
+        writer.write_tensor_data(np.ones(rows, np.float32) if kind is None
+                                 else random_blocks(rng, rows, columns, kind, scale))
+    writer.close()
+
+
+def _tensor_plan(shape: dict[str, int], vocab: int,
+                 bits: int) -> Iterator[tuple[str, int, int, int | None]]:
+    """(GGUF name, rows, columns, quant bits or None for an fp32 vector) of every tensor."""
+    hidden, head_dim = shape["hidden"], shape["hidden"] // shape["heads"]
+    kv = shape["kv_heads"] * head_dim
+    yield "token_embd.weight", vocab, hidden, 8
+    yield "output_norm.weight", hidden, 1, None
+    for layer in range(shape["layers"]):
+        prefix = f"blk.{layer}."
+        yield prefix + "attn_norm.weight", hidden, 1, None
+        yield prefix + "ffn_norm.weight", hidden, 1, None
+        for part, rows, columns in (("attn_q", hidden, hidden), ("attn_k", kv, hidden),
+                                    ("attn_v", kv, hidden), ("attn_output", hidden, hidden),
+                                    ("ffn_gate", shape["intermediate"], hidden),
+                                    ("ffn_up", shape["intermediate"], hidden),
+                                    ("ffn_down", hidden, shape["intermediate"])):
+            yield prefix + part + ".weight", rows, columns, bits
+
+
+def random_blocks(rng: np.random.Generator, rows: int, columns: int, bits: int,
+                  deviation: float) -> np.ndarray:
+    """Random quant blocks `[rows, bytes]` of values with this `deviation`, centred."""
+    blocks = columns // QUANT_BLOCK
+    data = rng.integers(0, 256, (rows, blocks, QUANT_BLOCK_BYTES[bits]), dtype=np.uint8)
+    levels = 16 if bits == 4 else 255
+    scale = deviation * np.sqrt(12) / levels  # uniform over `levels` steps
+    d = (scale * rng.uniform(0.5, 1.5, (rows, blocks, 1))).astype(np.float16)
+    data[..., 0:2] = d.view(np.uint8)
+    if bits == 4:
+        data[..., 2:4] = (-7.5 * d).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
+                  tokenizer: GGUFReader) -> None:
+    writer.add_name(f"random llama {shape['layers']}x{shape['hidden']}")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["intermediate"])
+    writer.add_block_count(shape["layers"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    for key, field in tokenizer.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+
+
+def _measure_all(args: argparse.Namespace) -> int:
+    resolve_model(args.model, ModelConfig().cache_dir)  # prepared before, not in, a measurement
+    results = []
+    for weights in args.weights.split(","):
+        command = [sys.executable, "-c", _CHILD, args.model, weights, args.dtype,
+                   str(args.chunk), args.batches]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]))
+    if args.out:
+        write_json({"model": args.model, "results": results}, args.out)
+    return 0
+
+
+def measure_one(model: str, weights: str, dtype: str, chunk: int,
+                batches: Sequence[int]) -> dict[str, Any]:
+    """Load `model` with `weights`, in this process, and time a chunk and decode steps."""
+    from core.config import DecodeConfig
+    from engine.model.batch import ForwardBatch
+    from engine.runner import load_runner
+
+    batch_max = max(batches)
+    context = chunk + 8
+    blocks_each = -(-context // 16)
+    pool = DecodeConfig(num_kv_blocks=blocks_each * batch_max + 1, block_size=16)
+    start = time.perf_counter()
+    runner = load_runner(ModelConfig(name=model, weights=weights, dtype=dtype), pool)  # type: ignore[arg-type]
+    loaded = time.perf_counter() - start
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(batch_max)]
+    chunk_ms = _best_ms(lambda: runner.forward(ForwardBatch([[7] * chunk], [0], tables[:1])))
+    steps = {}
+    for size in batches:
+        step = ForwardBatch([[7]] * size, [chunk] * size, tables[:size])
+        steps[str(size)] = round(_best_ms(partial(runner.forward, step)), 2)
+    return {"weights": weights, "dtype": str(runner.cache.dtype), "load_s": round(loaded, 1),
+            "chunk_tokens": chunk, "chunk_ms": round(chunk_ms, 1), "decode_step_ms": steps,
+            **memory_mb()}
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's memory in MB: resident; its own (anonymous: no other process can share
+    it); mapped from files (shareable: every worker mapping the same file shares one copy)."""
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":")
+        fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mb": round(fields["Rss"]), "own_mb": round(fields["Anonymous"]),
+            "file_mb": round(fields["Rss"] - fields["Anonymous"])}
+
+
+def _best_ms(step: Callable[[], object], runs: int = 3) -> float:
+    step()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+_CHILD = """
+import json, sys
+from bench.gguf import measure_one
+model, weights, dtype, chunk, batches = sys.argv[1:]
+print(json.dumps(measure_one(model, weights, dtype, int(chunk),
+                             [int(b) for b in batches.split(",")])))
+"""

@@ -1,0 +1,140 @@
+"""A GGUF file served directly (`--model path/to/file.gguf`): prepared once into a folder of
+the cache, with its config, tokenizer and chat template read as transformers reads them, its
+Q4_1 and Q8_0 matrices kept as they are, as the model's quant blocks (the only copy of those
+weights), and only the rest (norms, biases, matrices of other types) written out dense, in
+fp32. Nothing is dequantized that our products can read quantized, so a model whose dense copy
+would not fit in memory still loads (engine.weights.choice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from engine.weights.files import QUANT_FILE, READY_MARKER, WEIGHTS_FILE
+from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.spec import SUPPORTED_MODEL_TYPES
+
+QUANT_BITS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+_TOP_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": "model.norm.weight",
+              "output.weight": LM_HEAD}
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def prepared_folder(path: Path, cache_dir: Path) -> Path:
+    """The cache folder `path` is prepared into: named after the file (the model's name, as
+    served), inside one named after its place, size and time of change, so that a file
+    replaced under the same name is prepared anew."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    return cache_dir / "gguf" / hashlib.sha256(key).hexdigest()[:16] / path.stem
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor of a Llama-family model."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is None or match[2] not in _LAYER_PARTS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    return f"model.layers.{match[1]}.{_LAYER_PARTS[match[2]]}.{match[3]}"
+
+
+def prepare_gguf(path: Path, target: Path) -> None:
+    """Prepare the folder `target` from the GGUF file `path` (see the module's docstring)."""
+    start = time.monotonic()
+    reader = GGUFReader(path)
+    architecture = _architecture(reader)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _write_config_and_tokenizer(path, staging, tied="output.weight" not in
+                                {tensor.name for tensor in reader.tensors})
+    heads = _heads(reader, architecture)
+    dense, quant, bits = {}, {}, {}
+    for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
+        name, quantized = hf_name(tensor.name), tensor.tensor_type in QUANT_BITS
+        data = tensor.data if quantized else _dense(tensor)
+        if architecture == "llama":
+            data = _unpermuted(data, tensor.name, heads)
+        if quantized:
+            quant[name], bits[name] = data, str(QUANT_BITS[tensor.tensor_type])
+        else:
+            dense[name] = data
+    save_file(dense, staging / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_file(quant, staging / QUANT_FILE, metadata={"format": "pt", **bits})
+    (staging / READY_MARKER).write_text(f"prepared from {path} in "
+                                        f"{time.monotonic() - start:.1f}s\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+def _architecture(reader: GGUFReader) -> str:
+    field = reader.fields.get("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"GGUF architecture {architecture!r} is not supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return str(architecture)
+
+
+def _heads(reader: GGUFReader, architecture: str) -> dict[str, int]:
+    """Query and KV head counts, by the GGUF name part of the matrices they split."""
+    def count(key: str) -> int:
+        field = reader.fields.get(f"{architecture}.attention.{key}")
+        if field is None:
+            raise ValueError(f"the GGUF has no {architecture}.attention.{key}")
+        return int(field.contents())
+
+    heads = count("head_count")
+    kv_heads = count("head_count_kv") if f"{architecture}.attention.head_count_kv" in \
+        reader.fields else heads
+    return {"attn_q": heads, "attn_k": kv_heads}
+
+
+def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool) -> None:
+    """config.json, generation_config.json, the tokenizer and its chat template, as
+    transformers reads them from the GGUF's metadata (no tensor is read)."""
+    # Imported here: transformers is slow to import, and only preparing needs it.
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(folder)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.tie_word_embeddings = tied
+    config.dtype = "float32"
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def _dense(tensor: ReaderTensor) -> np.ndarray:
+    """A tensor of a type our products do not read quantized, in fp32, in its HF shape."""
+    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return np.ascontiguousarray(values)
+
+
+def _unpermuted(data: np.ndarray, gguf_name: str, heads: dict[str, int]) -> np.ndarray:
+    """`data` with the rows of q and k back in Hugging Face's order: llama.cpp's converter
+    interleaves each head's two rotary halves for a "llama" GGUF. Rows move whole, so quant
+    blocks move as they are."""
+    part = _LAYER_NAME.fullmatch(gguf_name)
+    if part is None or part[2] not in heads or part[3] != "weight":
+        return data
+    count = heads[part[2]]
+    pairs = data.reshape(count, data.shape[0] // count // 2, 2, *data.shape[1:])
+    return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(data.shape))

@@ -1,0 +1,106 @@
+"""GGUF files read directly: the packaged model's blocks as transformers dequantizes them, a
+random Llama GGUF's logits as transformers computes them from the same file, refusals."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from transformers import AutoModelForCausalLM
+
+from bench.gguf import SHAPES, write_random_gguf
+from engine.model.batch import ForwardBatch
+from engine.runner import ModelRunner
+from engine.weights.folder import DEFAULT_MODEL, packaged_gguf, resolve_model
+from engine.weights.gguf import hf_name, prepare_gguf, prepared_folder
+from engine.weights.load import load_weights
+from engine.weights.quant_blocks import load_quant_blocks
+from tests.engine.model.test_llama import TOLERANCE, random_prompt
+
+
+@pytest.fixture(scope="module")
+def random_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "random-tiny.gguf"
+    write_random_gguf(path, SHAPES["tiny"], seed=3, scale=0.2)  # logits far apart
+    return path
+
+
+def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
+        real_model_dir: Path, tmp_path: Path) -> None:
+    folder = resolve_model(str(packaged_gguf(DEFAULT_MODEL)), tmp_path)
+    ours, theirs = load_quant_blocks(folder), load_quant_blocks(real_model_dir)
+    assert len(ours) == 211 and ours.keys() == theirs.keys()
+    for name, matrix in ours.items():  # q and k rows back in transformers' order too
+        assert matrix.bits == theirs[name].bits and torch.equal(matrix.packed,
+                                                                theirs[name].packed), name
+    dense = load_weights(folder, torch.float32)
+    assert dense.keys().isdisjoint(ours)  # no dense copy of a matrix in quant blocks
+    reference = load_weights(real_model_dir, torch.float32)
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in dense.items())
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert filecmp.cmp(folder / name, real_model_dir / name, shallow=False)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((folder / name).read_text()) == \
+            json.loads((real_model_dir / name).read_text())
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("weights", ["quant", "dense"])
+def test_a_random_gguf_gives_the_logits_transformers_reads_from_it(
+        random_gguf: Path, tmp_path: Path, weights: str) -> None:
+    folder = resolve_model(str(random_gguf), tmp_path)
+    runner = ModelRunner(folder, 16, 16, weights=weights)  # type: ignore[arg-type]
+    assert all(bool(m.matrices) == (weights == "dense") for m in runner.model.matrices())
+    reference = AutoModelForCausalLM.from_pretrained(random_gguf.parent,
+                                                     gguf_file=random_gguf.name,
+                                                     dtype=torch.float32).eval()
+    prompt = random_prompt(40, seed=1)
+    logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
+    for _ in range(4):
+        with torch.inference_mode():
+            expected = reference(torch.tensor([prompt])).logits[0, -1]
+        assert (logits - expected).abs().max().item() < TOLERANCE
+        prompt.append(int(logits.argmax()))
+        step = ForwardBatch([prompt[-1:]], [len(prompt) - 1], [[0, 1, 2, 3]])
+        logits = runner.forward(step)[0]
+
+
+def test_a_gguf_of_another_architecture_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    writer = GGUFWriter(path, "gemma")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gemma' is not supported: llama, mistral, qwen2"):
+        prepare_gguf(path, tmp_path / "prepared")
+    assert not (tmp_path / "prepared").exists()
+    assert not (tmp_path / "prepared.partial").exists()
+
+
+def test_tensor_names_map_to_hugging_faces() -> None:
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        hf_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_a_file_changed_in_place_is_prepared_anew(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"one")
+    before = prepared_folder(path, tmp_path)
+    path.write_bytes(b"other")
+    assert prepared_folder(path, tmp_path) != before
+    assert before.name == "model"  # the name it is served under
+
+
+def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        resolve_model(str(tmp_path / "absent.gguf"), tmp_path)
