@@ -13,6 +13,11 @@ blocks of its computed KV, prompt and generated tokens alike, in the worker's `P
 a sequence computed here (a prompt prefilled here, a preempted one's recompute) starts from the
 longest cached prefix of its tokens. Idle cached blocks are evicted when live sequences need
 room, before any of them is preempted.
+
+Under a sliding window (Mistral), a sequence's blocks whose every key lies before the window of
+its next query are released as it grows: its table keeps `DROPPED` in their place, so a long
+generation holds about a window of blocks. A sequence that dropped blocks leaves none in the
+prefix cache (its chain of blocks no longer starts at its first token).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
     from engine.sampling.grammar import Constraint
 
 
+DROPPED = -1  # a block table entry whose block was released: before the sliding window
+
+
 @dataclass(eq=False)
 class DecodeSequence:
     request: DecodeRequest
@@ -54,11 +62,24 @@ class DecodeSequence:
     def key(self) -> RequestKey:
         return self.request.key
 
+    @property
+    def block_table(self) -> list[int]:
+        """Its blocks for a forward pass: a dropped one stands in as its own last block, which
+        the window masks wherever it is read."""
+        last = self.blocks[-1] if self.blocks else DROPPED
+        return [last if block == DROPPED else block for block in self.blocks]
+
+    @property
+    def live_blocks(self) -> list[int]:
+        return [block for block in self.blocks if block != DROPPED]
+
 
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
                  chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY,
-                 prefix_caching: bool = False, cache_share: float = 1.0) -> None:
+                 prefix_caching: bool = False, cache_share: float = 1.0,
+                 window: int | None = None) -> None:
+        """`window`: the model's sliding window (engine.weights.spec), if it has one."""
         assert chunk_tokens > 0
         self.allocator = allocator
         self.cache = PrefixCache(allocator, cache_share)
@@ -70,6 +91,7 @@ class DecodeScheduler:
         self.waiting: deque[DecodeSequence] = deque()
         self.running: list[DecodeSequence] = []
         self.preemptions = 0
+        self.window = window
 
     def add(self, sequence: DecodeSequence) -> None:
         self.waiting.append(sequence)
@@ -134,7 +156,7 @@ class DecodeScheduler:
             child.num_cached = 0
             self.waiting.append(child)
             return None
-        self.allocator.incref(parent.blocks[:shared])
+        self.allocator.incref([b for b in parent.blocks[:shared] if b != DROPPED])
         child.blocks = parent.blocks[:shared] + self.cache.allocate(fresh)
         self.running.append(child)
         if child.num_cached % self.block_size == 0:
@@ -157,6 +179,7 @@ class DecodeScheduler:
         for sequence in list(self.running):
             if sequence not in self.running:
                 continue  # preempted earlier in this loop: it must not preempt others
+            self._drop_before_window(sequence)
             extra = self._need(sequence) - len(sequence.blocks)
             while extra > 0 and not self._can_allocate(extra):
                 victim = self.running[-1]
@@ -165,6 +188,17 @@ class DecodeScheduler:
                     break
             if extra > 0 and sequence in self.running:
                 sequence.blocks += self.cache.allocate(extra)
+
+    def _drop_before_window(self, sequence: DecodeSequence) -> None:
+        """Release its blocks that only keys before its next query's window fill."""
+        if self.window is None:
+            return
+        first_key = sequence.num_cached - self.window + 1  # the earliest its next query sees
+        before = sequence.blocks[:max(first_key, 0) // self.block_size]
+        dropping = [block for block in before if block != DROPPED]
+        if dropping:
+            self.cache.release(dropping)
+            sequence.blocks[:len(before)] = [DROPPED] * len(before)
 
     def _preempt(self, sequence: DecodeSequence) -> None:
         self.running.remove(sequence)
@@ -196,9 +230,11 @@ class DecodeScheduler:
 
     def _release(self, sequence: DecodeSequence) -> None:
         """Free its blocks, leaving those of its computed KV in the prefix cache."""
-        if sequence.blocks:
-            if self.prefix_caching and sequence.received_kv is None:
+        live = sequence.live_blocks
+        if live:
+            whole = len(live) == len(sequence.blocks)
+            if self.prefix_caching and sequence.received_kv is None and whole:
                 self.cache.insert(self._chain(sequence, sequence.num_cached), sequence.blocks)
-            self.cache.release(sequence.blocks)
+            self.cache.release(live)
         sequence.blocks = []
         sequence.received_kv = None

@@ -65,7 +65,8 @@ class DecodeWorker(Worker):
         self.scheduler = DecodeScheduler(runner.allocator, runner.block_size,
                                          config.decode.max_running, config.decode.chunk_tokens,
                                          runner.chunk_cost, config.decode.prefix_caching,
-                                         config.decode.prefix_cache_share)
+                                         config.decode.prefix_cache_share,
+                                         runner.spec.sliding_window)
         self.receiver = make_receiver(self.context, config.decode.kv_bind, self.keys)
         self.kv_address = self.receiver.address
         self.poller.register(self.receiver.fileno_socket(), zmq.POLLIN)
@@ -122,7 +123,7 @@ class DecodeWorker(Worker):
             logits = self.runner.forward(ForwardBatch(
                 token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
                 start_positions=[s.num_cached for s in batch],
-                block_tables=[s.blocks for s in batch],
+                block_tables=[s.block_table for s in batch],
             ), layer_hook=self.between_layers)
         self.pulls.pace.observe(prompt_tokens, time.monotonic() - now)
         for sequence in batch:

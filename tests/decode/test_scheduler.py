@@ -9,7 +9,7 @@ import torch
 
 from core.messages import DecodeRequest, GenerationTask, RequestKey, Sampling
 from decode.incoming import ReceivedKV
-from decode.scheduler import DecodeScheduler, DecodeSequence
+from decode.scheduler import DROPPED, DecodeScheduler, DecodeSequence
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.model.chunk_cost import ChunkCost
 
@@ -460,3 +460,54 @@ def test_a_received_sequence_leaves_its_prompt_and_generated_blocks() -> None:
     scheduler.add(follow_up)
     scheduler.schedule()
     assert follow_up.num_cached == 8
+
+
+def test_a_sliding_window_holds_about_a_window_of_blocks_and_frees_the_rest() -> None:
+    allocator = BlockAllocator(8)
+    scheduler = DecodeScheduler(allocator, BLOCK, 8, window=6)
+    seq = sequence("a", 9)  # 8 prompt tokens cached, the first sampled one to feed
+    scheduler.add(seq)
+    for _ in range(40):  # far past what 8 blocks of 4 would hold without the window
+        _, batch = scheduler.schedule()
+        assert batch == [seq]
+        first_key = seq.num_cached - 6 + 1
+        live = seq.live_blocks
+        assert len(live) <= -(-6 // BLOCK) + 2
+        assert seq.blocks[:len(seq.blocks) - len(live)] == [DROPPED] * (len(seq.blocks)
+                                                                        - len(live))
+        assert (len(seq.blocks) - len(live)) * BLOCK <= max(first_key, 0)  # none it still sees
+        assert allocator.num_free + len(live) == allocator.num_total
+        if seq.blocks[0] == DROPPED:  # a dropped entry reads the sequence's own last block
+            assert seq.block_table[0] == live[-1]
+        step(batch)
+    assert seq.num_cached == 48 and scheduler.preemptions == 0
+    scheduler.remove(seq)
+    assert allocator.num_free == allocator.num_total
+
+
+def test_a_fork_past_the_window_shares_only_live_blocks() -> None:
+    allocator = BlockAllocator(16)
+    scheduler = DecodeScheduler(allocator, BLOCK, 8, window=4)
+    parent = sequence("a", 14)
+    scheduler.add(parent)
+    scheduler.schedule()  # admitted
+    scheduler.schedule()  # grown: keys 0-7 are before its next query's window (10-13)
+    assert parent.blocks[:2] == [DROPPED, DROPPED]
+    child = sequence("b", 14)
+    child.num_cached = 13
+    copy = scheduler.fork(parent, child)
+    assert child.blocks[:2] == [DROPPED, DROPPED] and copy == (parent.blocks[3], child.blocks[3])
+    assert allocator.ref_count(parent.blocks[2]) == 2
+    for finished in (parent, child):
+        scheduler.remove(finished)
+    assert allocator.num_free == allocator.num_total
+
+
+def test_without_a_window_no_block_is_dropped() -> None:
+    scheduler, _ = make(16)
+    seq = sequence("a", 30)
+    scheduler.add(seq)
+    for _ in range(10):
+        _, batch = scheduler.schedule()
+        step(batch)
+    assert DROPPED not in seq.blocks and len(seq.blocks) == blocks_needed(40, BLOCK)
