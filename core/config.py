@@ -85,6 +85,8 @@ class ModelConfig:
                                            "copy too, for long chunks; auto: as the folder has "
                                            "them, and a dense copy of a GGUF's blocks if it "
                                            "takes under a quarter of the free memory")
+    tp: int = setting(1, "tensor parallel: each worker's model split over this many processes "
+                         "(CPUs, gloo; heads and MLP columns per process, one shared KV cache)")
     quant_inputs: QuantInputs = setting("exact", "exact: those products multiply the inputs as "
                                                  "they are (results equal the dense product's "
                                                  "up to summation order); int8: inputs quantized "
@@ -102,6 +104,8 @@ class ModelConfig:
         if not is_device_name(self.device):
             raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, "
                              f"not {self.device!r}")
+        if self.tp < 1:
+            raise ValueError(f"model.tp must be 1 or more, not {self.tp}")
         if self.quant_rows < -1:
             raise ValueError(f"model.quant_rows must be -1 (measured), 0 (never) or more, "
                              f"not {self.quant_rows}")
@@ -214,6 +218,8 @@ class PoolConfig:
     threads: int = setting(0, "torch intra-op threads; 0: one per CPU the worker may run on "
                               "(those it is pinned to)")
     cpus: str = setting("", "pin each worker to these CPUs (1, 0-1, 0,2); empty: no pinning")
+    tp: int = setting(0, "processes each worker of this pool splits its model over; 0: "
+                         "model.tp (KV moves between workers of any two)")
     prefix_caching: bool = setting(True, "keep full KV blocks for later prompts to reuse")
     prefix_cache_share: float = setting(1.0, "the share of the KV pool the prefix cache may "
                                              "keep; idle cached blocks beyond it go, least "
@@ -236,6 +242,8 @@ class PoolConfig:
             raise ValueError("gpu_memory_fraction must be in [0, 1]")
         if not 0 < self.prefix_cache_share <= 1:
             raise ValueError("prefix_cache_share must be in (0, 1]")
+        if self.tp < 0:
+            raise ValueError("tp must be >= 0 (0: model.tp)")
 
 
 @dataclass(frozen=True)

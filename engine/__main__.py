@@ -32,7 +32,7 @@ def main() -> None:
     if config.model.quant_rows < 0:
         for threads in sorted({*thread_counts(config.prefill), *thread_counts(config.decode)}):
             tiny_pool = dataclasses.replace(config.decode, threads=threads, cpus="",
-                                            num_kv_blocks=1)
+                                            num_kv_blocks=1, tp=1)  # one process measures
             load_runner(config.model, tiny_pool, config.engine)
     print(folder)
 

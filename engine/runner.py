@@ -30,6 +30,7 @@ from engine.model.chunk_cost import ChunkCost
 from engine.model.graphs import DecodeGraphs
 from engine.model.llama import LlamaModel
 from engine.sim.runner import SimRunner
+from engine.tp.runner import TensorParallelRunner
 from engine.weights.choice import choose_weights
 from engine.weights.dtypes import resolve_dtype
 from engine.weights.folder import resolve_model
@@ -191,7 +192,10 @@ def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | Non
     device = torch_device(model.device)
     dtype = resolve_dtype(model.dtype, device.type)
     set_threads(pool.threads or len(pinned_cpus()))
+    tp = pool.tp or model.tp
     if device.type == "cuda":
+        if tp > 1:
+            raise ValueError("model.tp > 1 runs on CPUs (gloo) only")
         return _load_cuda_runner(model, pool, engine or EngineConfig(), device, dtype)
     folder = resolve_model(model.name, model.cache_dir)
     level = use_isa((engine or EngineConfig()).isa)
@@ -201,6 +205,9 @@ def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | Non
     log.info("kernels: %s (%s) on %s; CPU flags %s", level.name,
              "built" if built else f"torch ops instead: {build_problem()}", cpu_name() or "?",
              " ".join(sorted(cpu_flags() & ISA_FLAGS)))
+    if tp > 1:
+        return TensorParallelRunner(folder, pool.num_kv_blocks, pool.block_size,
+                                    torch_dtype(dtype), tp)
     measured = MeasuredQuantRows(folder, model.quant_inputs)
     rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
     runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import math
+from pathlib import Path
+
 import torch
 
 from engine.kv import huge_pages
@@ -26,7 +30,10 @@ class PagedKVCache:
     def __init__(
         self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", pad_block: bool = False,
+        shared_file: Path | None = None,
     ) -> None:
+        """`shared_file`: K and V live in this file (zeroed, of `shared_bytes`), mapped shared:
+        the processes of one tensor-parallel worker all map it (engine.tp)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"bad num_blocks={num_blocks} / block_size={block_size}")
         self.num_blocks = num_blocks
@@ -37,10 +44,27 @@ class PagedKVCache:
         rows = (num_blocks + pad_block) * block_size
         shape = (spec.num_layers, rows, spec.num_kv_heads, spec.head_dim)
         # One tensor per kind, so reads and writes of all layers are one indexing op each.
-        self.k, self.v = (huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu"
-                          else torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        if shared_file is not None:
+            both = torch.from_file(str(shared_file), shared=True, size=2 * math.prod(shape),
+                                   dtype=dtype)
+            self.k, self.v = (half.view(shape) for half in both.chunk(2))
+        else:
+            self.k, self.v = (huge_pages.zeros(shape, dtype) if torch.device(device).type == "cpu"
+                              else torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
         self.device = self.k.device
         self.bytes_per_token = spec.kv_bytes_per_token(dtype)
+
+    @staticmethod
+    def shared_bytes(spec: ModelSpec, num_blocks: int, block_size: int,
+                     dtype: torch.dtype) -> int:
+        """The size of a `shared_file` for these settings (no pad block)."""
+        return num_blocks * block_size * spec.kv_bytes_per_token(dtype)
+
+    def head_slice(self, begin: int, end: int) -> PagedKVCache:
+        """The same cache seen through KV heads begin..end-1 only (views: writes land here)."""
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, :, begin:end], self.v[:, :, begin:end]
+        return view
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of token positions start..end-1."""

@@ -104,11 +104,14 @@ class LlamaModel:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  layout: WeightLayout | None = None, quant: dict[str, QuantMatrix] | None = None,
-                 quant_rows: int | None = None) -> None:
+                 quant_rows: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`layout`: how weight matrices are stored; by default the fastest for their dtype.
         `quant`: the quant blocks of the weights that have them (engine.weights.quant_blocks),
         used for products of at most `quant_rows` rows (None: as many as are faster here,
-        measured)."""
+        measured). `reduce`: sums the attention and MLP outputs over the ranks of a
+        tensor-parallel worker, whose heads and MLP columns `spec` and `weights` are this
+        rank's share of (engine.tp)."""
         self.spec = spec
         self.norm = weights["model.norm.weight"]
         self.dtype = self.norm.dtype
@@ -129,6 +132,7 @@ class LlamaModel:
         self.lm_head = replace(self.lm_head, quant_rows=quant_rows)
         self.layers = [layer.with_quant_rows(quant_rows) for layer in self.layers]
         self.device = self.norm.device
+        self.reduce = reduce or (lambda x: x)
         self.rope = RotaryEmbedding(spec, self.dtype, self.device)
         self.workspace = Workspace(self.device)
 
@@ -141,8 +145,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """fp32 logits `[num_seqs, vocab]` of each sequence's last new token.
 
-        Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
-        K/V are written.
+        Writes every new token's K/V into `cache`; `layer_hook(i)` runs once layer i's K/V
+        are written (every rank's, in a tensor-parallel worker: after its attention).
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
         plan = plan_attention(batch, cache.block_size, cache.dtype,
@@ -185,14 +189,14 @@ class LlamaModel:
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         v = v.view_as(k)
         step.cache.store(index, step.plan.slots, k, v)
-        if step.layer_hook is not None:
-            step.layer_hook(index)
         cache = step.cache
         attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
-        x = x + layer.o(attn.reshape(num_tokens, q_size))
+        x = x + self.reduce(layer.o(attn.reshape(num_tokens, q_size)))
+        if step.layer_hook is not None:
+            step.layer_hook(index)
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = layer.gate_up(h)
-        return x + layer.down(F.silu(gate) * up)
+        return x + self.reduce(layer.down(F.silu(gate) * up))
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  ) -> torch.Tensor | None:
     """Attention of one query token per sequence `[B, H, D]` over its cached context, in q's
     dtype, or None when the kernel does not apply (q and cache not both fp32 or both bf16, a
-    head dimension not a multiple of 16 or over 256, or no kernel built)."""
-    fits = q.shape[-1] % LANES == 0 and q.shape[-1] <= MAX_HEAD_DIM
+    head dimension not a multiple of 16 or over 256, a cache seen through some of its heads
+    only, or no kernel built)."""
+    fits = q.shape[-1] % LANES == 0 and q.shape[-1] <= MAX_HEAD_DIM \
+        and k_cache.is_contiguous() and v_cache.is_contiguous()  # not a head slice (engine.tp)
     module = kernels_for(q, k_cache, v_cache) if fits else None
     if module is None:
         return None

@@ -22,9 +22,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   table: torch.Tensor, start: int, block_size: int) -> torch.Tensor | None:
     """Attention `[T, H, D]` of a prompt's new tokens `q` (positions start..start+T-1, their K
     and V already cached) over its context, or None where the kernel does not apply (not all
-    fp32 or all bf16, a head dimension not a multiple of 16 up to 256, no kernel built)."""
+    fp32 or all bf16, a head dimension not a multiple of 16 up to 256, a cache seen through
+    some of its heads only, no kernel built)."""
     dim = q.shape[-1]
-    if dim % LANES or dim > MAX_HEAD_DIM:
+    if dim % LANES or dim > MAX_HEAD_DIM or not (k_cache.is_contiguous()
+                                                and v_cache.is_contiguous()):
         return None
     module = kernels_for(q, k_cache, v_cache)
     if module is None:

@@ -1,0 +1,65 @@
+"""A rank's share of a model: its slice of the spec and of the weights (engine.tp)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.weights.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`: its query heads, KV heads and MLP columns."""
+
+    rank: int
+    size: int
+    spec: ModelSpec  # the whole model's
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        for what, count in (("attention heads", spec.num_heads),
+                            ("KV heads", spec.num_kv_heads),
+                            ("MLP columns", spec.intermediate_size)):
+            if count % self.size:
+                raise ValueError(f"model.tp={self.size} does not divide the model's {count} "
+                                 f"{what}")
+        assert 0 <= self.rank < self.size
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The KV heads this rank holds, begin and end."""
+        share = self.spec.num_kv_heads // self.size
+        return self.rank * share, (self.rank + 1) * share
+
+    def local_spec(self) -> ModelSpec:
+        """The spec of this rank's share: its heads and MLP columns."""
+        spec = self.spec
+        return replace(spec, num_heads=spec.num_heads // self.size,
+                       num_kv_heads=spec.num_kv_heads // self.size,
+                       intermediate_size=spec.intermediate_size // self.size)
+
+    def weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slices of the dense `weights` (views; whole where every rank needs
+        them)."""
+        return {name: self._slice(name, tensor) for name, tensor in weights.items()}
+
+    def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        rows = {"q_proj": spec.num_heads * spec.head_dim,
+                "k_proj": spec.num_kv_heads * spec.head_dim,
+                "v_proj": spec.num_kv_heads * spec.head_dim,
+                "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
+        columns = {"o_proj": spec.num_heads * spec.head_dim, "down_proj": spec.intermediate_size}
+        part = name.split(".")[-2] if name.startswith("model.layers.") else ""
+        if part in rows:
+            return self._share(tensor, 0, rows[part])
+        if part in columns:
+            return self._share(tensor, 1, columns[part])
+        return tensor
+
+    def _share(self, tensor: torch.Tensor, dim: int, total: int) -> torch.Tensor:
+        assert tensor.shape[dim] == total, f"{tuple(tensor.shape)} along {dim} is not {total}"
+        share = total // self.size
+        return tensor.narrow(dim, self.rank * share, share)
