@@ -58,6 +58,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     measure.add_argument("--weights", default="quant,dense",
                          help="comma-separated model.weights choices, each in its own process")
     measure.add_argument("--dtype", default="auto")
+    measure.add_argument("--tp", type=int, default=1, help="processes the model is split over")
+    measure.add_argument("--threads", type=int, default=0,
+                         help="torch threads of each process (0: one per CPU here)")
     measure.add_argument("--chunk", type=int, default=256, help="prompt chunk tokens")
     measure.add_argument("--batches", default="1,16", help="decode batch sizes")
     measure.add_argument("--out", type=Path)
@@ -154,7 +157,7 @@ def _measure_all(args: argparse.Namespace) -> int:
     results = []
     for weights in args.weights.split(","):
         command = [sys.executable, "-c", _CHILD, args.model, weights, args.dtype,
-                   str(args.chunk), args.batches]
+                   str(args.chunk), args.batches, str(args.tp), str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
@@ -166,9 +169,12 @@ def _measure_all(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_one(model: str, weights: str, dtype: str, chunk: int,
-                batches: Sequence[int]) -> dict[str, Any]:
-    """Load `model` with `weights`, in this process, and time a chunk and decode steps."""
+def measure_one(model: str, weights: str, dtype: str, chunk: int, batches: Sequence[int],
+                tp: int = 1, threads: int = 0) -> dict[str, Any]:
+    """Load `model` with `weights` (split over `tp` processes, this one rank 0), and time a
+    chunk and decode steps. Memory is this process's."""
+    import torch
+
     from core.config import DecodeConfig
     from engine.model.batch import ForwardBatch
     from engine.runner import load_runner
@@ -176,7 +182,8 @@ def measure_one(model: str, weights: str, dtype: str, chunk: int,
     batch_max = max(batches)
     context = chunk + 8
     blocks_each = -(-context // 16)
-    pool = DecodeConfig(num_kv_blocks=blocks_each * batch_max + 1, block_size=16)
+    pool = DecodeConfig(num_kv_blocks=blocks_each * batch_max + 1, block_size=16, tp=tp,
+                        threads=threads)
     start = time.perf_counter()
     runner = load_runner(ModelConfig(name=model, weights=weights, dtype=dtype), pool)  # type: ignore[arg-type]
     loaded = time.perf_counter() - start
@@ -186,7 +193,8 @@ def measure_one(model: str, weights: str, dtype: str, chunk: int,
     for size in batches:
         step = ForwardBatch([[7]] * size, [chunk] * size, tables[:size])
         steps[str(size)] = round(_best_ms(partial(runner.forward, step)), 2)
-    return {"weights": weights, "dtype": str(runner.cache.dtype), "load_s": round(loaded, 1),
+    return {"weights": weights, "tp": tp, "threads": torch.get_num_threads(),
+            "dtype": str(runner.cache.dtype), "load_s": round(loaded, 1),
             "chunk_tokens": chunk, "chunk_ms": round(chunk_ms, 1), "decode_step_ms": steps,
             **memory_mb()}
 
@@ -215,7 +223,7 @@ def _best_ms(step: Callable[[], object], runs: int = 3) -> float:
 _CHILD = """
 import json, sys
 from bench.gguf import measure_one
-model, weights, dtype, chunk, batches = sys.argv[1:]
+model, weights, dtype, chunk, batches, tp, threads = sys.argv[1:]
 print(json.dumps(measure_one(model, weights, dtype, int(chunk),
-                             [int(b) for b in batches.split(",")])))
+                             [int(b) for b in batches.split(",")], int(tp), int(threads))))
 """

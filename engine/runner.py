@@ -3,8 +3,6 @@ worker builds one from config (`load_runner`)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +19,7 @@ from core.config import (
     WeightsMode,
 )
 from core.cpus import pinned_cpus
+from engine.heap import return_freed_memory
 from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
@@ -74,16 +73,6 @@ def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[st
     copies: dict[int, torch.Tensor] = {}
     return {name: copies.setdefault(id(tensor), tensor.to(device))
             for name, tensor in weights.items()}
-
-
-def return_freed_memory() -> None:
-    """Give the heap's free pages back to the system. Loading leaves hundreds of MB of them
-    (dtype casts, dequantized and unpacked copies of the weights, freed once packed) that
-    glibc keeps for later: measured 740 -> 500 MB of SmolLM2 worker's own memory."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
 
 
 def set_threads(n: int | None) -> None:
@@ -205,11 +194,14 @@ def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | Non
     log.info("kernels: %s (%s) on %s; CPU flags %s", level.name,
              "built" if built else f"torch ops instead: {build_problem()}", cpu_name() or "?",
              " ".join(sorted(cpu_flags() & ISA_FLAGS)))
-    if tp > 1:
-        return TensorParallelRunner(folder, pool.num_kv_blocks, pool.block_size,
-                                    torch_dtype(dtype), tp)
     measured = MeasuredQuantRows(folder, model.quant_inputs)
     rows = model.quant_rows if model.quant_rows >= 0 else measured.get(dtype)
+    if tp > 1:  # measured by one process (python -m engine), if at all
+        split = TensorParallelRunner(folder, pool.num_kv_blocks, pool.block_size,
+                                     torch_dtype(dtype), tp, None, model.weights,
+                                     model.quant_inputs, rows or 0)
+        return_freed_memory()
+        return split
     runner = ModelRunner(folder, pool.num_kv_blocks, pool.block_size, torch_dtype(dtype), rows,
                          model.quant_inputs, weights=model.weights)
     matrices = runner.model.matrices()

@@ -15,11 +15,13 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from core.config import QuantInputs, WeightsMode
+from engine.heap import return_freed_memory
 from engine.kernels.cpu.build import chosen_isa, kernels
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
@@ -51,21 +53,27 @@ class RankPlan:
     store: str  # the file the ranks meet through
     kv_file: str  # the shared KV cache
     parent: int  # rank 0's PID: a rank whose parent is gone stops
+    weights: WeightsMode = "auto"  # model.weights
+    quant_inputs: QuantInputs = "exact"
+    quant_rows: int = 0  # products of up to this many rows read the quant blocks
 
 
 def load_rank(plan: RankPlan, rank: int,
               group: RankGroup) -> tuple[LlamaModel, PagedKVCache, PagedKVCache]:
     """This rank's model share, the whole shared KV cache and this rank's heads of it
-    (engine.tp). Dense weights, its slices of them: quant blocks are dequantized (products
-    over them are not split)."""
+    (engine.tp). The copies of the weights are chosen as for one process
+    (engine.weights.choice), then sliced; where the model's quant blocks do not split, they
+    are dense."""
     folder = Path(plan.model_dir)
     spec = load_spec(folder)
     shard = Shard(rank, plan.size, spec)
     dtype = getattr(torch, plan.dtype)
-    dense, _ = choose_weights(load_weights(folder, dtype), load_quant_blocks(folder), "dense",
-                              dtype, quant_usable=False)
-    model = LlamaModel(shard.local_spec(), shard.weights(dense), quant_rows=0,
-                       reduce=group.all_reduce)
+    blocks = load_quant_blocks(folder, plan.quant_inputs == "int8")
+    usable = kernels() is not None and shard.quant(blocks) is not None
+    dense, quant = choose_weights(load_weights(folder, dtype), blocks, plan.weights, dtype,
+                                  usable)
+    model = LlamaModel(shard.local_spec(), shard.weights(dense), quant=shard.quant(quant),
+                       quant_rows=plan.quant_rows, reduce=group.all_reduce)
     cache = PagedKVCache(spec, plan.num_blocks, plan.block_size, dtype,
                          shared_file=Path(plan.kv_file))
     return model, cache, cache.head_slice(*shard.kv_heads)
@@ -75,16 +83,19 @@ class TensorParallelRunner:
     """Rank 0 of a worker split over `size` processes: the `Runner` its worker steps with."""
 
     def __init__(self, model_dir: Path, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 size: int, on_rank_lost: Callable[[int, int], None] | None = None) -> None:
+                 size: int, on_rank_lost: Callable[[int, int], None] | None = None,
+                 weights: WeightsMode = "auto", quant_inputs: QuantInputs = "exact",
+                 quant_rows: int = 0) -> None:
         """`on_rank_lost(rank, exit status)`: what happens when another rank dies; by default
-        this process exits, and its worker with it."""
+        this process exits, and its worker with it. The rest: as for `ModelRunner`."""
         assert size > 1
         self.model_dir = Path(model_dir)
         self.spec = load_spec(self.model_dir)
         self.block_size = block_size
         self.device = torch.device("cpu")
         Shard(0, size, self.spec)  # refused here if `size` does not divide the model
-        self.plan = _plan(self.model_dir, dtype, num_blocks, block_size, size)
+        self.plan = replace(_plan(self.model_dir, dtype, num_blocks, block_size, size),
+                            weights=weights, quant_inputs=quant_inputs, quant_rows=quant_rows)
         self.ranks: list[subprocess.Popen[bytes]] = []
         self._stopping = False
         self._lost = on_rank_lost or _exit_worker
@@ -180,6 +191,7 @@ def serve_rank(plan: RankPlan, rank: int) -> None:
     torch.set_num_threads(plan.threads)
     group = RankGroup(Path(plan.store), rank, plan.size)
     model, _, local = load_rank(plan, rank, group)
+    return_freed_memory()
     group.all_reduce(torch.zeros(1))
     while (batch := group.receive_batch()) is not None:
         model.forward(batch, local)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.weights.quant_blocks import QUANT_BLOCK, QUANT_BLOCK_BYTES, QuantMatrix
 from engine.weights.spec import ModelSpec
 
 
@@ -45,21 +46,52 @@ class Shard:
         them)."""
         return {name: self._slice(name, tensor) for name, tensor in weights.items()}
 
-    def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def quant(self, quant: dict[str, QuantMatrix]) -> dict[str, QuantMatrix] | None:
+        """This rank's slices of the weights' quant blocks: rows split are views (shared by
+        every process mapping the file), columns split are copies of this rank's quant blocks
+        (the products read whole rows). None where a rank's columns do not split into whole
+        quant blocks."""
+        if any(columns // self.size % QUANT_BLOCK for columns in self._split()[1].values()):
+            return None
+        return {name: self._slice_quant(name, matrix) for name, matrix in quant.items()}
+
+    def _split(self) -> tuple[dict[str, int], dict[str, int]]:
+        """By the name of a layer's matrix, the size split: its rows; its columns."""
         spec = self.spec
         rows = {"q_proj": spec.num_heads * spec.head_dim,
                 "k_proj": spec.num_kv_heads * spec.head_dim,
                 "v_proj": spec.num_kv_heads * spec.head_dim,
                 "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size}
         columns = {"o_proj": spec.num_heads * spec.head_dim, "down_proj": spec.intermediate_size}
-        part = name.split(".")[-2] if name.startswith("model.layers.") else ""
+        return rows, columns
+
+    def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        rows, columns = self._split()
+        part = _part(name)
         if part in rows:
             return self._share(tensor, 0, rows[part])
         if part in columns:
             return self._share(tensor, 1, columns[part])
         return tensor
 
+    def _slice_quant(self, name: str, matrix: QuantMatrix) -> QuantMatrix:
+        rows, columns = self._split()
+        part = _part(name)
+        if part in rows:
+            return replace(matrix, packed=self._share(matrix.packed, 0, rows[part]))
+        if part in columns:
+            per_block = QUANT_BLOCK_BYTES[matrix.bits]
+            total = columns[part] // QUANT_BLOCK * per_block
+            packed = self._share(matrix.packed, 1, total).contiguous()
+            return replace(matrix, packed=packed)
+        return matrix
+
     def _share(self, tensor: torch.Tensor, dim: int, total: int) -> torch.Tensor:
         assert tensor.shape[dim] == total, f"{tuple(tensor.shape)} along {dim} is not {total}"
         share = total // self.size
         return tensor.narrow(dim, self.rank * share, share)
+
+
+def _part(name: str) -> str:
+    """q_proj, down_proj...: which of a layer's matrices `name` is ("" for others)."""
+    return name.split(".")[-2] if name.startswith("model.layers.") else ""

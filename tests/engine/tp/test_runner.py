@@ -15,9 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.gguf import SHAPES, write_random_gguf
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.tp.runner import TensorParallelRunner
+from engine.weights.folder import resolve_model
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
 
 BLOCKS, BLOCK_SIZE = 32, 16
@@ -121,3 +123,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+@pytest.mark.kernels
+def test_two_ranks_multiply_a_ggufs_quant_blocks_split(tmp_path: Path) -> None:
+    gguf = tmp_path / "random.gguf"
+    write_random_gguf(gguf, SHAPES["tiny"], seed=2, scale=0.2)
+    folder = resolve_model(str(gguf), tmp_path)
+    split = TensorParallelRunner(folder, BLOCKS, BLOCK_SIZE, torch.float32, 2,
+                                 weights="quant")
+    try:
+        assert all(not m.matrices and m.quant for m in split.model.matrices())
+        alone = ModelRunner(folder, BLOCKS, BLOCK_SIZE, weights="quant")
+        prompts = [random_prompt(n, seed=n) for n in (9, 33)]
+        assert greedy(split, prompts, 8) == greedy(alone, prompts, 8)
+    finally:
+        split.close()
