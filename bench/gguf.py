@@ -74,15 +74,16 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, bits: int = 4,
-                      scale: float = WEIGHT_SCALE) -> None:
-    """A Llama of `shape` with random weights of deviation `scale`: its matrices in
-    `bits`-bit quant blocks, its embedding (tied to the output) in 8-bit ones, its norms ones;
-    SmolLM2's tokenizer."""
+                      scale: float = WEIGHT_SCALE, architecture: str = "llama") -> None:
+    """A Llama-family model of `shape` with random weights of deviation `scale`: its matrices
+    in `bits`-bit quant blocks, its embedding in 8-bit ones, its norms ones; SmolLM2's
+    tokenizer. A "qwen2" has biases on q, k and v and an output matrix of its own; a "llama"
+    and a "mistral" share the embedding."""
     tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, architecture)
     _add_metadata(writer, shape, vocab, tokenizer)
-    tensors = list(_tensor_plan(shape, vocab, bits))
+    tensors = list(_tensor_plan(shape, vocab, bits, biases=architecture == "qwen2"))
     for name, rows, columns, kind in tensors:
         if kind is None:
             writer.add_tensor_info(name, [rows], np.dtype(np.float32), rows * 4)
@@ -94,18 +95,25 @@ def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, bits: in
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, rows, columns, kind in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
-        writer.write_tensor_data(np.ones(rows, np.float32) if kind is None
-                                 else random_blocks(rng, rows, columns, kind, scale))
+    for name, rows, columns, kind in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
+        if kind is not None:
+            writer.write_tensor_data(random_blocks(rng, rows, columns, kind, scale))
+        elif name.endswith(".bias"):  # drawn large enough to count
+            writer.write_tensor_data(rng.normal(0, 0.5, rows).astype(np.float32))
+        else:
+            writer.write_tensor_data(np.ones(rows, np.float32))
     writer.close()
 
 
-def _tensor_plan(shape: dict[str, int], vocab: int,
-                 bits: int) -> Iterator[tuple[str, int, int, int | None]]:
-    """(GGUF name, rows, columns, quant bits or None for an fp32 vector) of every tensor."""
+def _tensor_plan(shape: dict[str, int], vocab: int, bits: int,
+                 biases: bool) -> Iterator[tuple[str, int, int, int | None]]:
+    """(GGUF name, rows, columns, quant bits or None for an fp32 vector) of every tensor;
+    with `biases`, q/k/v biases and an output matrix."""
     hidden, head_dim = shape["hidden"], shape["hidden"] // shape["heads"]
     kv = shape["kv_heads"] * head_dim
     yield "token_embd.weight", vocab, hidden, 8
+    if biases:
+        yield "output.weight", vocab, hidden, 8
     yield "output_norm.weight", hidden, 1, None
     for layer in range(shape["layers"]):
         prefix = f"blk.{layer}."
@@ -117,6 +125,8 @@ def _tensor_plan(shape: dict[str, int], vocab: int,
                                     ("ffn_up", shape["intermediate"], hidden),
                                     ("ffn_down", hidden, shape["intermediate"])):
             yield prefix + part + ".weight", rows, columns, bits
+            if biases and part in ("attn_q", "attn_k", "attn_v"):
+                yield prefix + part + ".bias", rows, 1, None
 
 
 def random_blocks(rng: np.random.Generator, rows: int, columns: int, bits: int,

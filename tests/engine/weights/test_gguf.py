@@ -23,11 +23,15 @@ from engine.weights.quant_blocks import load_quant_blocks
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
 
 
-@pytest.fixture(scope="module")
-def random_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("gguf") / "random-tiny.gguf"
-    write_random_gguf(path, SHAPES["tiny"], seed=3, scale=0.2)  # logits far apart
-    return path
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def random_gguf(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random tiny GGUF of a family (transformers reads these two), and its folder."""
+    folder = tmp_path_factory.mktemp("gguf")
+    path = folder / f"random-{request.param}.gguf"
+    write_random_gguf(path, SHAPES["tiny"], seed=3, scale=0.2,  # logits far apart
+                      architecture=request.param)
+    return path, resolve_model(str(path), folder / "models")
 
 
 def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
@@ -52,12 +56,15 @@ def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
 @pytest.mark.kernels
 @pytest.mark.parametrize("weights", ["quant", "dense"])
 def test_a_random_gguf_gives_the_logits_transformers_reads_from_it(
-        random_gguf: Path, tmp_path: Path, weights: str) -> None:
-    folder = resolve_model(str(random_gguf), tmp_path)
+        random_gguf: tuple[Path, Path], weights: str) -> None:
+    gguf, folder = random_gguf
     runner = ModelRunner(folder, 16, 16, weights=weights)  # type: ignore[arg-type]
+    family = gguf.stem.removeprefix("random-")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == family
+    assert runner.spec.qkv_bias == (family == "qwen2")
     assert all(bool(m.matrices) == (weights == "dense") for m in runner.model.matrices())
-    reference = AutoModelForCausalLM.from_pretrained(random_gguf.parent,
-                                                     gguf_file=random_gguf.name,
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent,
+                                                     gguf_file=gguf.name,
                                                      dtype=torch.float32).eval()
     prompt = random_prompt(40, seed=1)
     logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
