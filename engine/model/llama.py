@@ -132,6 +132,7 @@ class LlamaModel:
         self.lm_head = replace(self.lm_head, quant_rows=quant_rows)
         self.layers = [layer.with_quant_rows(quant_rows) for layer in self.layers]
         self.device = self.norm.device
+        self.tensor_parallel = reduce is not None
         self.reduce = reduce or (lambda x: x)
         self.rope = RotaryEmbedding(spec, self.dtype, self.device)
         self.workspace = Workspace(self.device)
@@ -145,8 +146,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """fp32 logits `[num_seqs, vocab]` of each sequence's last new token.
 
-        Writes every new token's K/V into `cache`; `layer_hook(i)` runs once layer i's K/V
-        are written (every rank's, in a tensor-parallel worker: after its attention).
+        Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
+        K/V are written (every rank's, in a tensor-parallel worker: after its attention).
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
         plan = plan_attention(batch, cache.block_size, cache.dtype,
@@ -189,11 +190,13 @@ class LlamaModel:
         k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
         v = v.view_as(k)
         step.cache.store(index, step.plan.slots, k, v)
+        if step.layer_hook is not None and not self.tensor_parallel:
+            step.layer_hook(index)
         cache = step.cache
         attn = attend(q, (k, v), cache.k[index], cache.v[index], step.plan, self.workspace)
         x = x + self.reduce(layer.o(attn.reshape(num_tokens, q_size)))
-        if step.layer_hook is not None:
-            step.layer_hook(index)
+        if step.layer_hook is not None and self.tensor_parallel:
+            step.layer_hook(index)  # every rank has written its heads: it has summed with us
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = layer.gate_up(h)
         return x + self.reduce(layer.down(F.silu(gate) * up))
