@@ -2,6 +2,7 @@
 
     python -m bench gguf write --shape 7b --out /tmp/random-7b.gguf
     python -m bench gguf measure --model /tmp/random-7b.gguf --weights quant
+    python -m bench gguf serve --model /tmp/random-7b.gguf
 
 `write` writes a Llama of a named shape with random weights in Q4_1 quant blocks (the embedding
 in Q8_0), with SmolLM2's tokenizer and chat template, by the `gguf` package: the bytes of each
@@ -9,6 +10,8 @@ quant block are drawn directly, so a 7B file takes seconds and no dense copy eve
 `measure` loads the model once per `--weights` choice (engine.weights.choice), each in a fresh
 process, and reports that process's memory (from /proc/self/smaps_rollup: its own, and mapped
 from files, which workers on a host share) and the time of a prompt chunk and of decode steps.
+`serve` runs launch.sh on the model, streams one chat completion, and reports its first token's
+time, its tokens and every process's memory (PSS: shared pages split among their users).
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
+from bench.launcher import launched, memory
 from bench.report import write_json
 from core.config import ModelConfig
 from engine.weights.folder import DEFAULT_MODEL, packaged_gguf, resolve_model
@@ -65,6 +71,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     measure.add_argument("--batches", default="1,16", help="decode batch sizes")
     measure.add_argument("--out", type=Path)
     measure.set_defaults(prepare=lambda args, argv: lambda: _measure_all(args))
+    serve = actions.add_parser("serve", help="launch.sh on a model: a streamed chat, memory")
+    serve.add_argument("--model", required=True, help="a GGUF file, or a model")
+    serve.add_argument("--prefill", type=int, default=1)
+    serve.add_argument("--decode", type=int, default=1)
+    serve.add_argument("--max-tokens", type=int, default=16)
+    serve.add_argument("--out", type=Path)
+    serve.set_defaults(prepare=lambda args, argv: lambda: _serve(args))
 
 
 def _write(args: argparse.Namespace) -> int:
@@ -177,6 +190,42 @@ def _measure_all(args: argparse.Namespace) -> int:
     if args.out:
         write_json({"model": args.model, "results": results}, args.out)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    flags = ["--prefill", str(args.prefill), "--decode", str(args.decode),
+             "--model", str(args.model)]
+    with launched(flags) as server:
+        result = stream_chat(server.url, args.max_tokens)
+        result["memory_mb"] = {name: asdict(usage)
+                               for name, usage in memory(server.run_dir).items()}
+    print(json.dumps(result))
+    if args.out:
+        write_json({"model": str(args.model), "flags": flags, **result}, args.out)
+    return 0
+
+
+def stream_chat(url: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat completion: seconds to its first token and to its end, its tokens."""
+    with httpx.Client(base_url=url, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Write a haiku about memory maps."}],
+                "stream_options": {"include_usage": True}}
+        start, first = time.perf_counter(), None
+        usage: dict[str, Any] = {}
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                usage = chunk.get("usage") or usage
+                deltas = [c["delta"].get("content") for c in chunk.get("choices", [])]
+                if first is None and any(deltas):
+                    first = time.perf_counter() - start
+        return {"served_as": model, "first_token_s": round(first or -1, 2),
+                "total_s": round(time.perf_counter() - start, 2), "usage": usage}
 
 
 def measure_one(model: str, weights: str, dtype: str, chunk: int, batches: Sequence[int],

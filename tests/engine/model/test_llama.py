@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
@@ -58,6 +59,46 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 def assert_close(logits: torch.Tensor, expected: torch.Tensor) -> None:
     assert (logits - expected).abs().max().item() < TOLERANCE
+
+
+def greedy_pair(folder: Path, prompt: list[int], count: int,
+                chunks: tuple[int, ...] = ()) -> tuple[list[int], list[int]]:
+    """`count` greedy tokens of `prompt` from our runner (its prompt prefilled in chunks cut
+    at `chunks`, then one token a step) and from transformers' `generate`."""
+    runner = ModelRunner(folder, 64, BLOCK_SIZE, quant_rows=0)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=count,
+                                    do_sample=False, min_new_tokens=count)[0, len(prompt):]
+    table = list(range(64))
+    cuts = [0, *chunks, len(prompt)]
+    for begin, end in pairwise(cuts):
+        logits = runner.forward(ForwardBatch([prompt[begin:end]], [begin], [table]))
+    ours = [int(logits[0].argmax())]
+    while len(ours) < count:
+        step = ForwardBatch([ours[-1:]], [len(prompt) + len(ours) - 1], [table])
+        ours.append(int(runner.forward(step)[0].argmax()))
+    return ours, theirs.tolist()
+
+
+def assert_decode_logits_match(folder: Path, lengths: tuple[int, ...], steps: int) -> None:
+    """Prompts of `lengths` prefilled in one batch, then `steps` batched decode steps: every
+    step's logits as transformers computes them over the whole sequence, with no cache."""
+    spec = load_spec(folder)
+    model = LlamaModel(spec, load_weights(folder, torch.float32))
+    cache = PagedKVCache(spec, 64, BLOCK_SIZE, torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [random_prompt(n, seed=n) for n in lengths]
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
+    logits = model.forward(ForwardBatch(prompts, [0] * len(prompts), tables), cache)
+    for _ in range(steps):
+        with torch.inference_mode():
+            for row, prompt in enumerate(prompts):
+                assert_close(logits[row], reference(torch.tensor([prompt])).logits[0, -1])
+        starts = [len(p) for p in prompts]
+        for prompt, token in zip(prompts, logits.argmax(dim=-1).tolist(), strict=True):
+            prompt.append(token)
+        logits = model.forward(ForwardBatch([p[-1:] for p in prompts], starts, tables), cache)
 
 
 def test_prefill_batch_of_different_lengths(tiny: Fixture) -> None:
@@ -158,19 +199,9 @@ def test_dynamic_rope_past_the_original_length_generates_what_transformers_does(
     folder = make_tiny_model(max_position_embeddings=32,
                              rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                               "rope_theta": 10000.0})
-    runner = ModelRunner(folder, 40, BLOCK_SIZE, quant_rows=0)
-    assert runner.spec.max_position_embeddings == 128
-    reference = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    prompt, count = random_prompt(20, seed=8), 60  # generated one at a time from 20 to 80
-    with torch.inference_mode():
-        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=count,
-                                    do_sample=False, min_new_tokens=count)[0, len(prompt):]
-    table = list(range(40))
-    ours = [int(runner.forward(ForwardBatch([prompt], [0], [table]))[0].argmax())]
-    while len(ours) < count:
-        step = ForwardBatch([ours[-1:]], [len(prompt) + len(ours) - 1], [table])
-        ours.append(int(runner.forward(step)[0].argmax()))
-    assert ours == theirs.tolist()
+    assert load_spec(folder).max_position_embeddings == 128
+    ours, theirs = greedy_pair(folder, random_prompt(20, seed=8), 60)  # to position 80
+    assert ours == theirs
 
 
 @needs_mkldnn_bf16
