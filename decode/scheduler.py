@@ -66,7 +66,9 @@ class DecodeSequence:
     def block_table(self) -> list[int]:
         """Its blocks for a forward pass: a dropped one stands in as its own last block, which
         the window masks wherever it is read."""
-        last = self.blocks[-1] if self.blocks else DROPPED
+        if not self.blocks or self.blocks[0] != DROPPED:  # dropped ones come first
+            return self.blocks  # every step reads it: no copy where nothing was dropped
+        last = self.blocks[-1]
         return [last if block == DROPPED else block for block in self.blocks]
 
     @property

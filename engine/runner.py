@@ -20,7 +20,7 @@ from core.config import (
 )
 from core.cpus import pinned_cpus
 from engine.heap import return_freed_memory
-from engine.kernels.cpu.build import build_problem, chosen_isa, kernels, use_isa
+from engine.kernels.cpu.build import build_problem, kernels, running_isa, use_isa
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
@@ -149,7 +149,7 @@ class ModelRunner:
         the model is on a GPU)."""
         if self.device.type == "cuda":
             return "cuda"
-        return chosen_isa().name if kernels() is not None else "torch"
+        return running_isa()
 
     @property
     def kv_fingerprint(self) -> str:

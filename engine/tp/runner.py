@@ -22,7 +22,7 @@ import torch
 
 from core.config import QuantInputs, WeightsMode
 from engine.heap import return_freed_memory
-from engine.kernels.cpu.build import chosen_isa, kernels
+from engine.kernels.cpu.build import kernels, running_isa
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
 from engine.model.batch import ForwardBatch
@@ -126,7 +126,7 @@ class TensorParallelRunner:
 
     @property
     def kernel_isa(self) -> str:
-        return chosen_isa().name if kernels() is not None else "torch"
+        return running_isa()
 
     @property
     def kv_fingerprint(self) -> str:

@@ -65,6 +65,11 @@ def kernels() -> ModuleType | None:
     return kernels_at(chosen_isa())[0]
 
 
+def running_isa() -> str:
+    """The level the kernels run at here, or "torch" where none could be built."""
+    return chosen_isa().name if kernels() is not None else "torch"
+
+
 def build_problem() -> str | None:
     """Why `kernels()` is None here (None when they built)."""
     return kernels_at(chosen_isa())[1]
