@@ -63,11 +63,22 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def settle_vector_math() -> None:
+    """Have MKL's vector math (torch's cos, sin, exp... on CPU tensors) pick its code path on
+    this thread alone. It picks on its first call in a process, and where two threads make that
+    call at once (a table split into parallel chunks), one of them can compute its chunk at
+    far lower accuracy: about one process in eight built a cos table 1.5e-4 off in half its
+    rows (torch 2.13, two threads). One call of one element settles it for every function
+    and thread."""
+    torch.exp(torch.zeros(1))
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables for every position up to max_position_embeddings."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
+        settle_vector_math()
         positions = torch.arange(spec.max_position_embeddings, dtype=torch.float)
         if spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "dynamic":
             freqs = _dynamic_angles(spec, positions)
