@@ -71,10 +71,10 @@ from bench.workloads import WORKLOADS, Workload, build
 from core.config import KV_BACKENDS, ModelConfig, QuantInputs
 from engine.kernels.cpu.build import use_isa
 from engine.kernels.isa import ISA_NAMES, cpu_name
+from engine.locate import resolve_model
 from engine.model.linear import measure_quant_rows
 from engine.runner import set_threads, torch_dtype
 from engine.weights.dtypes import DTYPE_NAMES
-from engine.weights.folder import resolve_model
 
 
 def numbers(kind: Callable[[str], float | int]) -> Callable[[str], tuple]:

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from bench.launcher import launched, memory
 from bench.report import write_json
 from core.config import ModelConfig
-from engine.weights.folder import DEFAULT_MODEL, packaged_gguf, resolve_model
+from engine.locate import resolve_model
+from engine.weights.folder import DEFAULT_MODEL, packaged_gguf
 from engine.weights.quant_blocks import QUANT_BLOCK, QUANT_BLOCK_BYTES
 
 # Llama shapes, with SmolLM2's vocabulary (its tokenizer is the one written)

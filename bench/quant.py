@@ -24,9 +24,9 @@ import torch
 
 from bench.report import table
 from core.config import QuantInputs
+from engine.locate import resolve_model
 from engine.model.linear import Matrices, dense_products, quant_products
 from engine.model.llama import LlamaModel
-from engine.weights.folder import resolve_model
 from engine.weights.load import load_weights
 from engine.weights.quant_blocks import load_quant_blocks
 from engine.weights.spec import load_spec

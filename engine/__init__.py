@@ -9,6 +9,7 @@
   (`python -m engine`);
 - `engine.kernels`: the compiled kernels, by backend (`cpu/`), and what the CPU can do.
 
+`engine.locate.resolve_model` finds a model's folder (a simulated one's or a real one's);
 `engine.runner.load_runner` builds a worker's `ModelRunner` from config. Nothing here starts a
 process or talks on a socket (core/ does).
 """

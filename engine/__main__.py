@@ -15,8 +15,8 @@ from core.cli import ConfigParser
 from core.config import PoolConfig
 from core.cpus import pinned_cpus
 from engine.kernels.cpu.build import kernels, use_isa
+from engine.locate import resolve_model
 from engine.runner import load_runner, torch_device
-from engine.weights.folder import resolve_model
 
 
 def main() -> None:

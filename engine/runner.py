@@ -24,6 +24,7 @@ from engine.kernels.cpu.build import build_problem, kernels, running_isa, use_is
 from engine.kernels.isa import ISA_FLAGS, cpu_flags, cpu_name
 from engine.kv.allocator import BlockAllocator
 from engine.kv.cache import PagedKVCache
+from engine.locate import resolve_model
 from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import ChunkCost
 from engine.model.graphs import DecodeGraphs
@@ -32,7 +33,6 @@ from engine.sim.runner import SimRunner
 from engine.tp.runner import TensorParallelRunner
 from engine.weights.choice import choose_weights
 from engine.weights.dtypes import resolve_dtype
-from engine.weights.folder import resolve_model
 from engine.weights.load import load_weights
 from engine.weights.quant_blocks import load_quant_blocks
 from engine.weights.quant_rows import MeasuredQuantRows

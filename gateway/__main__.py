@@ -15,9 +15,9 @@ from core.config import Config, GatewayConfig
 from core.logs import setup_logging
 from core.tracing import make_tracer
 from engine.device import device_type
+from engine.locate import resolve_model
 from engine.sim.folder import sim_fingerprint
 from engine.weights.dtypes import resolve_dtype
-from engine.weights.folder import resolve_model
 from engine.weights.spec import kv_fingerprint, load_spec
 from engine.weights.tokenizer import load_tokenizer
 from gateway.app import build_app

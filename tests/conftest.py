@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.kernels.cpu.build import build_problem, chosen_isa, has_compiler, kernels, use_isa
 from engine.kernels.isa import cpu_flags, runnable_levels
-from engine.weights.folder import resolve_model
+from engine.locate import resolve_model
 from engine.weights.load import EMBED
 from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
 

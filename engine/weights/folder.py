@@ -1,14 +1,12 @@
 """Where a model's files are: a local Hugging Face folder, or the packaged default model's,
 prepared once into the cache folder (engine.weights.prepare). No torch here unless a folder must
-be prepared: the gateway finds its tokenizer and config with `resolve_model` too."""
+be prepared: the gateway finds its tokenizer and config here too (through engine.locate)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-from core.config import sim_profile_of
-from engine.sim.folder import sim_folder
 from engine.weights.files import QUANT_FILE, READY_MARKER
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -29,13 +27,9 @@ def packaged_gguf(name: str) -> Path:
     return path
 
 
-def resolve_model(name_or_path: str, cache_dir: str | Path) -> Path:
+def model_folder(name_or_path: str, cache_dir: str | Path) -> Path:
     """A local model folder for `name_or_path`, preparing the packaged model, or a GGUF file,
-    if needed (engine.weights.gguf). A path to an existing folder is returned unchanged; `sim`
-    and `sim:PROFILE`, a simulated model's folder (engine.sim.folder)."""
-    profile = sim_profile_of(name_or_path)
-    if profile is not None:
-        return sim_folder(profile, cache_dir)
+    if needed (engine.weights.gguf). A path to an existing folder is returned unchanged."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

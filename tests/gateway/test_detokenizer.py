@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.weights.folder import resolve_model
+from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from core.messages import GenerationTask, Sampling, TopLogprob
-from engine.weights.folder import resolve_model
+from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.generation import Delta, Generation
 from gateway.handle import Assignment, Event, RequestHandle

@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.gguf import SHAPES, write_random_gguf
+from engine.locate import resolve_model
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.tp.runner import TensorParallelRunner
-from engine.weights.folder import resolve_model
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
 
 BLOCKS, BLOCK_SIZE = 32, 16

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from bench.gguf import SHAPES, write_random_gguf
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
-from engine.weights.folder import DEFAULT_MODEL, packaged_gguf, resolve_model
+from engine.weights.folder import DEFAULT_MODEL, model_folder, packaged_gguf
 from engine.weights.gguf import hf_name, prepare_gguf, prepared_folder
 from engine.weights.load import load_weights
 from engine.weights.quant_blocks import load_quant_blocks
@@ -31,12 +31,12 @@ def random_gguf(request: pytest.FixtureRequest,
     path = folder / f"random-{request.param}.gguf"
     write_random_gguf(path, SHAPES["tiny"], seed=3, scale=0.2,  # logits far apart
                       architecture=request.param)
-    return path, resolve_model(str(path), folder / "models")
+    return path, model_folder(str(path), folder / "models")
 
 
 def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
         real_model_dir: Path, tmp_path: Path) -> None:
-    folder = resolve_model(str(packaged_gguf(DEFAULT_MODEL)), tmp_path)
+    folder = model_folder(str(packaged_gguf(DEFAULT_MODEL)), tmp_path)
     ours, theirs = load_quant_blocks(folder), load_quant_blocks(real_model_dir)
     assert len(ours) == 211 and ours.keys() == theirs.keys()
     for name, matrix in ours.items():  # q and k rows back in transformers' order too
@@ -110,4 +110,4 @@ def test_a_file_changed_in_place_is_prepared_anew(tmp_path: Path) -> None:
 
 def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no GGUF file at"):
-        resolve_model(str(tmp_path / "absent.gguf"), tmp_path)
+        model_folder(str(tmp_path / "absent.gguf"), tmp_path)
