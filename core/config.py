@@ -200,6 +200,10 @@ class GatewayConfig:
                                          "off: they are ignored, logged once and counted")
     served_model_name: tuple[str, ...] = setting((), "names the model answers to (each "
                                                      "accepted in `model`); empty: its own")
+    allowed_origins: tuple[str, ...] = setting(("*",), "web pages (origins) whose scripts "
+                                                       "may call the API from a browser "
+                                                       "(CORS); *: any, as vLLM and "
+                                                       "llama.cpp allow; empty: none")
 
     def __post_init__(self) -> None:
         if not 0 < self.pack_kv_fraction <= 1:

@@ -65,7 +65,8 @@ def gateway_app(config: Config) -> Starlette:
 def main() -> None:
     parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
     for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser",
-                "strict_fields", "served_model_name", "decode_routing", "prefill_routing"):
+                "strict_fields", "served_model_name", "allowed_origins", "decode_routing",
+                "prefill_routing"):
         parser.config_flag(f"gateway.{key}")
     parser.config_flag("auth.keys_file", "--api-key-file")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT]",

@@ -11,6 +11,8 @@ from contextlib import AbstractAsyncContextManager
 import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -52,9 +54,18 @@ def build_app(state: GatewayState) -> Starlette:
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             ClientDisconnect: _client_gone, Exception: _unexpected_error},
-        middleware=auth.middleware(keys),
+        middleware=[*_cors(state.config.gateway.allowed_origins), *auth.middleware(keys)],
         lifespan=_lifespan(state),
     )
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Answers browsers' preflight requests and marks replies readable by pages of `origins`;
+    outside the API key check, so that a preflight (which carries no key) is answered."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                       allow_headers=["*"])]
 
 
 class ServiceRoutes:

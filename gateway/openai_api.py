@@ -78,7 +78,7 @@ class OpenAIRoutes:
         # Off the loop: a response_format's schema is checked with xgrammar, slow the first time.
         body = await asyncio.to_thread(parse_chat_request, await self._read_body(request))
         self.ignored.check(body)
-        self._check_model(body.model)
+        model = self._served_model(body.model)
         gateway = self.state.config.gateway
         tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
         render = functools.partial(render_chat_prompt, tools=tools,
@@ -88,24 +88,23 @@ class OpenAIRoutes:
         if tools is not None and tools.grammar:
             params = dataclasses.replace(params, grammar=tools.grammar)
         return await self._serve(request, ChatFormat(), [prompt_ids], params,
-                                 Served(body.model, arrived, tools))
+                                 Served(model, arrived, tools))
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         body = await asyncio.to_thread(parse_completion_request, await self._read_body(request))
         self.ignored.check(body)
-        self._check_model(body.model)
+        model = self._served_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
         params = generation_params(body, self.state.generation_defaults)
         return await self._serve(request, CompletionFormat(), prompts, params,
-                                 Served(body.model, arrived))
+                                 Served(model, arrived))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `POST /tokenize`: a prompt's or messages' token ids."""
         body = parse_tokenize_request(await self._read_body(request))
         self.ignored.check(body)
-        if body.model is not None:
-            self._check_model(body.model)
+        self._served_model(body.model)
         tokens = await self._tokenize(_tokenize_body, body)
         reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.state.max_model_len,
                                  "tokens": tokens}
@@ -117,8 +116,7 @@ class OpenAIRoutes:
         """vLLM's `POST /detokenize`: the text of token ids."""
         body = parse_detokenize_request(await self._read_body(request))
         self.ignored.check(body)
-        if body.model is not None:
-            self._check_model(body.model)
+        self._served_model(body.model)
         vocab = len(self.state.tokenizer)
         if any(token >= vocab for token in body.tokens):
             raise bad_request(f"tokens must be below {vocab}", param="tokens")
@@ -139,7 +137,7 @@ class OpenAIRoutes:
     async def model(self, request: Request) -> Response:
         """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404."""
         name = request.path_params["model"]
-        self._check_model(name)
+        self._served_model(name)
         return JSONResponse(self._model_card(name))
 
     def _model_card(self, name: str) -> dict[str, object]:
@@ -165,12 +163,17 @@ class OpenAIRoutes:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> None:
+    def _served_model(self, model: str | None) -> str:
+        """The served name a request gave, or the first one where it gave none (as vLLM and
+        llama.cpp do); a 404 for a name this server does not serve."""
         names = self.state.served_names
+        if model is None:
+            return names[0]
         if model not in names:
             served = ", ".join(f"'{name}'" for name in names)
             raise not_found(f"The model '{model[:100]}' does not exist; this server serves "
                             f"{served}.", param="model", code="model_not_found")
+        return model
 
     def _admit(self, prompt_tokens: int) -> None:
         """429 at once when the queue is full, in requests or in prompt tokens waiting for

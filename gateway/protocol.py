@@ -303,7 +303,7 @@ def _part_text(index: int, part: object) -> str:
 class _SamplingRequest(_Request):
     """Fields shared by chat and text completion requests."""
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str | None = Field(default=None, min_length=1, max_length=256)  # None: the served one
     # Bounded: a 4300-digit int parses, then cannot even be formatted into an error message.
     max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -872,14 +872,14 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
     request with no max_tokens gets `default_max_tokens` or what the context leaves, the less."""
     if prompt_len <= 0:
         raise bad_request("The prompt is empty: it must contain at least one token.")
+    if prompt_len >= max_model_len:  # the prompt is at fault, whatever max_tokens says
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your prompt is {prompt_len} tokens, which leaves no room for the completion. "
+            "Please reduce the length of the prompt.",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
-        if prompt_len >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"your prompt is {prompt_len} tokens, which leaves no room for the completion. "
-                "Please reduce the length of the prompt.",
-                code="context_length_exceeded",
-            )
         return min(max_model_len - prompt_len, default_max_tokens or max_model_len)
     if prompt_len + max_tokens > max_model_len:
         raise bad_request(

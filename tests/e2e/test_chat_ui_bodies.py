@@ -23,15 +23,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
 BODIES = sorted((Path(__file__).parent / "bodies").glob("*.json"))
 SERVED = ["smollm2", "SmolLM2-135M-Instruct"]  # --served-model-name: the first is the main one
+PAGE = "http://chat.example"  # --allowed-origins: a chat UI's page, calling from a browser
 DEFAULT_CAP = 2048  # generation_defaults.max_tokens
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @pytest.fixture(scope="module")
 def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "served_model_name": SERVED}}
-    del config["generation_defaults"]  # the shipped ones
+    config = {key: value for key, value in TEST_CONFIG.items()
+              if key != "generation_defaults"}  # the shipped ones
+    flags = [flag for name in SERVED for flag in ("--served-model-name", name)]
     with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=config,
+                flags=[*flags, "--allowed-origins", PAGE],
                 timeout_s=900) as running:  # a kernel build elsewhere may hold the lock
         yield running
 
@@ -124,6 +127,24 @@ def test_served_names_each_answer_and_are_echoed(cluster: Cluster, client: opena
         assert reply.model == name
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="Hello", max_tokens=2)
+
+
+def test_a_browser_page_may_call_and_may_leave_the_model_out(cluster: Cluster) -> None:
+    """What a chat UI running in a browser does: a CORS preflight, then a request (here naming
+    no model, as llama.cpp's and vLLM's users may), from the allowed origin only."""
+    preflight = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+    answered = cluster.client.options(ROUTES["chat"], headers=preflight)
+    assert answered.status_code == 200
+    assert answered.headers["access-control-allow-origin"] == PAGE
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    reply = cluster.client.post(ROUTES["chat"], json=body, headers={"Origin": PAGE})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == SERVED[0]
+    assert reply.headers["access-control-allow-origin"] == PAGE
+    other = cluster.client.options(ROUTES["chat"],
+                                   headers={**preflight, "Origin": "http://elsewhere.example"})
+    assert other.status_code == 400
 
 
 def test_stop_reason_names_the_stop_string_or_token(cluster: Cluster,

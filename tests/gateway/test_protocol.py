@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from core.config import GenerationDefaults
-from engine.weights.folder import resolve_model
+from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.errors import (
     APIError,
@@ -84,7 +84,6 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (b"\xff\xfe\x00", None),
     (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', None),
     (b'{"model": "m"}', "messages"),
-    (json.dumps({"messages": MESSAGES}).encode(), "model"),
     (chat(model=""), "model"),
     (chat(model=7), "model"),
     (chat(messages=[]), "messages"),
@@ -350,6 +349,10 @@ def test_duplicate_keys_are_named() -> None:
     err = raises_400(parse_completion_request, completion().replace(b'{', b'{"seed": 1, ', 1)[:-1]
                      + b', "seed": 2}')
     assert (err.message, err.param) == ("Duplicate key 'seed' in the request body", "seed")
+
+
+def test_a_request_may_leave_the_model_out() -> None:
+    assert parse_chat_request(json.dumps({"messages": MESSAGES}).encode()).model is None
 
 
 def test_minimal_chat_request_defaults() -> None:
@@ -619,6 +622,16 @@ def test_check_context_rejects_overflow(prompt_len: int, max_tokens: int | None)
         check_context(prompt_len, max_tokens, 100)
     assert info.value.status == 400
     assert "100" in info.value.message and str(prompt_len) in info.value.message
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5])
+def test_a_prompt_over_the_context_is_blamed_whatever_max_tokens_says(
+        max_tokens: int | None) -> None:
+    with pytest.raises(APIError) as info:
+        check_context(18031, max_tokens, 8192)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, None, "context_length_exceeded")
+    assert "your prompt is 18031 tokens" in err.message
 
 
 def test_check_context_rejects_empty_prompt() -> None:
