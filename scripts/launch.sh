@@ -4,6 +4,12 @@
 #                     [--prefill-cpus 0] [--decode-cpus 1-3] [--pin|--no-pin] [--kv-backend shm]
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
 #                     [--otlp-endpoint URL] [--log-format text|json]
+#                     [--tool-call-parser hermes|llama3_json] [--served-model-name NAME]...
+#                     [--allowed-origins ORIGIN]...  (browser pages' CORS; default: any)
+#                     [--restarts N]
+# A worker that crashes (killed, or exits with an error) is started again under its id, at most
+# --restarts times (default 3; 0: never), after 1, 2, 4... s: its requests have resumed
+# elsewhere, and it rejoins its pool. One that stops (SIGINT) or drains (SIGTERM) is not.
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
 #   --model sim (or sim:PROFILE): the real processes with a simulated model's step times and
 #   tokens (docs/simulation.md), for many workers and streams on a small host
@@ -43,7 +49,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL="" DECODE="" HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=auto KV_BACKEND="" LOG_FORMAT=""
 GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP="" JOIN="" GATEWAY_ONLY=0 KEYS="" ADVERTISE=""
-AUTOSCALE=""
+AUTOSCALE="" SERVED_NAMES=() ORIGINS=() RESTARTS=3
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -70,12 +76,27 @@ while [[ $# -gt 0 ]]; do
     --otlp-endpoint) OTLP="$2"; shift 2 ;;
     --log-format) LOG_FORMAT="$2"; shift 2 ;;  # every process's log, json: a JSON object a line
     --api-key|--api-key-file) GATEWAY_AUTH+=("$1" "$2"); shift 2 ;;
+    --tool-call-parser) SETTINGS+=(--set "gateway.tool_call_parser=$2"); shift 2 ;;  # as vLLM's
+    --restarts) RESTARTS="$2"; shift 2 ;;
+    --served-model-name) SERVED_NAMES+=("$2"); shift 2 ;;
+    --allowed-origins) ORIGINS+=("$2"); shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown flag $1" >&2; usage 2 ;;
   esac
 done
+yaml_list() {  # "a" "b" -> ["a", "b"], for a --set of a list setting
+  local item out=()
+  for item in "$@"; do
+    [[ "$item" != *[\"\\]* ]] || { echo "a name or origin may not hold \" or \\: $item" >&2; exit 2; }
+    out+=("\"$item\"")
+  done
+  local IFS=,; echo "[${out[*]}]"
+}
+[[ ${#SERVED_NAMES[@]} -eq 0 ]] || SETTINGS+=(--set "gateway.served_model_name=$(yaml_list "${SERVED_NAMES[@]}")")
+[[ ${#ORIGINS[@]} -eq 0 ]] || SETTINGS+=(--set "gateway.allowed_origins=$(yaml_list "${ORIGINS[@]}")")
 DEFAULT_COUNT=$([[ -n "$JOIN" ]] && echo 0 || echo 1)  # a join starts only the workers it names
 PREFILL="${PREFILL:-$DEFAULT_COUNT}" DECODE="${DECODE:-$DEFAULT_COUNT}"
+[[ "$RESTARTS" =~ ^[0-9]+$ ]] || { echo "--restarts takes a count" >&2; exit 2; }
 [[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[0-9]+$ ]] || { echo "--prefill, --decode and --colocated take counts" >&2; exit 2; }
 if [[ -n "$JOIN" ]]; then
   [[ -z "$AUTOSCALE" ]] || { echo "--autoscale runs beside a gateway, not with --join" >&2; exit 2; }
@@ -207,24 +228,43 @@ trap 'stop_all 143' TERM
 trap stop_all EXIT
 
 wait_workers() {  # until every process started has exited (the gateway's exit ends the launch)
-  local live=("${PIDS[@]}") done_pid name
+  local live=("${PIDS[@]}") done_pid name status
   while [[ ${#live[@]} -gt 0 ]]; do
     done_pid=""
-    wait -n -p done_pid "${live[@]}" || true
+    wait -n -p done_pid "${live[@]}" && status=0 || status=$?
     [[ -n "$done_pid" ]] || continue
     live=($(printf '%s\n' "${live[@]}" | grep -vx "$done_pid" || true))
-    name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids")"
-    echo "[launch] $name exited; see $RUN_DIR/$name.log"
+    name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids" | tail -n 1)"
+    echo "[launch] $name exited (status $status); see $RUN_DIR/$name.log"
     [[ "$name" == gateway ]] && exit 1
+    if crashed "$name" "$status" && restart "$name"; then
+      live+=("${PIDS[-1]}")
+    fi
   done
   exit 0
 }
 
+declare -A COMMAND_OF=() RESTARTED=()
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
-  (cd "$ROOT" && exec "$RAGING_PY" "$@") >"$RUN_DIR/$name.log" 2>&1 &
+  COMMAND_OF[$name]="$(printf '%q ' "$@")"
+  (cd "$ROOT" && exec "$RAGING_PY" "$@") >>"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
   echo "$! $name" >> "$RUN_DIR/pids"
+}
+crashed() {  # crashed NAME STATUS: a worker that died, not one that stopped (0, SIGINT, SIGTERM)
+  [[ "$1" != autoscaler && $2 != 0 && $2 != 130 && $2 != 143 ]]
+}
+restart() {  # restart NAME: start it again as it was first started, if it has restarts left
+  local name="$1" count="${RESTARTED[$1]:-0}"
+  if (( count >= RESTARTS )); then
+    echo "[launch] $name is not restarted (--restarts $RESTARTS)" >&2
+    return 1
+  fi
+  RESTARTED[$name]=$(( count + 1 ))
+  sleep $(( 2 ** count ))
+  echo "[launch] restarting $name ($(( count + 1 )) of $RESTARTS)"
+  eval "start \"\$name\" ${COMMAND_OF[$name]}"
 }
 
 TAG=""  # joining workers' ids name their host and this launch, so ids never clash
@@ -261,7 +301,18 @@ answers() {  # whether the gateway is up: ready (/health), or up at all when it 
     curl -sf --max-time 2 -o /dev/null "$URL/health"
   fi
 }
+SHOWN=0
+show_progress() {  # "[launch] N of M workers ready" each time more have registered
+  local body ready
+  body="$(curl -s --max-time 2 "$URL/health" || true)"
+  [[ "$body" =~ \"prefill\":([0-9]+),\"decode\":([0-9]+) ]] || return 0
+  ready=$(( BASH_REMATCH[1] + BASH_REMATCH[2] ))
+  (( ready > SHOWN )) || return 0
+  SHOWN=$ready
+  echo "[launch] $ready of $(( PREFILL + DECODE )) workers ready"
+}
 until answers; do
+  [[ $GATEWAY_ONLY == 1 ]] || show_progress
   for pid in "${PIDS[@]}"; do
     if ! kill -0 "$pid" 2>/dev/null; then
       name="$(awk -v p="$pid" '$1 == p {print $2}' "$RUN_DIR/pids")"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.cluster import ROOT, TEST_CONFIG, Cluster, alive, launch, wait_for
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, wait_for
 from tests.gateway.dashboard import missing_from
 
 MAX_TOKENS = 150  # 8 sequences of ~160 tokens need ~80 KV blocks of 16; the pool has 24
@@ -114,17 +113,13 @@ def watching(cluster: Cluster) -> Iterator[Watch]:
         thread.join(timeout=30)
 
 
-def restart(cluster: Cluster, name: str) -> subprocess.Popen[bytes]:
-    """SIGKILL decode worker `name` by PID and, once the gateway has declared it dead, start
-    it again with the same command line (the same worker id, a new instance id)."""
+def kill_for_a_restart(cluster: Cluster, name: str) -> None:
+    """SIGKILL worker `name` by PID: launch.sh starts it again (the same worker id, a new
+    instance id), as it does any worker that crashes."""
     pid = cluster.pids()[name]
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not alive(pid), 30, f"{name} to exit")
-    wait_for(lambda: cluster.metric("raging_workers", 'role="decode"') == 0, 60,
-             f"the gateway to declare {name} dead")
-    log = (cluster.run_dir / f"{name}-restarted.log").open("wb")
-    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wait_for(lambda: cluster.pids()[name] != pid, 60, f"launch.sh to restart {name}")
+    assert f"restarting {name} (1 of 3)" in (cluster.run_dir / "launch.log").read_text()
 
 
 def check_vllm_series(cluster: Cluster, prompt_tokens: int) -> dict[Sample, float]:
@@ -192,16 +187,12 @@ def test_vllm_series_and_counters_that_survive_a_decode_worker_restart(
                                    finished_reason="abort") == 1, 60, "the abort to count")
             time.sleep(1.5)  # heartbeats after the last request
             before = check_vllm_series(cluster, prompt_tokens)
-            restarted = restart(cluster, "decode-0")
-            try:
-                wait_for(lambda: cluster.client.get("/health").status_code == 200, 120,
-                         "the restarted decode worker")
-                complete_all(client, cluster.model)
-                time.sleep(1.5)
-                after = scrape(cluster)[1]
-            finally:
-                restarted.send_signal(signal.SIGTERM)
-                restarted.wait(timeout=30)
+            kill_for_a_restart(cluster, "decode-0")
+            wait_for(lambda: cluster.client.get("/health").status_code == 200, 120,
+                     "the restarted decode worker")
+            complete_all(client, cluster.model)
+            time.sleep(1.5)
+            after = scrape(cluster)[1]
         assert 0 < watch.peak_usage["decode-0"] <= 1
     assert not watch.decreased, watch.decreased[:10]
     preempted = ("raging_worker_preemptions_total", frozenset({("worker", "decode-0")}))

@@ -279,7 +279,9 @@ def test_launcher_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> N
 def test_a_decode_worker_that_dies_ends_its_streams_with_an_error_event(
     tiny_model_dir: Path, tmp_path: Path, signum: int, noticed_within_s: float
 ) -> None:
-    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1) as running:
+    # --restarts 0: left alone, launch.sh would start the killed worker again (test_metrics.py)
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1,
+                flags=["--restarts", "0"]) as running:
         body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
                 "ignore_eos": True, "stream": True}
         events: list[Any] = []

@@ -246,7 +246,7 @@ def test_a_chat_ui_turn_with_its_built_in_tools_gets_an_answer(cluster: Cluster)
 def hermes_cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[Cluster]:
     with launch(tmp_path_factory.mktemp("hermes"), real_model_dir,
-                flags=["--set", "gateway.tool_call_parser=hermes"], timeout_s=LAUNCH_S) as running:
+                flags=["--tool-call-parser", "hermes"], timeout_s=LAUNCH_S) as running:
         yield running
 
 
