@@ -40,11 +40,11 @@ from bench.goodput_results import (
     ModeRun,
     RateRun,
     Unloaded,
-    fit_unloaded,
     samples,
 )
-from bench.launcher import PURE_DISAGG, ROOT, launched, model_dir
+from bench.launcher import ROOT, launched, model_dir
 from bench.load import Load, LoadRun, run_load
+from bench.modes import LOOSE, MODES, probe_specs, probe_unloaded, request_timeout
 from bench.plots import plot_attainment, plot_tpot_cdfs
 from bench.prompts import PromptMaker, TokenPrompts
 from bench.report import goodput_json, goodput_markdown, write_json
@@ -52,14 +52,6 @@ from bench.serve import open_client
 from bench.stats import Slo, attainment
 from bench.workloads import RequestSpec, Workload, build
 
-# Equal CPUs on a 2-core host: one core per pool (disaggregated), one per colocated worker, or
-# one colocated worker with both cores and two threads.
-MODES: dict[str, tuple[str, ...]] = {
-    "disagg": ("--prefill", "1", "--decode", "1", *PURE_DISAGG),
-    "conditional": ("--prefill", "1", "--decode", "1"),
-    "coloc-2x1": ("--colocated", "2"),
-    "coloc-1x2": ("--colocated", "1", "--set", "decode.threads=2"),
-}
 GOODPUT_WORKLOADS = ("chat", "humaneval", "mixed")
 # Rates (req/s) per workload for the SmolLM2-135M on 2 CPU cores in bf16 (~1,800 prompt tokens/s
 # per core; fp32: ~450): humaneval prompts are short (~130 tokens), chat ~275 tokens on average,
@@ -67,16 +59,8 @@ GOODPUT_WORKLOADS = ("chat", "humaneval", "mixed")
 DEFAULT_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 6.0), "humaneval": (1.0, 2.0, 3.0, 4.0, 6.0),
                  "mixed": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)}
 QUICK_RATES = {"chat": (1.0, 3.0), "humaneval": (2.0, 4.0), "mixed": (0.5, 1.5)}
-PROBE_OUTPUT = 16
 SWEEP_S, STEP_S = 15.0, 40.0  # seconds of arrivals per rate; per phase of --autoscale's load
 SATURATED = 0.5  # attainment under LOOSE x a mode's own SLO below which its sweep stops
-LOOSE = 2.0
-
-
-def probe_specs(prompts: PromptMaker, lens: Sequence[int]) -> list[RequestSpec]:
-    """A short warm-up request, then one request per probe length."""
-    return [RequestSpec(i, "probe", prompts.prompt(i, n), n, PROBE_OUTPUT)
-            for i, n in enumerate([lens[0], *lens])]
 
 
 def rate_specs(plan: GoodputPlan,
@@ -93,28 +77,9 @@ def rate_specs(plan: GoodputPlan,
     return specs
 
 
-def request_timeout(slo: Slo, specs: Sequence[RequestSpec]) -> float:
-    """A cut-off no request within LOOSE x `slo` can reach: later ones miss the SLO anyway."""
-    longest = max(s.input_len or 0 for s in specs)
-    outputs = max(s.output_len for s in specs)
-    return max(30.0, LOOSE * (slo.ttft_budget(longest) + outputs * slo.tpot_s))
-
-
 def saturated(slo: Slo, run: LoadRun) -> bool:
     """Whether under half the run's requests met LOOSE x `slo`: higher rates are pointless."""
     return not attainment(slo.scaled(LOOSE), samples(run)) >= SATURATED
-
-
-async def probe_unloaded(client: httpx.AsyncClient, model: str,
-                         probes: Sequence[RequestSpec]) -> Unloaded:
-    """One request at a time; the first warms the server up and is not counted."""
-    run = await run_load(client, model, probes, Load(concurrency=1, request_timeout_s=300),
-                         "unloaded")
-    failed = [r.error for r in run.results if not r.ok]
-    if failed:
-        raise RuntimeError(f"unloaded requests failed: {failed[0]}")
-    return fit_unloaded([(r.input_len or 0, r.ttft_s or 0.0, r.tpot_s)
-                         for r in run.results[1:]])
 
 
 @dataclass(frozen=True)

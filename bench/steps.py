@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 from matplotlib.figure import Figure
 
-from bench import goodput  # its layouts and probes (it imports this module: used at call time)
 from bench.client import served_model
 from bench.goodput_results import PROBE_LENS, Unloaded, reference_slo, samples
 from bench.launcher import launched, model_dir
 from bench.load import Load, LoadRun, run_load
+from bench.modes import MODES, probe_specs, probe_unloaded, request_timeout
 from bench.prompts import PromptMaker, TokenPrompts
 from bench.report import write_json
 from bench.serve import open_client
@@ -52,7 +52,7 @@ def phases(duration_s: float, chat_rate: float, long_rate: float,
 
 def layouts(bounds: str) -> dict[str, tuple[str, ...]]:
     """The fixed layouts compared, and the autoscaled one (from 1 prefill + 1 decode)."""
-    modes = goodput.MODES
+    modes = MODES
     return {"fixed 1P+1D": modes["conditional"], "fixed coloc-1x2": modes["coloc-1x2"],
             f"autoscale {bounds}": (*modes["conditional"], "--autoscale", bounds)}
 
@@ -80,7 +80,7 @@ async def _measure(url: str, specs: Sequence[Sequence[RequestSpec]], plan: Seque
                                                            list[tuple[float, int, int]]]:
     async with open_client(url, None, 900.0) as client:
         model = await served_model(client)
-        unloaded = await goodput.probe_unloaded(client, model, probes)
+        unloaded = await probe_unloaded(client, model, probes)
         own = unloaded.slo(5.0, 2.0)
         pools: list[tuple[float, int, int]] = []
         watcher = asyncio.create_task(_watch_pools(client, time.monotonic(), pools))
@@ -88,7 +88,7 @@ async def _measure(url: str, specs: Sequence[Sequence[RequestSpec]], plan: Seque
         try:
             for phase, requests in zip(plan, specs, strict=True):
                 load = Load(rate=phase.rate, duration_s=phase.duration_s,
-                            request_timeout_s=goodput.request_timeout(own, requests))
+                            request_timeout_s=request_timeout(own, requests))
                 runs.append(await run_load(client, model, requests, load, phase.name))
         finally:
             watcher.cancel()
@@ -97,7 +97,7 @@ async def _measure(url: str, specs: Sequence[Sequence[RequestSpec]], plan: Seque
 
 def measure(plan: Sequence[Phase], bounds: str, prompts: PromptMaker) -> list[LayoutRun]:
     """Every layout in turn, the same requests at the same arrival times."""
-    probes = goodput.probe_specs(prompts, PROBE_LENS)
+    probes = probe_specs(prompts, PROBE_LENS)
     first, specs = len(probes), []
     for phase in plan:
         count = max(4, round(phase.rate * phase.duration_s * 1.2))
@@ -170,7 +170,7 @@ def run(bounds: str, duration_s: float, chat_rate: float, long_rate: float, outp
         command: tuple[str, ...], out: Path) -> int:
     """Measure every layout under the step load; write and print the results."""
     plan = phases(duration_s, chat_rate, long_rate, output_len)
-    folder = model_dir(goodput.MODES["conditional"])
+    folder = model_dir(MODES["conditional"])
     measured = measure(plan, bounds, TokenPrompts(folder))
     slo = reference_slo([m.unloaded for m in measured], 5.0, 2.0)
     markdown = report(plan, measured, slo)

@@ -14,13 +14,10 @@ from bench import goodput
 from bench.client import RequestResult
 from bench.goodput import (
     DEFAULT_RATES,
-    MODES,
     Session,
     add_parser,
     make_plan,
-    probe_specs,
     rate_specs,
-    request_timeout,
     run_modes,
     saturated,
 )
@@ -36,6 +33,7 @@ from bench.goodput_results import (
     verdicts,
 )
 from bench.load import Load, LoadRun
+from bench.modes import MODES, probe_specs
 from bench.plots import plot_attainment, plot_tpot_cdfs
 from bench.prompts import TextPrompts
 from bench.report import goodput_json, goodput_markdown, write_json
@@ -93,16 +91,6 @@ def test_samples_judge_ttft_by_prompt_length_and_count_failures() -> None:
     assert [slo.met(*s) for s in samples(run)] == [True, False, False]
     assert saturated(Slo(0.1, 0.1), run)  # under half within 2x: stop the sweep
     assert not saturated(Slo(1.6, 0.1, ((100, 1.6), (3000, 4.5))), run)  # 2 of 3 within 2x
-
-
-def test_request_timeout_covers_twice_the_slowest_request_in_slo() -> None:
-    plan = _plan(("mixed",), {"mixed": (1.0,)})
-    specs = rate_specs(plan, TextPrompts())["mixed", 1.0]
-    slo = Slo(1.0, 0.2, ((0, 1.0), (100, 2.0)))  # 1 s + 10 ms per prompt token
-    longest = max(s.input_len or 0 for s in specs)
-    expected = 2 * (1.0 + 0.01 * longest + 0.2 * max(s.output_len for s in specs))
-    assert request_timeout(slo, specs) == pytest.approx(expected)
-    assert request_timeout(Slo(0.01, 0.001), specs) == 30.0  # never below 30 s
 
 
 def _plan(names: tuple[str, ...], rates: dict[str, tuple[float, ...]]) -> GoodputPlan:
