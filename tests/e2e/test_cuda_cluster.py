@@ -94,7 +94,8 @@ def test_killed_workers_leave_the_rest_serving(tiny_model_dir: Path, tmp_path: P
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reference = greedy_reference(tiny_model_dir)
     expected = decode_text(tokenizer, reference(tokenizer.encode(PROMPTS[0]), MAX_TOKENS))
-    with launch(tmp_path, tiny_model_dir, prefill=2, decode=2, config=gpu_config()) as cluster:
+    with launch(tmp_path, tiny_model_dir, prefill=2, decode=2, config=gpu_config(),
+                flags=["--restarts", "0"]) as cluster:  # the survivors alone serve
         pids = cluster.pids()
         for victim in ("decode-0", "prefill-0"):
             with ThreadPoolExecutor(16) as pool:

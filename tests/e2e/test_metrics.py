@@ -114,12 +114,20 @@ def watching(cluster: Cluster) -> Iterator[Watch]:
 
 
 def kill_for_a_restart(cluster: Cluster, name: str) -> None:
-    """SIGKILL worker `name` by PID: launch.sh starts it again (the same worker id, a new
-    instance id), as it does any worker that crashes."""
+    """SIGKILL worker `name` by PID and wait until launch.sh has started it again (the same
+    worker id, a new instance id), as it does any worker that crashes, and the new process has
+    registered: until then the gateway may still count the killed one as serving."""
     pid = cluster.pids()[name]
+    killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: cluster.pids()[name] != pid, 60, f"launch.sh to restart {name}")
     assert f"restarting {name} (1 of 3)" in (cluster.run_dir / "launch.log").read_text()
+
+    def joined_again() -> bool:
+        events = cluster.client.get("/v1/cluster").json()["events"]
+        return any(event["worker_id"] == name and event["at"] > killed_at
+                   and event["kind"] in ("registered", "restarted") for event in events)
+    wait_for(joined_again, 120, f"the new {name} to register")
 
 
 def check_vllm_series(cluster: Cluster, prompt_tokens: int) -> dict[Sample, float]:
