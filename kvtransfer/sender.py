@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import zmq
@@ -80,10 +81,29 @@ class KVSender:
             layer_end=layer_start + k.shape[0], num_tokens=k.shape[1], dtype=dtype_name(k.dtype),
             shape=list(k.shape), checksum=digest, placement=placement, token_start=token_start,
         )
-        socket.send_multipart([FORWARD_CODEC.encode(header), *data], copy=False)
+        try:
+            self._send(address, socket, [FORWARD_CODEC.encode(header), *data])
+        except TransferError:
+            if placement is not None:
+                self._unplace(placement)
+            raise
         staged_here = placement is not None or self.backend == "zmq"
         counters = self.counters if staged_here else self.inline
         counters.add(k.nbytes + v.nbytes, time.perf_counter() - started)
+
+    def _send(self, address: str, socket: zmq.Socket, frames: list[Any]) -> None:
+        """Send `frames` without waiting: the socket polled writable, but a dying receiver's
+        pipe can go in between, and a blocking send would then wait for good."""
+        try:
+            socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.counters.failures += 1
+            self.unreachable[address] = time.monotonic()
+            raise TransferError(f"KV receiver {address} went away during a send") from None
+
+    def _unplace(self, placement: Placement) -> None:
+        """Free the staged region of a chunk that was not sent (only staging senders have
+        one)."""
 
     def totals(self) -> list[tuple[KVBackend, TransferCounters]]:
         """The counters by the backend that moved the chunks: a staging backend's inline
@@ -104,7 +124,8 @@ class KVSender:
 
     def notify(self, address: str, request_id: str, epoch: int, meta: bytes) -> None:
         """Send a control message for the receiving worker, ordered with the chunks."""
-        self._writable(address).send(FORWARD_CODEC.encode(KVNotice(request_id, epoch, meta)))
+        notice = FORWARD_CODEC.encode(KVNotice(request_id, epoch, meta))
+        self._send(address, self._writable(address), [notice])
 
     def _place(self, k: torch.Tensor, v: torch.Tensor) -> tuple[Placement, int] | None:
         """Stage K and V outside the message: (where, checksum), or None to send them inline."""
@@ -205,6 +226,9 @@ class StagedKVSender(KVSender, ABC):
         offset, ticket = allocated
         digest = self._stage(offset, k, v)
         return Placement(self.backend, self.segment, offset, ticket, self.handle), digest
+
+    def _unplace(self, placement: Placement) -> None:
+        self.ring.release(placement.ticket)
 
     def _allocate(self, size: int) -> tuple[int, int] | None:
         """A region of `size` bytes, waiting a moment for receivers to release one if full."""

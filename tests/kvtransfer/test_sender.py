@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from core.config import KVTransferConfig
+from core.config import KVBackend, KVTransferConfig
 from kvtransfer import (
     KVNotice,
     KVPayload,
@@ -235,6 +235,32 @@ def until_writable(sender: KVSender, address: str, writable: bool) -> None:
     while bool(sender.sockets[address].poll(0, zmq.POLLOUT)) != writable:
         assert time.monotonic() < deadline, f"the socket to {address} never became {writable}"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "shm"])
+def test_a_receiver_gone_between_poll_and_send_fails_the_send_at_once(
+    context: zmq.Context, receiver: KVReceiver, backend: KVBackend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The socket can poll writable a moment before a dying receiver's pipe goes: the send must
+    then fail (the prefill worker fails the hand-off over) rather than wait for a peer that is
+    gone, which hung a prefill worker's loop for good; a staged chunk's region is freed."""
+    sender = make_sender(context, KVTransferConfig(backend=backend))
+    try:
+        k, v = kv(13)
+        sender.send_layers(receiver.address, "before", 0, 0, k, v)
+        assert len(receive(receiver, 1)) == 1
+        receiver.close()
+        until_writable(sender, receiver.address, False)
+        monkeypatch.setattr(sender, "_writable", sender._socket)  # as if poll had said writable
+        staged = sender.ring.in_use if isinstance(sender, StagedKVSender) else 0
+        with pytest.raises(TransferError, match="went away"):
+            sender.send_layers(receiver.address, "lost", 0, 0, k, v)
+        assert sender.counters.failures == 1
+        if isinstance(sender, StagedKVSender):
+            assert sender.ring.in_use == staged
+    finally:
+        sender.close()
 
 
 def test_a_dead_receiver_does_not_take_the_chunk(
