@@ -294,18 +294,19 @@ if [[ $GATEWAY_ONLY == 1 ]]; then
     "tcp://<this host>:${CONTROL##*:} --keys <a copy of $KEYS> --prefill N --decode M"
 fi
 echo "[launch] waiting for 1 gateway + $PREFILL prefill + $DECODE decode (logs: $RUN_DIR)"
+HEALTH=""  # the last /health body (then its status on a line of its own)
 answers() {  # whether the gateway is up: ready (/health), or up at all when it waits alone
   if [[ $GATEWAY_ONLY == 1 ]]; then
     [[ "$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "$URL/version")" != 000 ]]
   else
-    curl -sf --max-time 2 -o /dev/null "$URL/health"
+    HEALTH="$(curl -s --max-time 2 -w '\n%{http_code}' "$URL/health" || true)"
+    [[ "${HEALTH##*$'\n'}" == 200 ]]
   fi
 }
 SHOWN=0
 show_progress() {  # "[launch] N of M workers ready" each time more have registered
-  local body ready
-  body="$(curl -s --max-time 2 "$URL/health" || true)"
-  [[ "$body" =~ \"prefill\":([0-9]+),\"decode\":([0-9]+) ]] || return 0
+  local ready
+  [[ "$HEALTH" =~ \"prefill\":([0-9]+),\"decode\":([0-9]+) ]] || return 0
   ready=$(( BASH_REMATCH[1] + BASH_REMATCH[2] ))
   (( ready > SHOWN )) || return 0
   SHOWN=$ready
