@@ -156,6 +156,9 @@ class GatewayConfig:
     stall_timeout_s: float = setting(10.0, "a worker with work but no layer computed this long "
                                            "is stalled: not routed to")
     progress_timeout_s: float = setting(300.0, "a request with no new token this long fails")
+    worker_wait_s: float = setting(30.0, "when the last decode worker dies (and is restarted), "
+                                         "requests wait this long for one to join before they "
+                                         "fail (new ones: 503); 0: they fail at once")
     keepalive_s: float = setting(10.0, "an SSE comment this often while a stream waits")
     # Longer than clients keep theirs (httpx and the openai client: 5 s), so that no client
     # sends on a connection being closed.
@@ -209,6 +212,8 @@ class GatewayConfig:
         if not 0 < self.pack_kv_fraction <= 1:
             raise ValueError(f"gateway.pack_kv_fraction must be in (0, 1], "
                              f"not {self.pack_kv_fraction}")
+        if self.worker_wait_s < 0:
+            raise ValueError(f"gateway.worker_wait_s must be >= 0, not {self.worker_wait_s}")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,8 @@ def _lifespan(state: GatewayState) -> Callable[[Starlette], AbstractAsyncContext
         control = ControlServer(context, state.config.gateway.control_address, keys)
         metrics = state.metrics
         state.dispatcher = Dispatcher(control, state.registry, metrics.observe_stage,
-                                      metrics.observe_route, metrics.count_message)
+                                      metrics.observe_route, metrics.count_message,
+                                      state.config.gateway.worker_wait_s)
         state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),
                                   asyncio.create_task(state.dispatcher.watch_liveness())]
         if keys is not None:

@@ -66,11 +66,16 @@ class Dispatcher:
     def __init__(self, control: ControlServer, registry: Registry,
                  observe_stage: Callable[[Stage, float], None] = _unobserved,
                  observe_route: Callable[[float], None] = _unobserved,
-                 count_message: Callable[[str], None] = _unobserved) -> None:
+                 count_message: Callable[[str], None] = _unobserved,
+                 worker_wait_s: float = 0.0) -> None:
         """`observe_stage` gets each stage's seconds as they become known, `observe_route`
-        each routing decision's, `count_message` each control message's kind (the metrics)."""
+        each routing decision's, `count_message` each control message's kind (the metrics).
+        `worker_wait_s`: how long a request waits for a decode worker to join when the pool
+        that served it emptied (its last worker died and is being restarted); 0: it fails."""
         self.control = control
         self.registry = registry
+        self.worker_wait_s = worker_wait_s
+        self.waiting: dict[str, float] = {}  # request id -> until when it waits for a worker
         self.observe_stage = observe_stage
         self.observe_route = observe_route
         self.count_message = count_message
@@ -79,6 +84,15 @@ class Dispatcher:
         self.aborts_sent = 0
         self.resumed = 0
         self.reaborted: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    async def until_decode_serves(self, poll_s: float = 0.1) -> None:
+        """Return once a decode worker serves, or at once when none ever did (a cluster still
+        starting); while the pool that served is empty, wait up to `worker_wait_s` for a worker
+        to join. Either way a request submitted after it gets its route or its 503."""
+        deadline = time.monotonic() + self.worker_wait_s
+        while (not self.registry.serving("decode") and self.registry.was_ready
+               and time.monotonic() < deadline):
+            await asyncio.sleep(poll_s)
 
     def submit(self, task: GenerationTask) -> RequestHandle:
         """Route the request and send it; 503 when no decode worker is available."""
@@ -183,6 +197,7 @@ class Dispatcher:
             self._fail_worker_requests(worker, f"{worker.worker_id} stalled")
         self._resume_lost_tokens()
         self._resume_unheld()
+        self._resume_waiting()
         for worker in self.registry.drained():
             self.control.send(worker.worker_id, Drained())
 
@@ -203,6 +218,8 @@ class Dispatcher:
         came), as a worker starved of CPU reads its messages late but loses none."""
         lost_before = time.monotonic() - self.registry.heartbeat_timeout_s
         for handle in list(self.requests.values()):
+            if handle.request_id in self.waiting:
+                continue  # held by no worker on purpose
             if handle.held_at < lost_before and self._reported_since(handle, handle.held_at):
                 log.warning("request %s is held by no worker: resuming", handle.request_id,
                             extra=about(handle.key))
@@ -289,6 +306,7 @@ class Dispatcher:
             log.error("refused %s: %s", worker_id, reply.reason)
         elif previous is not None and previous.instance_id != message.instance_id:
             self._fail_worker_requests(previous, f"{worker_id} restarted")
+        self._resume_waiting()
 
     def _on_leave(self, worker_id: str, message: Leave) -> None:
         worker = self.registry.workers.get(message.worker_id)
@@ -389,6 +407,7 @@ class Dispatcher:
     def _finish(self, handle: RequestHandle) -> None:
         handle.done = True
         self.requests.pop(handle.request_id, None)
+        self.waiting.pop(handle.request_id, None)
         for worker_id in handle.assignment.workers:
             self._release(handle.request_id, worker_id)
 
@@ -421,7 +440,7 @@ class Dispatcher:
 
     def _resume_or_fail(self, handle: RequestHandle) -> None:
         """One of the handle's workers is gone."""
-        if handle.retries.worker_losses < _MAX_RESUMES and self._resume(handle):
+        if handle.retries.worker_losses < _MAX_RESUMES and self._start_again(handle):
             handle.retries.worker_losses += 1
             return
         self._fail(handle, _STOPPED)
@@ -431,10 +450,45 @@ class Dispatcher:
         through no fault of its own: start it again, up to a limit."""
         if handle.retries.message_losses >= _MAX_RECOVERIES:
             self._fail(handle, reason)
-        elif self._resume(handle):
+        elif self._start_again(handle):
             handle.retries.message_losses += 1
         else:
             self._fail(handle, _NO_WORKER)
+
+    def _start_again(self, handle: RequestHandle) -> bool:
+        """Resume the handle on live workers now or, with the decode pool that served emptied,
+        once a worker joins (`_wait_for_worker`). False when it can do neither."""
+        return self._resume(handle) or self._wait_for_worker(handle)
+
+    def _wait_for_worker(self, handle: RequestHandle) -> bool:
+        """Leave the handle's epoch and let it wait up to `worker_wait_s` for a decode worker
+        (False when it may not: waiting is off, or the cluster never served)."""
+        if self.worker_wait_s <= 0 or not self.registry.was_ready:
+            return False
+        self._leave_epoch(handle)
+        self.waiting[handle.request_id] = time.monotonic() + self.worker_wait_s
+        log.warning("request %s waits up to %g s for a decode worker", handle.request_id,
+                    self.worker_wait_s, extra=about(handle.key))
+        return True
+
+    def _resume_waiting(self) -> None:
+        """Requests waiting for a worker: resumed once one serves; past their wait, failed."""
+        now = time.monotonic()
+        for request_id, until in list(self.waiting.items()):
+            handle = self.requests[request_id]
+            if self._resume(handle):
+                del self.waiting[request_id]
+            elif now >= until:
+                self._fail(handle, _NO_WORKER)
+
+    def _leave_epoch(self, handle: RequestHandle) -> None:
+        """End the handle's epoch on its workers: whatever they still send of it is dropped."""
+        for worker_id in handle.assignment.workers:
+            self._send_abort(worker_id, handle.key)
+            self._release(handle.request_id, worker_id)
+        handle.epoch += 1
+        handle.output.new_epoch()
+        handle.held_at = time.monotonic()
 
     def _fail(self, handle: RequestHandle, reason: str) -> None:
         self.abort(handle)
@@ -449,14 +503,10 @@ class Dispatcher:
         route = self._route(prompt, task.cache_salt)
         if route is None:
             return False
-        for worker_id in handle.assignment.workers:
-            self._send_abort(worker_id, handle.key)
-            self._release(handle.request_id, worker_id)
-        handle.epoch += 1
+        if handle.request_id not in self.waiting:  # a waiting one left its epoch already
+            self._leave_epoch(handle)
         handle.timing.resumed += 1
         handle.assignment.forked = False
-        handle.output.new_epoch()
-        handle.held_at = time.monotonic()
         task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(delivered))
         self._send(handle, route, task)
         self.resumed += 1

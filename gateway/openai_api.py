@@ -188,6 +188,7 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
                      params: GenerationParams, served: Served) -> Response:
+        await self.state.dispatcher.until_decode_serves()
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         limit = min(self.state.max_model_len, capacity)
         max_tokens = [check_context(len(ids), params.max_tokens, limit, params.default_max_tokens)

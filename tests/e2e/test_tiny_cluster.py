@@ -279,8 +279,10 @@ def test_launcher_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> N
 def test_a_decode_worker_that_dies_ends_its_streams_with_an_error_event(
     tiny_model_dir: Path, tmp_path: Path, signum: int, noticed_within_s: float
 ) -> None:
-    # --restarts 0: left alone, launch.sh would start the killed worker again (test_metrics.py)
-    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1,
+    # --restarts 0: left alone, launch.sh would start the killed worker again (test_metrics.py),
+    # and worker_wait_s 0: the gateway would hold its requests for that (test_worker_faults.py)
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "worker_wait_s": 0}}
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1, config=config,
                 flags=["--restarts", "0"]) as running:
         body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
                 "ignore_eos": True, "stream": True}

@@ -46,6 +46,9 @@ class RecordingDispatcher:
         self.control = SimpleNamespace(dropped=0)
         self.aborts_sent = self.resumed = 0
 
+    async def until_decode_serves(self) -> None:
+        pass
+
     def submit_choices(self, task: GenerationTask, n: int, arrived: float | None = None,
                        traceparent: str = "") -> None:
         self.tasks.append(task)

@@ -58,6 +58,7 @@ PROMPT_LEN = len(TASK.prompt_ids)
 STOPPED = "a worker serving it stopped"
 FAILED = "a worker could not serve the request"
 LOST = "its messages were lost too often"
+NO_WORKER = "no worker is available to serve it"
 _FLUSH_INSTANCE = "flush"
 
 
@@ -137,13 +138,13 @@ class Gateway:
     """A dispatcher serving a real ControlServer on ipc, plus helpers to attach workers."""
 
     def __init__(self, tmp_path: Path, heartbeat_timeout_s: float,
-                 stall_timeout_s: float = 10.0) -> None:
+                 stall_timeout_s: float = 10.0, worker_wait_s: float = 0.0) -> None:
         self.address = f"ipc://{tmp_path}/ctl"
         self.async_context = zmq.asyncio.Context()
         self.context = zmq.Context()
         self.server = ControlServer(self.async_context, self.address)
         self.registry = Registry(FP, heartbeat_timeout_s, 1, 1, stall_timeout_s)
-        self.dispatcher = Dispatcher(self.server, self.registry)
+        self.dispatcher = Dispatcher(self.server, self.registry, worker_wait_s=worker_wait_s)
         self.beating: dict[str, FakeWorker] = {}
         self.tasks = [asyncio.create_task(self.dispatcher.serve()),
                       asyncio.create_task(self._beat())]
@@ -191,8 +192,9 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(tmp_path: Path, heartbeat_timeout_s: float = 30.0,
-                  stall_timeout_s: float = 10.0) -> AsyncIterator[Gateway]:
-    gw = Gateway(tmp_path, heartbeat_timeout_s, stall_timeout_s)
+                  stall_timeout_s: float = 10.0,
+                  worker_wait_s: float = 0.0) -> AsyncIterator[Gateway]:
+    gw = Gateway(tmp_path, heartbeat_timeout_s, stall_timeout_s, worker_wait_s)
     try:
         yield gw
     finally:
@@ -888,6 +890,122 @@ def test_leave_removes_the_worker_and_fails_its_requests(tmp_path: Path) -> None
             assert await next_event(on_decode) == Event(None, "error", STOPPED)
             assert await next_event(on_prefill) == Event(None, "error", STOPPED)
             assert gw.registry.workers == {} and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+# -- waiting for a worker ----------------------------------------------------------------------
+
+
+def test_a_request_whose_last_decode_worker_died_waits_and_resumes_on_its_restart(
+        tmp_path: Path) -> None:
+    """With no decode worker left, the request waits (nothing of its old epoch counts), and
+    goes on where the client is once a new process registers under the id."""
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=30.0) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            prefill.send(FirstToken(handle.request_id, 0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            decode.send(Leave("d1", "i0"))
+            assert await prefill.expect(1) == [Abort(handle.request_id, 0)]
+            assert set(gw.dispatcher.waiting) == {handle.request_id} and not handle.done
+            decode.tokens(handle.request_id, (1, 6, None))  # a straggler of the old epoch
+            gw.dispatcher.check_workers()
+            await no_more_events(handle)
+            fresh = await gw.worker("d1", "decode", instance_id="i1")
+            (again,) = await prefill.expect(1)
+            assert isinstance(again, PrefillRequest) and again.epoch == 1
+            assert again.task.prompt_ids == [*TASK.prompt_ids, 5]
+            assert gw.dispatcher.waiting == {} and handle.retries.worker_losses == 1
+            prefill.send(FirstToken(handle.request_id, 1, 7, None))
+            fresh.tokens(handle.request_id, (1, 8, "length"), epoch=1)
+            assert [await next_event(handle) for _ in range(2)] == [
+                Event(7, None), Event(8, "length")]
+            assert handle.output.delivered == [5, 7, 8] and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+def test_a_waiting_request_fails_when_no_worker_joins_in_time(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=0.3) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
+            decode.send(Leave("d1", "i0"))
+            await until(lambda: bool(gw.dispatcher.waiting), "the request to wait")
+            began = time.monotonic()
+            assert await next_event(handle) == Event(None, "error", NO_WORKER)
+            assert time.monotonic() - began > 0.2
+            assert gw.dispatcher.waiting == {} and gw.dispatcher.requests == {}
+            assert gw.active("p1") == {}
+
+    asyncio.run(body())
+
+
+def test_a_waiting_request_the_client_gave_up_on_is_forgotten(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=30.0) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            decode.send(Leave("d1", "i0"))
+            assert await prefill.expect(1) == [Abort(handle.request_id, 0)]
+            gw.dispatcher.abort(handle)
+            assert gw.dispatcher.waiting == {} and gw.dispatcher.requests == {}
+            assert await prefill.expect(1) == [Abort(handle.request_id, 1)]
+            await gw.worker("d1", "decode", instance_id="i1")
+            assert await prefill.quiet() == []  # nothing resumed
+
+    asyncio.run(body())
+
+
+def test_without_a_wait_a_request_with_no_decode_worker_left_fails_at_once(
+        tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=0.0) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            decode.send(Leave("d1", "i0"))
+            assert await next_event(handle) == Event(None, "error", STOPPED)
+            assert gw.dispatcher.waiting == {}
+
+    asyncio.run(body())
+
+
+def test_a_cluster_that_never_served_does_not_make_requests_wait(tmp_path: Path) -> None:
+    """Before any decode worker has served, a request is refused at once (503), as /health
+    says the cluster is starting; a pool that emptied since makes a new request wait."""
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=30.0) as gw:
+            began = time.monotonic()
+            await gw.dispatcher.until_decode_serves()
+            assert time.monotonic() - began < 0.05
+            _, decode = await pair(gw)
+            decode.send(Leave("d1", "i0"))
+            await until(lambda: "d1" not in gw.registry.workers, "the leave")
+            waiting = asyncio.create_task(gw.dispatcher.until_decode_serves(poll_s=0.01))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            await gw.worker("d1", "decode", instance_id="i1")
+            await asyncio.wait_for(waiting, WAIT_S)
+            assert gw.dispatcher.submit(TASK).assignment.decode_worker == "d1"
+
+    asyncio.run(body())
+
+
+def test_a_new_request_waits_no_longer_than_the_wait(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=0.2) as gw:
+            _, decode = await pair(gw)
+            decode.send(Leave("d1", "i0"))
+            await until(lambda: "d1" not in gw.registry.workers, "the leave")
+            began = time.monotonic()
+            await gw.dispatcher.until_decode_serves(poll_s=0.01)
+            assert 0.2 <= time.monotonic() - began < 1.0
+            with pytest.raises(APIError) as refused:
+                gw.dispatcher.submit(TASK)
+            assert refused.value.status == 503
 
     asyncio.run(body())
 
