@@ -497,11 +497,12 @@ class Dispatcher:
     def _resume(self, handle: RequestHandle) -> bool:
         """Start the request again under a new epoch on a live pair of workers, from its prompt
         plus the tokens the client already has, so the stream goes on with no gap and no
-        repeat (anything of the old epoch is dropped everywhere). False with a pool empty."""
+        repeat (anything of the old epoch is dropped everywhere). False while no decode worker
+        serves, or none but those its KV could not reach (until they heartbeat again)."""
         task, delivered = handle.task, handle.output.delivered
         prompt = [*task.prompt_ids, *delivered]
         route = self._route(prompt, task.cache_salt)
-        if route is None:
+        if route is None or route.decode.unreachable:
             return False
         if handle.request_id not in self.waiting:  # a waiting one left its epoch already
             self._leave_epoch(handle)

@@ -215,6 +215,24 @@ def test_streams_on_the_only_decode_worker_wait_for_its_restart_and_finish_whole
           f"{time.monotonic() - killed_at:.1f} s after the kill")
 
 
+def test_requests_routed_to_the_only_decode_worker_just_killed_wait_for_its_restart(
+    cluster: Cluster, tiny_model_dir: Path
+) -> None:
+    """Before the gateway declares it dead, requests go to the killed worker, and their KV
+    cannot reach it: rather than send them there again (and fail), they wait for the worker
+    launch.sh starts again, and finish with the greedy text."""
+    prompts = [f"Note {i}: the weather today" for i in range(3)]
+    max_tokens = 24
+    os.kill(cluster.pids()["decode-0"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stream_text(cluster, p, max_tokens), prompts))
+    assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
+    assert "restarting decode-0 (1 of 3)" in (cluster.run_dir / "launch.log").read_text()
+    print(f"{len(prompts)} requests sent as the only decode worker was killed, all done "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+
+
 @pytest.mark.parametrize("cluster", [(1, 2)], indirect=True)
 def test_requests_routed_to_a_decode_worker_just_killed_finish_on_the_other(
     cluster: Cluster, tiny_model_dir: Path

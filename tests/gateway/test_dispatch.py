@@ -927,6 +927,32 @@ def test_a_request_whose_last_decode_worker_died_waits_and_resumes_on_its_restar
     asyncio.run(body())
 
 
+def test_a_hand_off_the_only_decode_worker_missed_waits_until_it_heartbeats(
+        tmp_path: Path) -> None:
+    """Its KV could not reach the only decode worker (killed, not yet declared dead; or a
+    network blip): sending it there again at once would fail the same way, so the request
+    waits until that worker heartbeats (or a new one joins), then resumes."""
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=30.0) as gw:
+            prefill, decode = await pair(gw)
+            handle = await submitted(gw, prefill)
+            prefill.send(RequestFailed(handle.request_id, 0, "KV receiver not reachable",
+                                       retry=True))
+            assert await prefill.expect(1) == [Abort(handle.request_id, 0)]
+            assert handle.request_id in gw.dispatcher.waiting
+            gw.dispatcher.check_workers()
+            assert await prefill.quiet() == []  # still unreachable: not sent there again
+            decode.send(decode.heartbeat())
+            await until(lambda: not gw.registry.workers["d1"].unreachable, "the heartbeat")
+            gw.dispatcher.check_workers()
+            (again,) = await prefill.expect(1)
+            assert isinstance(again, PrefillRequest) and again.epoch == 1
+            assert again.decode_worker == "d1" and gw.dispatcher.waiting == {}
+            assert handle.retries.message_losses == 1 and not handle.done
+
+    asyncio.run(body())
+
+
 def test_a_waiting_request_fails_when_no_worker_joins_in_time(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path, worker_wait_s=0.3) as gw:
@@ -1277,9 +1303,10 @@ def test_no_worker_is_judged_while_its_beats_wait_unread(tmp_path: Path) -> None
 def test_a_decode_worker_that_dies_after_a_failed_hand_off_counts_as_lost(
         tmp_path: Path) -> None:
     """A request whose KV could not reach a decode worker may be what killed it: when that
-    worker proves dead, it counts against the request's lost workers, however it resumed."""
+    worker proves dead, it counts against the request's lost workers, however it resumed
+    (or waits for a worker it can reach)."""
     async def body() -> None:
-        async with gateway(tmp_path) as gw:
+        async with gateway(tmp_path, worker_wait_s=30.0) as gw:
             prefill, decode = await pair(gw)
             handle = await submitted(gw, prefill)
             other = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
@@ -1294,7 +1321,8 @@ def test_a_decode_worker_that_dies_after_a_failed_hand_off_counts_as_lost(
             assert not handle.done and not handle.retries.unreached
             prefill.send(RequestFailed(handle.request_id, 1, "KV receiver not reachable",
                                        retry=True))
-            await prefill.expect(2)
+            assert await prefill.expect(1) == [Abort(handle.request_id, 1)]
+            assert handle.request_id in gw.dispatcher.waiting  # d2, the last, is unreachable
             other.send(Leave("d2", "i0"))  # a third worker lost: past the limit
             assert await next_event(handle) == Event(None, "error", STOPPED)
 
