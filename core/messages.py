@@ -43,6 +43,14 @@ class Keyed:
 
 
 @dataclass(frozen=True)
+class TokenBias:
+    """A token and what is added to its logit before each draw (OpenAI's logit_bias)."""
+
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How to pick the next token; temperature 0 is greedy, top_k 0 and top_p 1 are off."""
 
@@ -58,6 +66,7 @@ class Sampling:
     allowed_token_ids: list[int] | None = None  # None: any; else only these can be drawn
     # vLLM's bad_words, tokenized: a word's last token is banned after the ones before it.
     bad_words: list[list[int]] = field(default_factory=list)
+    logit_bias: list[TokenBias] = field(default_factory=list)  # OpenAI's: added to the logits
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -75,6 +84,8 @@ class Sampling:
             raise ValueError("allowed_token_ids must not be empty")
         if any(not word for word in self.bad_words):
             raise ValueError("a bad word must have tokens")
+        if not all(math.isfinite(b.bias) for b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
 
     def _check_penalties(self) -> None:
         if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):

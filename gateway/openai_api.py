@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core.messages import GenerationTask, Sampling
+from core.messages import GenerationTask, Sampling, TokenBias
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.errors import (
@@ -234,13 +234,16 @@ class OpenAIRoutes:
                            {"raging.prompt_tokens": prompt_tokens, "raging.choices": n})
 
     def _check_token_ids(self, params: GenerationParams) -> None:
-        """400 for stop_token_ids or allowed_token_ids outside the vocabulary."""
+        """400 for stop_token_ids, allowed_token_ids or logit_bias keys outside the vocabulary."""
         vocab = len(self.state.tokenizer)
         if any(token >= vocab for token in params.stop_token_ids):
             raise bad_request(f"stop_token_ids must be below {vocab}", param="stop_token_ids")
         if any(token >= vocab for token in params.allowed_token_ids or ()):
             raise bad_request(f"allowed_token_ids must be below {vocab}",
                               param="allowed_token_ids")
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise bad_request(f"logit_bias keys must be token ids below {vocab}",
+                              param="logit_bias")
 
     def _submit(self, tasks: list[GenerationTask], n: int, arrived: float,
                 span: Span | None) -> list[RequestHandle]:
@@ -273,6 +276,7 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
         repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
         min_p=params.min_p, allowed_token_ids=None if allowed is None else list(allowed),
         bad_words=bad_words or [],
+        logit_bias=[TokenBias(token, bias) for token, bias in params.logit_bias],
     )
     return GenerationTask(
         prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,

@@ -48,6 +48,7 @@ MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary here; the body limit bounds it too
+MAX_LOGIT_BIAS = 1024  # biased tokens per request: each travels with every message of it
 MAX_CHOICES = 16  # n: the most choices one request may ask for
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI allows
@@ -87,14 +88,6 @@ def _unsupported(what: str) -> PydanticCustomError:
 def _none_only(value: object, info: ValidationInfo) -> object:
     """For a feature that is missing: only null (asking for nothing) is accepted."""
     if value is not None:
-        raise _unsupported(str(info.field_name))
-    return value
-
-
-def _empty_only(value: Sequence[object] | Mapping[str, object] | None,
-                info: ValidationInfo) -> object:
-    """For a list or map of things we cannot honour: only null or empty is accepted."""
-    if value:
         raise _unsupported(str(info.field_name))
     return value
 
@@ -319,7 +312,9 @@ class _SamplingRequest(_Request):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (as a string) -> added to its logit, in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions.
     min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -334,7 +329,13 @@ class _SamplingRequest(_Request):
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     raging: RagingOptions | None = None
 
-    _no_logit_bias = field_validator("logit_bias")(_empty_only)
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise _invalid(f"logit_bias keys must be token ids, not {key[:20]!r}")
+        return value
 
     @model_validator(mode="after")
     def _one_repetition_penalty(self) -> _SamplingRequest:
@@ -607,6 +608,7 @@ class GenerationParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     priority: int = 0  # vLLM's: lower is prefilled sooner
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest,
@@ -645,6 +647,8 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
         allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
         bad_words=tuple(req.bad_words or ()),
         priority=req.priority or 0,
+        logit_bias=tuple((int(token), bias) for token, bias in (req.logit_bias or {}).items()
+                         if bias),
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.messages import Sampling, TopLogprob
+from core.messages import Sampling, TokenBias, TopLogprob
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _plain_greedy(params: Sampling, history: History) -> bool:
     return (params.greedy and params.logprobs is None and params.repetition_penalty == 1
             and not params.frequency_penalty and not params.presence_penalty
             and params.allowed_token_ids is None and not params.bad_words
-            and history.allowed is None and not history.banned)
+            and not params.logit_bias and history.allowed is None and not history.banned)
 
 
 def _draw_row(
@@ -117,6 +117,8 @@ def _penalized(logits: torch.Tensor, params: Sampling, history: History) -> torc
     if params.frequency_penalty or params.presence_penalty:
         output = _ids(history.tokens[history.output_start:], logits)
         logits = _frequency_presence(logits, output, params)
+    if params.logit_bias:
+        logits = _biased(logits, params.logit_bias)
     restricted = _restricted(logits, params, history)
     masked = _grammar_masked(restricted, history)
     if restricted is not logits and not bool(masked.isfinite().any()):
@@ -178,6 +180,15 @@ def _repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> tor
     scores = logits[seen]
     scaled = torch.where(scores > 0, scores / penalty, scores * penalty)
     return logits.index_put((seen,), scaled)
+
+
+def _biased(logits: torch.Tensor, biases: Sequence[TokenBias]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit plus its bias (ids outside the
+    vocabulary skipped, as everywhere here)."""
+    inside = [b for b in biases if 0 <= b.token_id < logits.shape[0]]
+    ids = torch.tensor([b.token_id for b in inside], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b.bias for b in inside], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids, values)
 
 
 def _frequency_presence(logits: torch.Tensor, output: torch.Tensor, params: Sampling

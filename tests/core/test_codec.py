@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 from pathlib import Path
@@ -33,6 +34,7 @@ from core.messages import (
     SharePrefix,
     StageTime,
     TokenBatch,
+    TokenBias,
     TokenEvent,
     TopLogprob,
     decode,
@@ -84,7 +86,9 @@ SAMPLES: list[Message] = [
     TokenBatch([TokenEvent("r1", 0, 1, 7, None, -1.5, [TopLogprob(7, -1.5)]),
                 TokenEvent("r1", 0, 2, 8, None, 0.0, [])]),
     DecodeRequest("r3", 0, GenerationTask(
-        [1, 2, 3, 4], Sampling(0.5, 0.9, 0, None, 0.5, -0.5, 1.2, 5), 8, [2], False, "salt",
+        [1, 2, 3, 4], Sampling(0.5, 0.9, 0, None, 0.5, -0.5, 1.2, 5,
+                           logit_bias=[TokenBias(3, -100.0), TokenBias(4, 2.5)]),
+        8, [2], False, "salt",
         min_tokens=3, output_start=2), "fp"),
     DecodeRequest("r4", 0, GenerationTask([1], Sampling(), 8, [], False,
                                            grammar='{"type": "object"}'), "fp"),
@@ -100,8 +104,9 @@ SAMPLES: list[Message] = [
 ]
 
 
-# presence, frequency, repetition penalty; logprobs; min_p, allowed_token_ids, bad_words
-NEUTRAL_EXTRAS: list[Any] = [0.0, 0.0, 1.0, None, 0.0, None, []]
+# presence, frequency, repetition penalty; logprobs; min_p, allowed_token_ids, bad_words,
+# logit_bias
+NEUTRAL_EXTRAS: list[Any] = [0.0, 0.0, 1.0, None, 0.0, None, [], []]
 
 
 def raw_task(sampling: list[Any]) -> list[Any]:
@@ -407,6 +412,7 @@ BAD_SAMPLINGS = [
     [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 1.5, None, []],
     [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 0.0, [], []],  # allowed ids: None or some
     [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 0.0, None, [[]]],  # a bad word has tokens
+    [1.0, 1.0, 0, None, 0.0, 0.0, 1.0, None, 0.0, None, [], [[5, float("nan")]]],  # finite bias
 ]
 
 
@@ -416,7 +422,13 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     assert_malformed(bad)
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, raw_task(sampling), "fp", [], ""))
     with pytest.raises(ValueError):
-        Sampling(*sampling)
+        sampling_of(sampling)
+
+
+def sampling_of(raw: list[Any]) -> Sampling:
+    """The Sampling whose msgpack fields `raw` lists."""
+    biases = [TokenBias(*bias) for bias in raw[11]] if len(raw) > 11 else []
+    return dataclasses.replace(Sampling(*raw[:11]), logit_bias=biases)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -429,12 +441,13 @@ def test_a_message_failing_its_own_validation_is_malformed(sampling: list[Any]) 
     [1.0, 1.0, 0, None, -2, 2, 3, 0],  # ints where floats are expected, penalties too
     [1.0, 1.0, 0, None, 1e300, -1e300, 1e-300, 20],
     [1.0, 1.0, 0, None, 0, 0, 1, None, 1, [0, 5], [[3], [4, 5]]],  # min_p, allowed, bad words
+    [1.0, 1.0, 0, None, 0, 0, 1, None, 0, None, [], [[5, 100], [9, -2.5]]],  # logit_bias
 ], ids=repr)
 def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
     back = decode(packed(TAG[PrefillRequest], "r", 0, raw_task(sampling), "d", "", [], "", "",
                          "", 0))
     assert isinstance(back, PrefillRequest)
-    assert back.task.sampling == Sampling(*sampling)
+    assert back.task.sampling == sampling_of(sampling)
     assert back.task.sampling.greedy == (sampling[0] == 0)
 
 

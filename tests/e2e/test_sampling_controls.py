@@ -43,11 +43,15 @@ class Controls:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def fields(self) -> dict[str, Any]:
         """The request fields of the controls that are not neutral."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default}
+        if self.logit_bias:
+            fields["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        return fields
 
 
 class Reference:
@@ -80,7 +84,7 @@ class Reference:
 def penalized(logits: torch.Tensor, prompt_ids: list[int], generated: list[int],
               controls: Controls) -> torch.Tensor:
     """transformers' repetition penalty (prompt + output), then OpenAI's presence and
-    frequency penalties (output only)."""
+    frequency penalties (output only), then the logit bias."""
     if controls.repetition_penalty != 1:
         ids = torch.tensor([[*prompt_ids, *generated]])
         logits = RepetitionPenaltyLogitsProcessor(controls.repetition_penalty)(
@@ -88,8 +92,11 @@ def penalized(logits: torch.Tensor, prompt_ids: list[int], generated: list[int],
     counts = torch.zeros_like(logits)
     for token in generated:
         counts[token] += 1
-    return (logits - controls.frequency_penalty * counts
-            - controls.presence_penalty * (counts > 0).float())
+    penalized = (logits - controls.frequency_penalty * counts
+                 - controls.presence_penalty * (counts > 0).float())
+    for token, bias in controls.logit_bias:
+        penalized[token] += bias
+    return penalized
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +240,25 @@ def test_greedy_penalized_output_matches_transformers(
         assert got["text"] == text_of(tokenizer, expected), prompt
         changed += expected != reference.run(prompt_ids, 24)[0]
     assert changed  # the penalty changed something
+
+
+def test_logit_bias_steers_greedy_output_as_transformers_with_the_bias_added(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference: Reference,
+) -> None:
+    """+100 on a token makes every token it (the prefill worker's first one too); -100 on
+    the greedy tokens moves output off them; logprobs show the biased numbers."""
+    prompt_ids = tokenizer.encode(PROMPTS[2])
+    plain, _ = reference.run(prompt_ids, 12)
+    forced = complete(cluster, PROMPTS[2], 6, ignore_eos=True, logit_bias={"42": 100})
+    assert forced["text"] == text_of(tokenizer, [42] * 6)
+    for controls in (Controls(logit_bias=tuple((t, -100.0) for t in set(plain[:3]))),
+                     Controls(logit_bias=((plain[1], -3.0), (7, 4.5)))):
+        expected, logprobs = reference.run(prompt_ids, 12, controls)
+        got = complete(cluster, PROMPTS[2], 12, True, ignore_eos=True, logprobs=1,
+                       **controls.fields())
+        assert got["text"] == text_of(tokenizer, expected) and expected != plain
+        assert_close(got["logprobs"]["token_logprobs"],
+                     [float(lp[t]) for lp, t in zip(logprobs, expected, strict=True)])
 
 
 def test_seeded_sampling_with_penalties_repeats_and_stop_strings_cut(

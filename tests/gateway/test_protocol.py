@@ -177,7 +177,9 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(messages=[{"role": "function", "content": "42"}]), "messages[0]"),
     (chat(user=5), "user"),
     (chat(metadata={"k": 1}), "metadata.k"),
-    (chat(logit_bias={"50": 5}), "logit_bias"),
+    (chat(logit_bias={"-5": 5}), "logit_bias"),
+    (chat(logit_bias={"5": -100.5}), "logit_bias.5"),
+    (chat(logit_bias={"5": "up"}), "logit_bias.5"),
     (chat(tool_choice="required"), "tool_choice"),  # no tools to call
     (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (chat(tool_choice=3), "tool_choice"),
@@ -246,7 +248,8 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(min_tokens=17), "min_tokens"),  # over the default max_tokens, 16
     (completion(n=17), "n"),
     (completion(temperature=3), "temperature"),
-    (completion(logit_bias={"1": -100}), "logit_bias"),
+    (completion(logit_bias={"1.5": -100}), "logit_bias"),
+    (completion(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
 ]
 
 
@@ -428,6 +431,7 @@ def test_full_chat_request_converts() -> None:
         ({"skip_special_tokens": False}, {"skip_special_tokens": False}),
         ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
         ({"allowed_token_ids": [3, 1]}, {"allowed_token_ids": (3, 1)}),
+        ({"logit_bias": {"7": 100, "9": -5.5, "3": 0}}, {"logit_bias": ((7, 100.0), (9, -5.5))}),
         ({"bad_words": ["no", "never"]}, {"bad_words": ("no", "never")}),
         ({"priority": -3, "chat_template_kwargs": {"x": 1}}, {"priority": -3}),
         ({"min_tokens": 3000}, {"min_tokens": 3000, "default_max_tokens": 3000}),

@@ -137,8 +137,11 @@ def common_cases(route: str) -> list[Case]:
              says="Duplicate key"),
         Case("duplicate key, long value", _with_raw(route, "user", json.dumps(MARKER).encode()),
              "user", says="Duplicate key"),
-        Case("logit_bias", _json(route, logit_bias={"50": 100}), "logit_bias",
-             says="not supported"),
+        Case("logit_bias past the vocabulary", _json(route, logit_bias={"100000": 5}),
+             "logit_bias", says="below"),
+        Case("logit_bias not a token id", _json(route, logit_bias={"hello": 5}), "logit_bias",
+             says="token ids"),
+        Case("logit_bias past 100", _json(route, logit_bias={"50": 101}), "logit_bias.50"),
     ]
     return cases
 

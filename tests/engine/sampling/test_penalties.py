@@ -1,5 +1,5 @@
-"""Penalties and the min_tokens ban in the sampler, against OpenAI's formula and transformers'
-repetition penalty; a row's draw still depends on nothing but its own row."""
+"""Penalties, logit_bias and the min_tokens ban in the sampler, against OpenAI's formula and
+transformers' repetition penalty; a row's draw still depends on nothing but its own row."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from core.messages import MAX_LOGPROBS, Sampling
+from core.messages import MAX_LOGPROBS, Sampling, TokenBias
 from engine.sampling.sampler import History, draw, make_generator, sample
 
 VOCAB = 1000
@@ -150,10 +150,45 @@ def test_penalties_do_not_touch_the_callers_logits() -> None:
     assert torch.equal(logits, before)
 
 
+def test_logit_bias_adds_to_the_logits_the_logprobs_show() -> None:
+    logits = random_logits(1, seed=5)
+    biases = [TokenBias(3, 2.5), TokenBias(9, -7.0), TokenBias(VOCAB + 1, 50.0)]
+    got = draw(logits, [Sampling(temperature=0.0, logprobs=5, logit_bias=biases)],
+               [make_generator(0)])[0]
+    expected = logits[0].clone()
+    expected[3] += 2.5
+    expected[9] -= 7.0
+    logprobs = torch.log_softmax(expected, dim=-1)
+    assert got.token_id == int(expected.argmax())
+    assert got.logprob == pytest.approx(float(logprobs[got.token_id]), abs=1e-5)
+    assert [t.token_id for t in got.top] == logprobs.topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
+def test_a_bias_of_100_forces_a_token_and_minus_100_bans_one(temperature: float) -> None:
+    logits = random_logits(1, seed=6)
+    generator = make_generator(1)
+    forced = Sampling(temperature=temperature, logit_bias=[TokenBias(17, 100.0)])
+    assert {sample(logits, [forced], [generator])[0] for _ in range(50)} == {17}
+    favourite = int(logits[0].argmax())
+    banned = Sampling(temperature=temperature, logit_bias=[TokenBias(favourite, -100.0)])
+    assert favourite not in {sample(logits, [banned], [generator])[0] for _ in range(200)}
+
+
+def test_logit_bias_does_not_touch_the_callers_logits_or_other_rows() -> None:
+    logits = random_logits(2, seed=7)
+    before = logits.clone()
+    params = [Sampling(temperature=0.0, logit_bias=[TokenBias(0, 100.0)]),
+              Sampling(temperature=0.0)]
+    assert sample(logits, params, [make_generator(0)] * 2) == [0, int(logits[1].argmax())]
+    assert torch.equal(logits, before)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"presence_penalty": float("nan")}, {"frequency_penalty": float("inf")},
     {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
     {"repetition_penalty": float("inf")}, {"logprobs": -1}, {"logprobs": MAX_LOGPROBS + 1},
+    {"logit_bias": [TokenBias(1, float("inf"))]},
 ])
 def test_bad_penalties_and_logprobs_are_value_errors(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
