@@ -155,7 +155,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        return error_response(method_not_allowed(f"{request.method} is not allowed here"))
+        response = error_response(method_not_allowed(f"{request.method} is not allowed here"))
+        response.headers.update(exc.headers or {})  # Allow: the methods that are
+        return response
     if exc.status_code == 404:
         return error_response(not_found(f"no route {request.url.path[:200]}"))
     return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))

@@ -135,8 +135,11 @@ class OpenAIRoutes:
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
-        """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404."""
+        """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404;
+        `/v1/models/` is the list, as `/v1/models`."""
         name = request.path_params["model"]
+        if not name:
+            return await self.models(request)
         self._served_model(name)
         return JSONResponse(self._model_card(name))
 

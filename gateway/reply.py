@@ -150,9 +150,10 @@ class Reply:
     async def sse(self) -> AsyncIterator[str]:
         outcome = "aborted"
         try:
-            if isinstance(self.fmt, ChatFormat):
+            if isinstance(self.fmt, ChatFormat):  # the role chunk: usage so far is the prompt
                 yield self._event([self.fmt.choice_delta(i, "", None, first=True)
-                                   for i in range(len(self.generations))])
+                                   for i in range(len(self.generations))],
+                                  self._usage() if self.continuous_usage else None)
             async for index, delta in self._deltas():
                 if delta is KEEPALIVE:
                     yield ": keepalive\n\n"

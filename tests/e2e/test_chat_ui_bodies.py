@@ -220,11 +220,14 @@ def test_special_tokens_and_the_template_options(client: openai.OpenAI) -> None:
     assert "Paris" in (continued.choices[0].message.content or "")
 
 
-def test_continuous_usage_stats_put_usage_on_every_chunk(cluster: Cluster) -> None:
-    body = {"model": SERVED[0], "prompt": "Once upon a time", "max_tokens": 5,
-            "ignore_eos": True, "stream": True,
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_usage_on_every_chunk(cluster: Cluster, route: str) -> None:
+    """Every chunk, chat's first (the role's, no token yet) too, as vLLM's."""
+    prompt = {"prompt": "Once upon a time"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Once upon a time"}]}
+    body = {"model": SERVED[0], **prompt, "max_tokens": 5, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    with cluster.client.stream("POST", "/v1/completions", json=body) as response:
+    with cluster.client.stream("POST", route, json=body) as response:
         chunks = [c for c in sse_events(response) if c != "[DONE]"]
     counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
     assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5

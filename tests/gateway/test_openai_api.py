@@ -90,6 +90,21 @@ def test_the_model_card_shows_the_generation_defaults(client: TestClient) -> Non
                                            "max_tokens": 2048}
 
 
+def test_the_model_list_answers_with_a_trailing_slash_too(named: TestClient) -> None:
+    assert named.get("/v1/models/").json() == named.get("/v1/models").json()
+
+
+@pytest.mark.parametrize(("method", "route", "allowed"), [
+    ("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET"),
+    ("PUT", "/ping", "GET, POST"),
+])
+def test_a_wrong_method_is_a_405_that_names_the_right_ones(
+        client: TestClient, method: str, route: str, allowed: str) -> None:
+    reply = client.request(method, route)
+    assert reply.status_code == 405 and error_of(reply)["type"] == "invalid_request_error"
+    assert set(reply.headers["allow"].split(", ")) >= set(allowed.split(", "))
+
+
 def test_every_served_name_is_listed_and_accepted(named: TestClient) -> None:
     assert [card["id"] for card in named.get("/v1/models").json()["data"]] == ["alpha", "beta"]
     assert named.get("/v1/models/beta").json()["root"] == MODEL
