@@ -9,7 +9,9 @@
 #                     [--restarts N]
 # A worker that crashes (killed, or exits with an error) is started again under its id, at most
 # --restarts times (default 3; 0: never), after 1, 2, 4... s: its requests have resumed
-# elsewhere, and it rejoins its pool. One that stops (SIGINT) or drains (SIGTERM) is not.
+# elsewhere (or waited for it), and it rejoins its pool. One that stops (SIGINT) or drains
+# (SIGTERM) is not. A crashed gateway is restarted the same way: the workers register with
+# the new one as it comes up (requests it was serving are lost with their connections).
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
 #   --model sim (or sim:PROFILE): the real processes with a simulated model's step times and
 #   tokens (docs/simulation.md), for many workers and streams on a small host
@@ -227,7 +229,8 @@ trap 'stop_all 130' INT
 trap 'stop_all 143' TERM
 trap stop_all EXIT
 
-wait_workers() {  # until every process started has exited (the gateway's exit ends the launch)
+wait_workers() {  # until every process started has exited (the gateway's, unless restarted,
+                  # ends the launch)
   local live=("${PIDS[@]}") done_pid name status
   while [[ ${#live[@]} -gt 0 ]]; do
     done_pid=""
@@ -236,9 +239,10 @@ wait_workers() {  # until every process started has exited (the gateway's exit e
     live=($(printf '%s\n' "${live[@]}" | grep -vx "$done_pid" || true))
     name="$(awk -v p="$done_pid" '$1 == p {print $2}' "$RUN_DIR/pids" | tail -n 1)"
     echo "[launch] $name exited (status $status); see $RUN_DIR/$name.log"
-    [[ "$name" == gateway ]] && exit 1
     if crashed "$name" "$status" && restart "$name"; then
       live+=("${PIDS[-1]}")
+    elif [[ "$name" == gateway ]]; then
+      exit 1
     fi
   done
   exit 0
@@ -252,7 +256,7 @@ start() {  # start NAME ARGS...: one process, logged to its own file
   PIDS+=($!)
   echo "$! $name" >> "$RUN_DIR/pids"
 }
-crashed() {  # crashed NAME STATUS: a worker that died, not one that stopped (0, SIGINT, SIGTERM)
+crashed() {  # crashed NAME STATUS: a process that died, not one that stopped (0, SIGINT, SIGTERM)
   [[ "$1" != autoscaler && $2 != 0 && $2 != 130 && $2 != 143 ]]
 }
 restart() {  # restart NAME: start it again as it was first started, if it has restarts left

@@ -28,6 +28,7 @@ from tests.e2e.cluster import (
     launch,
     sse_events,
     started_pids,
+    wait_for,
 )
 
 pytestmark = pytest.mark.e2e
@@ -301,6 +302,51 @@ def test_a_decode_worker_that_dies_ends_its_streams_with_an_error_event(
         assert retry.status_code == 503 and retry.headers["retry-after"]
         if signum == signal.SIGINT:
             assert "decode-0 left" in running.log("gateway")
+
+
+def test_a_crashed_gateway_is_restarted_and_the_workers_join_it_with_nothing_held(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of the gateway mid-stream: its clients lose their connections, launch.sh starts
+    it again, the workers register with the new one, and what they were computing for the
+    lost requests is aborted (their tokens name requests the new gateway never had)."""
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=1) as running:
+        body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
+                "ignore_eos": True, "stream": True}
+        old = running.pids()["gateway"]
+        with pytest.raises(httpx.HTTPError), \
+                running.client.stream("POST", "/v1/completions", json=body) as response:
+            for count, _ in enumerate(sse_events(response)):
+                if count == 5:
+                    os.kill(old, signal.SIGKILL)
+        wait_for(lambda: running.pids()["gateway"] != old, 30, "launch.sh to restart it")
+        assert "restarting gateway (1 of 3)" in (running.run_dir / "launch.log").read_text()
+        took = wait_for(lambda: health_status(running) == 200, 60, "the workers to register")
+        reply = running.client.post("/v1/completions", json={**body, "stream": False,
+                                                              "max_tokens": 8})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+        wait_for(lambda: holds_nothing(running), 30, "the lost request's blocks")
+        assert running.log("decode-0").count(": finished (") == 1  # the lost one was aborted
+        assert alive(old) is False and running.launcher.poll() is None
+        print(f"gateway restarted; workers registered {took:.1f} s after it was started again")
+
+
+def health_status(cluster: Cluster) -> int:
+    try:
+        return cluster.client.get("/health").status_code
+    except httpx.HTTPError:
+        return 0  # not listening yet
+
+
+def holds_nothing(cluster: Cluster) -> bool:
+    """Whether both workers have reported (a heartbeat since they registered) holding no KV
+    block and running no sequence."""
+    try:
+        return not any(cluster.metric(name, f'worker="{worker}"')
+                       for worker in ("prefill-0", "decode-0")
+                       for name in ("raging_kv_blocks_used", "raging_worker_running"))
+    except KeyError:
+        return False  # no heartbeat from one of them yet
 
 
 def test_launcher_exits_non_zero_when_a_process_fails_to_start(
