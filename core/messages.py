@@ -125,10 +125,15 @@ class GenerationTask:
     # Structured output: "" for none, JSON_OBJECT, or a JSON schema's text the output must match.
     grammar: str = ""
     priority: int = 0  # vLLM's: lower is scheduled sooner (before the deadline order)
+    # echo with logprobs: each prompt token's logprob and the k most likely tokens there
+    # (`PromptLogprobs`, from the decode worker that prefills it); None: not asked.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.output_start is not None and not 0 <= self.output_start <= len(self.prompt_ids):
             raise ValueError(f"output_start must be in [0, {len(self.prompt_ids)}]")
 
@@ -344,6 +349,24 @@ class TokenEvent(Keyed):
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, and the most likely tokens there."""
+
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs(Keyed):
+    """Decode worker to gateway, before the first token of a request that asked: one entry per
+    prompt token after the first (the first has nothing before it)."""
+
+    request_id: str
+    epoch: int
+    entries: list[PromptLogprob]
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """All tokens one decode step produced, sent as one message."""
 
@@ -412,7 +435,7 @@ class Drained:
 Message = (
     Register | RegisterReply | RegisterAgain | Leave | Heartbeat | PrefillRequest | DecodeRequest
     | FirstToken | TokenBatch | Abort | RequestFailed | Alive | Drain | Drained | SharePrefix
-    | SharedPrefix
+    | SharedPrefix | PromptLogprobs
 )
 _CODEC: Codec[Message] = Codec(typing.get_args(Message))
 encode = _CODEC.encode

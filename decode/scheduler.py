@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.messages import DecodeRequest, RequestKey
+from core.messages import DecodeRequest, PromptLogprob, RequestKey
 from core.timeline import Timeline
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.kv.block_hash import block_hashes
@@ -57,6 +57,8 @@ class DecodeSequence:
     constraint: Constraint | None = None  # its grammar's state, when it asked for one
     deadline: float = 0.0  # when its prompt should be prefilled by, if prefilled here
     timeline: Timeline = field(default_factory=Timeline)  # its stages' stamps here
+    # Its prompt tokens' logprobs so far, while computed here for a request that asked.
+    prompt_scores: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def key(self) -> RequestKey:
@@ -217,8 +219,9 @@ class DecodeScheduler:
         """Its blocks: for one to be computed here, its longest cached prefix (short of its
         last token, which a step must feed) first."""
         computed_here = sequence.received_kv is None and sequence.num_cached == 0
+        scored = sequence.request.task.prompt_logprobs is not None  # needs every row's logits
         chain = (self._chain(sequence, len(sequence.tokens) - 1)
-                 if self.prefix_caching and computed_here else [])
+                 if self.prefix_caching and computed_here and not scored else [])
         sequence.blocks, reused = self.cache.table(chain, self._need(sequence))
         if reused:
             sequence.num_cached = reused * self.block_size

@@ -21,6 +21,7 @@ from core.messages import (
     Held,
     Message,
     PrefillRequest,
+    PromptLogprobs,
     RequestFailed,
     RequestKey,
     SharedPrefix,
@@ -41,7 +42,7 @@ from engine.kv.prefix_cache import capacity
 from engine.model.batch import ForwardBatch
 from engine.runner import Runner
 from engine.sampling.grammar import Constraint, Grammars
-from engine.sampling.sampler import Draw, History, draw, make_generator
+from engine.sampling.sampler import Draw, History, draw, make_generator, prompt_logprobs
 from engine.sampling.stopping import banned_tokens, finish_reason
 from kvtransfer import KVItem, KVNotice, KVRejected, make_receiver, make_sender
 from kvtransfer.share import share_prefix
@@ -119,17 +120,20 @@ class DecodeWorker(Worker):
             if sequence.num_generated == 0:  # its prompt is computed here
                 sequence.timeline.start(now)
                 prompt_tokens += sequence.num_scheduled
+        scored = [_scored(s) for s in batch]
         with self.turns:
             logits = self.runner.forward(ForwardBatch(
                 token_ids=[s.tokens[s.num_cached:s.num_cached + s.num_scheduled] for s in batch],
                 start_positions=[s.num_cached for s in batch],
                 block_tables=[s.block_table for s in batch],
+                all_logits=scored if any(scored) else [],
             ), layer_hook=self.between_layers)
         self.pulls.pace.observe(prompt_tokens, time.monotonic() - now)
+        last_rows = _score_prompts(batch, scored, logits)
         for sequence in batch:
             sequence.num_cached += sequence.num_scheduled
-        rows = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
-        self._sample([batch[i] for i in rows], logits[rows])
+        ready = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
+        self._sample([batch[i] for i in ready], logits[[last_rows[i] for i in ready]])
         return True
 
     def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor) -> None:
@@ -141,6 +145,10 @@ class DecodeWorker(Worker):
             forked = self._fork(sequence, drawing=True) if sequence.num_generated == 0 else []
             drawing += [sequence, *forked]
             rows += [row] * (1 + len(forked))
+            if sequence.prompt_scores:  # before their first tokens: every choice echoes them
+                for choice in (sequence, *forked):
+                    self.control.send(PromptLogprobs(*choice.key, sequence.prompt_scores))
+                sequence.prompt_scores = []
         if not drawing:
             return  # only prompt chunks this step
         draws = draw(logits[rows], [s.request.task.sampling for s in drawing],
@@ -496,6 +504,35 @@ class DecodeWorker(Worker):
         self.receiver.close()
         self.sender.close()
         super().close()
+
+
+def _scored(sequence: DecodeSequence) -> bool:
+    """Whether this step's logits of every new token of the sequence are needed: a prompt
+    computed here whose tokens' logprobs the request asked for."""
+    return (sequence.request.task.prompt_logprobs is not None and sequence.num_generated == 0
+            and sequence.received_kv is None)
+
+
+def _score_prompts(batch: list[DecodeSequence], scored: list[bool],
+                   logits: torch.Tensor) -> list[int]:
+    """Add the logprobs of the prompt tokens this step's rows predict to each scored
+    sequence (`prompt_scores`, from position 0 again when it starts over); return the row of
+    each sequence's last new token in `logits`."""
+    last_rows: list[int] = []
+    row = 0
+    for sequence, every in zip(batch, scored, strict=True):
+        count = sequence.num_scheduled if every else 1
+        if every:
+            start, prompt = sequence.num_cached, sequence.request.task.prompt_ids
+            targets = prompt[start + 1:start + count + 1]  # the last prompt row predicts output
+            if start == 0:
+                sequence.prompt_scores = []
+            sequence.prompt_scores += prompt_logprobs(
+                logits[row:row + len(targets)], targets,
+                sequence.request.task.prompt_logprobs or 0)
+        row += count
+        last_rows.append(row - 1)
+    return last_rows
 
 
 def _generator(sequence: DecodeSequence) -> torch.Generator:

@@ -159,8 +159,8 @@ class ModelRunner:
     def forward(
         self, batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token (see LlamaModel),
-        on the runner's device."""
+        """fp32 logits of each sequence's last new token, or of all its new tokens where the
+        batch asks (see LlamaModel), on the runner's device."""
         if self.graphs is not None and layer_hook is None:
             logits = self.graphs.replay(batch)
             if logits is not None:

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 
 from core.channels import ControlServer
@@ -29,6 +29,7 @@ from core.messages import (
     Leave,
     Message,
     PrefillRequest,
+    PromptLogprobs,
     Register,
     RegisterAgain,
     RequestFailed,
@@ -104,7 +105,7 @@ class Dispatcher:
         `for_choice(i)`. The prompt goes out once; its decode worker forks the KV. Each
         choice is a request of its own from then on (resumed, aborted, finished alone).
         `arrived`: when its HTTP request came in (default: now); `traceparent`: its span's."""
-        route = self._route(task.prompt_ids, task.cache_salt)
+        route = self._route(task)
         if route is None:
             raise service_unavailable("no decode worker is available", retry_after=1.0)
         handles = [RequestHandle(uuid.uuid4().hex, 0,
@@ -240,10 +241,11 @@ class Dispatcher:
             if handle is not None and handle.key in keys:
                 handle.held_at = now
 
-    def _route(self, prompt: Sequence[int], salt: str) -> Route | None:
+    def _route(self, task: GenerationTask) -> Route | None:
         # CPU time: on a busy host, a decision's wall time is mostly other processes' turns.
         began = time.thread_time()
-        route = self.registry.route(prompt, salt)
+        route = self.registry.route(task.prompt_ids, task.cache_salt,
+                                    task.prompt_logprobs is not None)
         self.observe_route(time.thread_time() - began)
         return route
 
@@ -274,8 +276,17 @@ class Dispatcher:
             self._on_leave(worker_id, message)
         elif isinstance(message, SharePrefix):
             self._on_pull(worker_id, message)
+        elif isinstance(message, PromptLogprobs):
+            self._on_prompt_logprobs(worker_id, message)
         else:
             log.warning("gateway ignored %s from %s", type(message).__name__, worker_id)
+
+    def _on_prompt_logprobs(self, worker_id: str, message: PromptLogprobs) -> None:
+        """Kept for the client until the request's first token, which follows them."""
+        handle = self.requests.get(message.request_id)
+        if handle is not None and handle.epoch == message.epoch and \
+                worker_id == handle.assignment.prefill_worker:
+            handle.prompt_logprobs = message.entries
 
     def _on_pull(self, worker_id: str, asked: SharePrefix) -> None:
         """A decode worker expects a prefix's KV: ask its holder to send it, or, with the
@@ -500,15 +511,16 @@ class Dispatcher:
         repeat (anything of the old epoch is dropped everywhere). False while no decode worker
         serves, or none but those its KV could not reach (until they heartbeat again)."""
         task, delivered = handle.task, handle.output.delivered
-        prompt = [*task.prompt_ids, *delivered]
-        route = self._route(prompt, task.cache_salt)
+        if delivered:  # its prompt's logprobs came before its first token
+            task = replace(task, prompt_ids=[*task.prompt_ids, *delivered],
+                           max_tokens=task.max_tokens - len(delivered), prompt_logprobs=None)
+        route = self._route(task)
         if route is None or route.decode.unreachable:
             return False
         if handle.request_id not in self.waiting:  # a waiting one left its epoch already
             self._leave_epoch(handle)
         handle.timing.resumed += 1
         handle.assignment.forked = False
-        task = replace(task, prompt_ids=prompt, max_tokens=task.max_tokens - len(delivered))
         self._send(handle, route, task)
         self.resumed += 1
         return True

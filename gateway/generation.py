@@ -27,6 +27,16 @@ class Delta:
 KEEPALIVE = None  # yielded when nothing happened for a keepalive interval
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion starts with (`echo`); `prompt_only` (max_tokens 0): nothing
+    after it."""
+
+    text: str
+    token_ids: list[int]
+    prompt_only: bool = False
+
+
 class Generation:
     """One request's text deltas; `abort` stops the request on its workers (the dispatcher's);
     `pieces` (given when the request asked for logprobs) turns the tokens' logprobs into
@@ -36,7 +46,7 @@ class Generation:
     def __init__(self, handle: RequestHandle, abort: Callable[[RequestHandle], None],
                  metrics: Metrics, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
                  pieces: TokenPieces | None = None, skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, echo: Echo | None = None) -> None:
         self.handle = handle
         self._abort = abort
         self.metrics = metrics
@@ -53,6 +63,7 @@ class Generation:
         self.pieces = pieces
         self.text_chars = 0  # of the detokenized output, stop strings not applied
         self.pending: list[TokenLogprob] = []  # logprobs not yet on a delta
+        self.echo = echo  # until the first delta, which carries it
         metrics.inflight.inc()
         metrics.queued.inc()
 
@@ -107,6 +118,39 @@ class Generation:
     def _apply(self, event: Event) -> Delta:
         if event.token_id is None:
             return Delta("", "error", event.error)
+        if self.echo is None:
+            return self._apply_token(event)
+        echo, self.echo = self.echo, None
+        if self.pieces is not None and not self._queue_prompt_logprobs(echo):
+            self.abort()
+            return Delta("", "error", "the prompt's logprobs were lost")
+        self.text_chars = len(echo.text)
+        if echo.prompt_only:
+            self._count_token()
+            self.completion_tokens = 0
+            return self._finished(echo.text, "length")
+        delta = self._apply_token(event)
+        return replace(delta, text=echo.text + delta.text)
+
+    def _queue_prompt_logprobs(self, echo: Echo) -> bool:
+        """Queue the prompt tokens' logprob entries (the first has none: nothing precedes it);
+        False when its worker's message with them never came."""
+        entries, pieces = self.handle.prompt_logprobs, self.pieces
+        assert pieces is not None
+        if entries is None or len(entries) != len(echo.token_ids) - 1:
+            return False
+        offset = 0
+        for token_id, entry in zip(echo.token_ids, [None, *entries], strict=True):
+            piece = pieces(token_id)
+            top = [] if entry is None else [
+                (pieces(t.token_id), finite_logprob(t.logprob)) for t in entry.top]
+            logprob = None if entry is None else finite_logprob(entry.logprob)
+            self.pending.append(TokenLogprob(piece, logprob, top, offset))
+            offset += len(piece.text)
+        return True
+
+    def _apply_token(self, event: Event) -> Delta:
+        assert event.token_id is not None
         self._count_token()
         text = self._token_text(event.token_id, event.finish_reason)
         self._note_logprob(event)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.messages import FinishReason, GenerationTask, Keyed, TopLogprob
+from core.messages import FinishReason, GenerationTask, Keyed, PromptLogprob, TopLogprob
 from gateway.timing import RequestTiming
 
 Ending = FinishReason | Literal["error"]
@@ -112,3 +112,5 @@ class RequestHandle(Keyed):
     held_at: float = field(default_factory=time.monotonic)  # a worker last reported holding it
     timing: RequestTiming = field(default_factory=RequestTiming)
     traceparent: str = ""  # its gateway span's, for the workers' spans; "": not traced
+    # Each prompt token's after the first, once its worker sent them (task.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprob] | None = None

@@ -40,7 +40,7 @@ class TokenLogprob:
     """One output token's logprob entry, detokenized."""
 
     token: Piece
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
     top: list[tuple[Piece, float]]  # the most likely tokens at its position, best first
     text_offset: int  # where its text starts in the completion's text
 
@@ -113,6 +113,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def _chat_entry(entry: TokenLogprob) -> dict[str, Any]:
+    assert entry.logprob is not None, "chat never echoes its prompt"
     top = [_chat_top(piece, logprob) for piece, logprob in entry.top]
     return {**_chat_top(entry.token, entry.logprob), "top_logprobs": top}
 
@@ -129,9 +130,12 @@ def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
             "text_offset": [e.text_offset for e in entries]}
 
 
-def _completion_top(entry: TokenLogprob) -> dict[str, float]:
+def _completion_top(entry: TokenLogprob) -> dict[str, float] | None:
     """The k most likely and, as OpenAI always adds it, the drawn token (so up to k + 1).
-    Two tokens with the same text keep the likelier one's logprob."""
+    Two tokens with the same text keep the likelier one's logprob. None for an echoed
+    prompt's first token."""
+    if entry.logprob is None:
+        return None
     top: dict[str, float] = {}
     for piece, logprob in [*entry.top, (entry.token, entry.logprob)]:
         top.setdefault(piece.text, logprob)

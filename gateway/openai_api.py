@@ -26,7 +26,7 @@ from gateway.errors import (
     rate_limited,
     service_unavailable,
 )
-from gateway.generation import Generation
+from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
 from gateway.logprobs import TokenPieces
@@ -211,7 +211,8 @@ class OpenAIRoutes:
         generations = [Generation(handle, self.state.dispatcher.abort, self.state.metrics,
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None,
-                                  params.skip_special_tokens, params.include_stop_str_in_output)
+                                  params.skip_special_tokens, params.include_stop_str_in_output,
+                                  self._echo(params, handle.task.prompt_ids))
                        for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
         reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
@@ -224,6 +225,13 @@ class OpenAIRoutes:
         response = await reply.whole(request)
         response.headers.update(echoed)
         return response
+
+    def _echo(self, params: GenerationParams, prompt_ids: list[int]) -> Echo | None:
+        """What the request's choices start with (`echo`): its prompt, as text and tokens."""
+        if not params.echo:
+            return None
+        text = decode_text(self.state.tokenizer, prompt_ids, params.skip_special_tokens)
+        return Echo(text, prompt_ids, prompt_only=params.max_tokens == 0)
 
     def _open_span(self, request: Request, arrived: float, prompt_tokens: int,
                    n: int) -> Span | None:
@@ -281,11 +289,14 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
         bad_words=bad_words or [],
         logit_bias=[TokenBias(token, bias) for token, bias in params.logit_bias],
     )
+    echoed_logprobs = params.echo and params.logprobs is not None
     return GenerationTask(
-        prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+        # max_tokens 0 (echo): a token is drawn, as ever, and not shown
+        prompt_ids=prompt_ids, sampling=sampling, max_tokens=max(max_tokens, 1),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         cache_salt=salt, min_tokens=params.min_tokens, output_start=len(prompt_ids),
         grammar=params.grammar, priority=params.priority,
+        prompt_logprobs=params.logprobs if echoed_logprobs else None,
     )
 
 

@@ -475,8 +475,9 @@ class CompletionRequest(_SamplingRequest):
     string or token ids (a batch: each gets `n` choices)."""
 
     prompt: list[str | list[int]]
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=_INT64_MAX)
-    echo: bool | None = False
+    # 0 with echo: the prompt (and its tokens' logprobs) only, as vLLM's
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=0, le=_INT64_MAX)
+    echo: bool | None = False  # each choice's text starts with its prompt's
     best_of: int | None = None
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -492,12 +493,12 @@ class CompletionRequest(_SamplingRequest):
             raise _invalid(f"prompts times n must be at most {MAX_CHOICES}")
         return self
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("echo")
-        return value
+    @model_validator(mode="after")
+    def _no_empty_completion_without_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "invalid_value", "max_tokens 0 asks for the prompt alone: it needs echo")
+        return self
 
     @field_validator("best_of")
     @classmethod
@@ -609,6 +610,7 @@ class GenerationParams:
     bad_words: tuple[str, ...] = ()
     priority: int = 0  # vLLM's: lower is prefilled sooner
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    echo: bool = False  # completions: the text (and logprobs) start with the prompt's
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest,
@@ -649,6 +651,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
         priority=req.priority or 0,
         logit_bias=tuple((int(token), bias) for token, bias in (req.logit_bias or {}).items()
                          if bias),
+        echo=isinstance(req, CompletionRequest) and bool(req.echo),
     )
 
 

@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 # Who prefills a request: a prefill worker, or its decode worker itself (and why).
 RoutePath = Literal["disaggregated", "local_short", "local_saturated", "local_no_prefill",
-                    "local_cached"]
+                    "local_cached", "local_prompt_logprobs"]
 ROUTE_PATHS: tuple[RoutePath, ...] = typing.get_args(RoutePath)
 PULL_FIELDS = tuple(f.name for f in dataclasses.fields(PullTotals))
 # What happened to a worker's membership, as the registry saw it.
@@ -403,21 +403,32 @@ class Registry:
         if worker is not None and worker.prefix_caching:
             worker.prefixes.add(block_hashes(tokens, worker.block_size, salt))
 
-    def route(self, prompt: Sequence[int], salt: str = "") -> Route | None:
+    def route(self, prompt: Sequence[int], salt: str = "",
+              prompt_logprobs: bool = False) -> Route | None:
         """Pick the workers for a prompt (None while no decode worker serves). Conditional
         disaggregation: the decode worker prefills it itself when the prompt is short, when
         the prefill pool is saturated and it has headroom, or when there is no prefill pool
         (colocated mode, or every prefill worker gone); otherwise a prefill worker does.
         Either way a decode worker that holds the prompt's prefix (a chat's earlier turns),
         or can pull it, takes it, and computes only the rest, when that is less work
-        (`_cached_decode`)."""
+        (`_cached_decode`). A prompt whose tokens' logprobs are asked for is computed whole
+        by the decode worker (no cache: each token's logits are needed)."""
         self._memo = {}
         try:
             chain = Chains(prompt, salt)
+            if prompt_logprobs:
+                return self._scored(chain)
             chain.look_for(self.workers.values())
             return self._route(chain)
         finally:
             self._memo = None
+
+    def _scored(self, chain: Chains) -> Route | None:
+        decode = self.pick_decode(len(chain.prompt))
+        if decode is None:
+            return None
+        self.decisions["local_prompt_logprobs"] += 1
+        return Route(decode, decode, "local_prompt_logprobs")
 
     def _route(self, chain: Chains) -> Route | None:
         prompt = chain.prompt

@@ -67,7 +67,9 @@ class AttentionPlan:
     token_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] absolute position of each new token
     slots: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    last_rows: torch.Tensor  # [num_seqs] row of each sequence's last new token
+    # [R] the rows whose logits the forward pass returns: each sequence's last new token's,
+    # or every new token's of a sequence that asks (ForwardBatch.all_logits)
+    logit_rows: torch.Tensor
     decode: DecodePlan | None
     prefills: tuple[PrefillPlan, ...]
 
@@ -76,7 +78,7 @@ class AttentionPlan:
         if device.type == "cpu":
             return self
         tensors = {name: getattr(self, name).to(device, non_blocking=True)
-                   for name in ("token_ids", "positions", "slots", "last_rows")}
+                   for name in ("token_ids", "positions", "slots", "logit_rows")}
         decode = _moved(self.decode, device) if self.decode is not None else None
         return replace(self, **tensors, decode=decode,
                        prefills=tuple(_moved(prefill, device) for prefill in self.prefills))
@@ -109,11 +111,20 @@ def plan_attention(
         token_ids=torch.tensor([t for tokens in batch.token_ids for t in tokens]),
         positions=positions,
         slots=slot_mapping(tables[seq_of_row], positions[:, None], block_size)[:, 0],
-        last_rows=ends - 1,
+        logit_rows=_logit_rows(batch, ends),
         decode=_plan_decode(tables[is_decode], starts[is_decode], ends[is_decode], block_size,
                             dtype, decode_blocks, window),
         prefills=prefills,
     )
+
+
+def _logit_rows(batch: ForwardBatch, ends: torch.Tensor) -> torch.Tensor:
+    if not any(batch.all_logits):
+        return ends - 1
+    lengths = [len(tokens) for tokens in batch.token_ids]
+    return torch.cat([torch.arange(end - length if every else end - 1, end)
+                      for end, length, every in zip(ends.tolist(), lengths, batch.all_logits,
+                                                    strict=True)])
 
 
 def _padded_tables(batch: ForwardBatch, block_size: int) -> torch.Tensor:

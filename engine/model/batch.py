@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -11,12 +11,15 @@ class ForwardBatch:
 
     Sequence i has `start_positions[i]` tokens already in the cache (under `block_tables[i]`)
     and appends `token_ids[i]` at positions start..start+len-1. Prefill chunks (many tokens)
-    and decode steps (one token) may be mixed.
+    and decode steps (one token) may be mixed. The forward pass returns the logits of each
+    sequence's last new token, or of all its new tokens where `all_logits[i]` (empty: none):
+    one row each, in order (`logit_rows`).
     """
 
     token_ids: list[list[int]]
     start_positions: list[int]
     block_tables: list[list[int]]
+    all_logits: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -27,6 +30,13 @@ class ForwardBatch:
             raise ValueError("every sequence needs at least one new token")
         if any(start < 0 for start in self.start_positions):
             raise ValueError("start positions must be >= 0")
+        if self.all_logits and len(self.all_logits) != len(self.token_ids):
+            raise ValueError("all_logits, when given, needs one flag per sequence")
+
+    def logit_rows(self, index: int) -> int:
+        """How many rows of logits the forward pass returns for sequence `index`."""
+        every = bool(self.all_logits) and self.all_logits[index]
+        return len(self.token_ids[index]) if every else 1
 
     @property
     def num_seqs(self) -> int:

@@ -49,7 +49,7 @@ def padded_batch(batch: ForwardBatch, size: int, width: int, pad_block: int) -> 
 def plan_tensors(plan: AttentionPlan) -> Iterator[torch.Tensor]:
     """Every tensor of a decode-only plan, in a fixed order (a graph's inputs)."""
     assert plan.decode is not None and not plan.prefills
-    yield from (plan.token_ids, plan.positions, plan.slots, plan.last_rows)
+    yield from (plan.token_ids, plan.positions, plan.slots, plan.logit_rows)
     decode = plan.decode
     yield from (decode.rows, decode.blocks, decode.contexts, decode.mask)
 

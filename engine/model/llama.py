@@ -144,7 +144,8 @@ class LlamaModel:
         cache: PagedKVCache,
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """fp32 logits `[num_seqs, vocab]` of each sequence's last new token.
+        """fp32 logits `[R, vocab]`: of each sequence's last new token, or of all its new
+        tokens where the batch asks (`ForwardBatch.all_logits`), in order.
 
         Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
         K/V are written (every rank's, in a tensor-parallel worker: after its attention).
@@ -164,8 +165,8 @@ class LlamaModel:
         x = self.embed(plan.token_ids)
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
-        last = rms_norm(x[plan.last_rows], self.norm, self.spec.rms_norm_eps)
-        return self.lm_head(last).float()
+        rows = rms_norm(x[plan.logit_rows], self.norm, self.spec.rms_norm_eps)
+        return self.lm_head(rows).float()
 
     def matrices(self) -> list[Matrices]:
         """Every weight matrix (timing a few layers, warm in cache, favours the dense ones)."""

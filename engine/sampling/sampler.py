@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.messages import Sampling, TokenBias, TopLogprob
+from core.messages import PromptLogprob, Sampling, TokenBias, TopLogprob
 
 
 @dataclass(frozen=True)
@@ -222,3 +222,17 @@ def _kept(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         kept = int((mass_before < top_p).sum())
         sorted_logits = sorted_logits[:max(kept, 1)]  # NaN logits keep none: keep the first
     return logits >= sorted_logits[-1]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[PromptLogprob]:
+    """Row i's logprob of `targets[i]` (the prompt token that follows it) and the `k` most
+    likely tokens there: the model's own numbers, no penalty or bias applied (as vLLM's)."""
+    assert logits.shape[0] == len(targets)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(len(targets), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(targets, device=logits.device)].tolist()
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], rows[:, None][:, :0])
+    return [PromptLogprob(logprob, [TopLogprob(i, v) for i, v in zip(top_ids, top_values,
+                                                                     strict=True)])
+            for logprob, top_ids, top_values in zip(chosen, ids.tolist(), values.tolist(),
+                                                    strict=True)]

@@ -73,42 +73,44 @@ class SimRunner:
 
     def forward(self, batch: ForwardBatch,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits `[num_seqs, vocab]` picking each sequence's next token, after the profile's
-        time for this step (a share of it before each layer's hook)."""
+        """Logits picking each sequence's next token (one row per new token where the batch
+        asks for all), after the profile's time for this step (a share of it before each
+        layer's hook)."""
         began = time.monotonic()
-        last_states = self._advance(batch)
+        logit_states = self._advance(batch)
         duration = self.profile.latency.step_s(batch) * self.time_scale
         layers = self.spec.num_layers if layer_hook is not None else 1
         for layer in range(layers):
             _sleep_until(began + duration * (layer + 1) / layers)
             if layer_hook is not None:
                 layer_hook(layer)
-        return self._logits(last_states)
+        return self._logits(logit_states)
 
     def _advance(self, batch: ForwardBatch) -> list[int]:
-        """Each sequence's state after its new tokens; every new position's kept in the
-        cache."""
+        """The state after each row whose logits the batch asks for (each sequence's last new
+        token, or all its new tokens); every new position's kept in the cache."""
         starts, tables = batch.start_positions, batch.block_tables
         before = self._states.read([self._slot(table, start - 1) for table, start
                                     in zip(tables, starts, strict=True) if start > 0])
         slots: list[int] = []
         values: list[int] = []
-        last: list[int] = []
+        rows: list[int] = []
         earlier = iter(before)
-        for tokens, start, table in zip(batch.token_ids, starts, tables, strict=True):
+        for index, (tokens, start, table) in enumerate(zip(batch.token_ids, starts, tables,
+                                                           strict=True)):
             chain = states(tokens, start, next(earlier) if start > 0 else SEED)
             slots += [self._slot(table, p) for p in range(start, start + len(tokens))]
             values += chain
-            last.append(chain[-1])
+            rows += chain[-batch.logit_rows(index):]
         self._states.write(slots, values)
-        return last
+        return rows
 
     def _slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _logits(self, last_states: list[int]) -> torch.Tensor:
-        logits = torch.full((len(last_states), self.spec.vocab_size), OTHERS)
-        for row, state in enumerate(last_states):
+    def _logits(self, row_states: list[int]) -> torch.Tensor:
+        logits = torch.full((len(row_states), self.spec.vocab_size), OTHERS)
+        for row, state in enumerate(row_states):
             picked = choice(state, self.profile.mean_output_tokens)
             logits[row, picked.letter] = FALLBACK
             logits[row, picked.token] = CHOSEN

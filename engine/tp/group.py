@@ -65,10 +65,12 @@ class RankGroup:
 
 
 def encode_batch(batch: ForwardBatch) -> torch.Tensor:
-    """[sequences, starts..., token counts..., table lengths..., tokens..., tables...]."""
+    """[sequences, starts..., token counts..., table lengths..., all-logits flags...,
+    tokens..., tables...]."""
     counts = [len(tokens) for tokens in batch.token_ids]
     widths = [len(table) for table in batch.block_tables]
-    return torch.tensor([batch.num_seqs, *batch.start_positions, *counts, *widths,
+    flags = [batch.logit_rows(i) > 1 for i in range(batch.num_seqs)]
+    return torch.tensor([batch.num_seqs, *batch.start_positions, *counts, *widths, *flags,
                          *chain.from_iterable(batch.token_ids),
                          *chain.from_iterable(batch.block_tables)], dtype=torch.long)
 
@@ -77,7 +79,9 @@ def decode_batch(payload: torch.Tensor) -> ForwardBatch:
     values = payload.tolist()
     n = values[0]
     starts, counts, widths = values[1:1 + n], values[1 + n:1 + 2 * n], values[1 + 2 * n:1 + 3 * n]
-    rest = iter(values[1 + 3 * n:])
+    flags = [bool(flag) for flag in values[1 + 3 * n:1 + 4 * n]]
+    rest = iter(values[1 + 4 * n:])
     tokens = [[next(rest) for _ in range(count)] for count in counts]
     tables = [[next(rest) for _ in range(width)] for width in widths]
-    return ForwardBatch(token_ids=tokens, start_positions=starts, block_tables=tables)
+    return ForwardBatch(token_ids=tokens, start_positions=starts, block_tables=tables,
+                        all_logits=flags if any(flags) else [])

@@ -24,6 +24,8 @@ from core.messages import (
     Leave,
     Message,
     PrefillRequest,
+    PromptLogprob,
+    PromptLogprobs,
     PullTotals,
     Register,
     RegisterAgain,
@@ -45,6 +47,7 @@ from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, Placement
 MESSAGE_TYPES = (
     Register, RegisterReply, RegisterAgain, Leave, Heartbeat, PrefillRequest, DecodeRequest,
     FirstToken, TokenBatch, Abort, RequestFailed, Alive, Drain, Drained, SharePrefix, SharedPrefix,
+    PromptLogprobs,
 )
 TAG = {cls: tag for tag, cls in enumerate(MESSAGE_TYPES)}
 TASK = GenerationTask(
@@ -78,6 +81,10 @@ SAMPLES: list[Message] = [
     SharedPrefix("r9", 0, 0, ""),
     DecodeRequest("r1", 1, TASK, "model|float32"),
     DecodeRequest("r5", 0, TASK, "model|float32", ["r6", "r7"]),
+    DecodeRequest("r6", 0, GenerationTask([1, 2], Sampling(), 1, [], True, prompt_logprobs=5),
+                  "fp"),
+    PromptLogprobs("r6", 0, [PromptLogprob(-1.25, [TopLogprob(7, -0.5), TopLogprob(2, -1.25)]),
+                             PromptLogprob(-0.0, [])]),
     FirstToken("r1", 0, 42, None),
     FirstToken("r1", 0, 2, "stop"),
     FirstToken("r1", 0, 42, None, 3, -0.25, [TopLogprob(42, -0.25), TopLogprob(7, -2.0)]),
@@ -113,7 +120,7 @@ def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
     return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None, "",
-            0]
+            0, None]
 
 
 def packed(*items: Any) -> bytes:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import Config, load_config
 from core.messages import (
@@ -25,6 +25,7 @@ from core.messages import (
     GenerationTask,
     Message,
     PrefillRequest,
+    PromptLogprobs,
     RequestFailed,
     RequestKey,
     Sampling,
@@ -503,6 +504,38 @@ def test_an_abort_between_chunks_frees_the_prompt_blocks(tiny_model_dir, tmp_pat
         assert not admitted(w) and not w.step()
         assert not [m for m in sent_to_gateway(w, gateway)
                     if isinstance(m, TokenBatch | RequestFailed)]
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 512])
+def test_a_prompt_scored_here_sends_its_tokens_logprobs_before_each_choice_s_first_token(
+        tiny_model_dir: Path, tmp_path: Path, chunk_tokens: int) -> None:
+    """Echo with logprobs: every prompt position's logits, chunk by chunk, as transformers'
+    log-softmax; computed whole even where the prefix cache holds the prompt; sent once per
+    choice, ahead of its first token."""
+    prompt = list(range(3, 43))  # 40 tokens
+    with torch.inference_mode():
+        hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        steps = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    with serving(tiny_model_dir, tmp_path, chunk_tokens) as (w, gateway):
+        prefill_here(w, "warm", prompt, 2)
+        output_of(w, gateway, "warm")  # its blocks now in the prefix cache
+        job = GenerationTask(prompt, GREEDY, 3, [], True, prompt_logprobs=2)
+        w.handle(PrefillRequest("r", 0, job, w.worker_id, w.kv_address, ["r.1"]))
+        while w.step():
+            pass
+        messages = sent_to_gateway(w, gateway)
+        scores = [m for m in messages if isinstance(m, PromptLogprobs)]
+        assert [m.request_id for m in scores] == ["r", "r.1"]
+        first = next(i for i, m in enumerate(messages) if isinstance(m, TokenBatch))
+        assert max(messages.index(m) for m in scores) < first
+        entries = scores[0].entries
+        assert scores[1].entries == entries and len(entries) == len(prompt) - 1
+        expected = steps[torch.arange(len(prompt) - 1), prompt[1:]]
+        assert [e.logprob for e in entries] == pytest.approx(expected.tolist(), abs=1e-4)
+        assert [[t.token_id for t in e.top] for e in entries] == steps.topk(2).indices.tolist()
+        events = [e for m in messages if isinstance(m, TokenBatch) for e in m.events]
+        assert next(e for e in events if e.request_id == "r").cached_tokens == 0
+        assert w.scheduler.cache.num_available == 256
 
 
 def test_n_choices_prefilled_here_fork_the_prompt_and_sample_apart(tiny_model_dir,

@@ -328,6 +328,62 @@ def test_chat_logprobs_match_transformers(
     assert [e["top_logprobs"] for e in no_top["entries"]] == [[]] * 4
 
 
+# --- echo: the prompt's own logprobs --------------------------------------------------------
+
+LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(120))  # past one 512-token chunk
+
+
+def prompt_steps(reference: Reference, prompt_ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each prompt position but the last."""
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [0, 5])
+def test_echo_scores_the_prompt_as_transformers(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference: Reference,
+    pieces: TokenPieces, stream: bool, max_tokens: int,
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 0 or more):
+    each prompt token's logprob and top tokens, a long prompt's across prefill chunks, then
+    the completion's as ever."""
+    for prompt in (PROMPTS[2], LONG_PROMPT):
+        ids = tokenizer.encode(prompt)
+        steps = prompt_steps(reference, ids)
+        got = complete(cluster, prompt, max_tokens, stream, echo=True, logprobs=3,
+                       ignore_eos=True)
+        output = reference.run(ids, max_tokens)[0] if max_tokens else []
+        assert got["text"] == text_of(tokenizer, ids) + text_of(tokenizer, output)
+        assert (got["completion_tokens"], got["finish_reason"]) == (max_tokens, "length")
+        logprobs = got["logprobs"]
+        assert logprobs["tokens"] == [pieces(i).text for i in [*ids, *output]]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert_close(logprobs["token_logprobs"][1:len(ids)],
+                     steps[torch.arange(len(ids) - 1), ids[1:]].tolist())
+        for top, step in zip(logprobs["top_logprobs"][1:len(ids)], steps, strict=True):
+            assert {pieces(i).text for i in step.topk(3).indices.tolist()} <= set(top)
+        offsets = logprobs["text_offset"]
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert len(ids) > 512 or prompt != LONG_PROMPT
+
+
+def test_echo_without_logprobs_starts_every_choice_with_its_prompt(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    body = {"model": cluster.model, "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 3,
+            "temperature": 0.8, "seed": 3, "n": 2, "echo": True}
+    reply = cluster.client.post("/v1/completions", json=body).json()
+    for choice in reply["choices"]:
+        prompt = PROMPTS[choice["index"] // 2]
+        assert choice["text"].startswith(text_of(tokenizer, tokenizer.encode(prompt)))
+        assert choice["logprobs"] is None
+    refused = cluster.client.post("/v1/completions", json={**body, "echo": False,
+                                                          "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] is None
+
+
 def test_no_logprobs_unless_asked(cluster: Cluster) -> None:
     assert complete(cluster, PROMPT, 3, ignore_eos=True)["logprobs"] is None
     assert complete(cluster, PROMPT, 3, True, ignore_eos=True)["logprobs"] is None

@@ -105,9 +105,13 @@ def test_decisions_count_every_route_taken_by_path(real_model_dir: Path) -> None
         join(state.registry, "prefill-0", "prefill")
         route = state.registry.route(list(range(40)))
         assert route is not None and route.path == "disaggregated"
+        scored = state.registry.route(list(range(40)), prompt_logprobs=True)
+        assert scored is not None and scored.path == "local_prompt_logprobs"
+        assert scored.prefill is scored.decode and scored.pull is None
         body = cluster(client)
     assert body["decisions"] == {"disaggregated": 1, "local_short": 0, "local_saturated": 0,
-                                 "local_no_prefill": 3, "local_cached": 0}
+                                 "local_no_prefill": 3, "local_cached": 0,
+                                 "local_prompt_logprobs": 1}
 
 
 def test_recent_latency_comes_from_the_gateway_metrics(real_model_dir: Path) -> None:

@@ -30,6 +30,8 @@ from core.messages import (
     Leave,
     Message,
     PrefillRequest,
+    PromptLogprob,
+    PromptLogprobs,
     Register,
     RegisterAgain,
     RegisterReply,
@@ -890,6 +892,44 @@ def test_leave_removes_the_worker_and_fails_its_requests(tmp_path: Path) -> None
             assert await next_event(on_decode) == Event(None, "error", STOPPED)
             assert await next_event(on_prefill) == Event(None, "error", STOPPED)
             assert gw.registry.workers == {} and gw.dispatcher.requests == {}
+
+    asyncio.run(body())
+
+
+# -- prompt logprobs ---------------------------------------------------------------------------
+
+
+def test_a_prompt_to_score_is_prefilled_whole_on_a_decode_worker_and_its_logprobs_kept(
+        tmp_path: Path) -> None:
+    """Echo with logprobs: the decode worker computes the prompt (every position's logits);
+    its PromptLogprobs count only from that worker, for that epoch. Resumed once the client
+    has tokens, the request does not ask for them again."""
+    async def body() -> None:
+        async with gateway(tmp_path) as gw:
+            prefill, decode = await pair(gw)
+            other = await gw.worker("d2", "decode", kv_address="tcp://127.0.0.1:7002")
+            handle = gw.dispatcher.submit(replace(TASK, prompt_logprobs=2))
+            assert handle.assignment.prefill_worker == handle.assignment.decode_worker
+            on, off = (decode, other) if handle.assignment.decode_worker == "d1" else (
+                other, decode)
+            (request,) = await on.expect(1)
+            assert isinstance(request, PrefillRequest) and request.task.prompt_logprobs == 2
+            entries = [PromptLogprob(-1.0, []) for _ in range(PROMPT_LEN - 1)]
+            for sender, epoch in ((prefill, 0), (on, 1)):
+                sender.send(PromptLogprobs(handle.request_id, epoch, entries[:1]))
+            await prefill.flush()
+            await on.flush()
+            assert handle.prompt_logprobs is None
+            on.send(PromptLogprobs(handle.request_id, 0, entries))
+            on.tokens(handle.request_id, (0, 5, None))
+            assert await next_event(handle) == Event(5, None)
+            assert handle.prompt_logprobs == entries
+            on.send(Leave(on.worker_id, "i0"))
+            await until(lambda: handle.epoch == 1, "the resume")
+            sent = [*await prefill.flush(), *await off.flush()]
+            (again,) = [m for m in sent if isinstance(m, PrefillRequest)]
+            assert again.task.prompt_logprobs is None and again.decode_worker == off.worker_id
+            assert again.task.prompt_ids == [*TASK.prompt_ids, 5]
 
     asyncio.run(body())
 

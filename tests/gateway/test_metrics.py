@@ -173,7 +173,7 @@ def test_disaggregation_decisions_are_counted_by_path() -> None:
         Metrics().render(registry, dropped=0).decode())}
     counts = {s.labels["path"]: s.value for s in families["raging_disagg_decision"].samples}
     assert counts == {"disaggregated": 3, "local_short": 1, "local_saturated": 0,
-                      "local_no_prefill": 0, "local_cached": 0}
+                      "local_no_prefill": 0, "local_cached": 0, "local_prompt_logprobs": 0}
 
 
 def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restart() -> None:

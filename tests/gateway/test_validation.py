@@ -98,7 +98,8 @@ def common_cases(route: str) -> list[Case]:
         Case("n=17", _json(route, n=17), "n", says="n must be at most 16"),
         Case("n huge", _json(route, n=10**30), "n", says="at most 16"),
         Case("max_tokens -1", _json(route, max_tokens=-1), "max_tokens"),
-        Case("max_tokens 0", _json(route, max_tokens=0), "max_tokens"),
+        Case("max_tokens 0", _json(route, max_tokens=0), "max_tokens" if route == CHAT else None,
+             says="greater than" if route == CHAT else "needs echo"),
         Case("max_tokens 10**12", _json(route, max_tokens=10**12), "max_tokens",
              says="maximum context length"),
         Case("max_tokens 2**63", _json(route, max_tokens=2**63 - 1), "max_tokens",
@@ -231,7 +232,7 @@ def completion_cases() -> list[Case]:
         Case("prompt id beyond the vocabulary", _json(TEXT, prompt=[2**64]), "prompt"),
         Case("prompt too long", _json(TEXT, prompt=list(range(3000))), None,
              says="maximum context length"),
-        Case("echo", _json(TEXT, echo=True), "echo", says="not supported"),
+        Case("echo with logprobs past 5", _json(TEXT, echo=True, logprobs=6), "logprobs"),
         Case("suffix", _json(TEXT, suffix=MARKER), "suffix", says="not supported"),
         Case("best_of", _json(TEXT, best_of=3), "best_of"),
     ]

@@ -17,7 +17,7 @@ def test_plan_lays_out_mixed_batch() -> None:
     assert plan.token_ids.tolist() == [10, 11, 12, 20, 30, 31]
     assert plan.positions.tolist() == [5, 6, 7, 2, 0, 1]
     assert plan.slots.tolist() == [5, 6, 7, 30, 16, 17]
-    assert plan.last_rows.tolist() == [2, 3, 5]
+    assert plan.logit_rows.tolist() == [2, 3, 5]
     assert plan.decode is not None and plan.decode.rows.tolist() == [3]
     assert plan.decode.blocks.tolist() == [[7]]
     assert plan.decode.mask.flatten().tolist() == [0.0, 0.0, 0.0, float("-inf")]
@@ -83,3 +83,10 @@ def test_a_window_masks_only_where_it_hides_keys() -> None:
     assert longer.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
     assert plan.decode is not None and plan.decode.windowed
     assert (plan.decode.mask == 0).flatten().tolist() == [False] * 4 + [True] * 3 + [False]
+
+
+def test_a_sequence_asking_for_all_logits_gets_a_row_per_new_token() -> None:
+    batch = ForwardBatch([[10, 11, 12], [20], [30, 31]], [5, 2, 0], [[3, 1], [7], [4]],
+                         all_logits=[True, False, True])
+    assert plan_attention(batch, block_size=4).logit_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert [batch.logit_rows(i) for i in range(3)] == [3, 1, 2]

@@ -26,3 +26,8 @@ def test_bad_batches_are_value_errors(
 ) -> None:
     with pytest.raises(ValueError):
         ForwardBatch(token_ids, starts, tables)
+
+
+def test_all_logits_needs_a_flag_per_sequence() -> None:
+    with pytest.raises(ValueError):
+        ForwardBatch([[1, 2], [3]], [0, 0], [[0], [1]], all_logits=[True])

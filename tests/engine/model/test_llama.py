@@ -137,6 +137,24 @@ def test_chunked_prefill_mixed_with_decode(tiny: Fixture) -> None:
     assert_close(second[1], tiny.reference([*other, next_token]))
 
 
+def test_all_logits_are_every_position_s_as_transformers_across_chunks(tiny: Fixture) -> None:
+    """A prompt asking for all its rows' logits, in two chunks beside a decode step: each
+    position's logits are transformers' for the prompt up to there."""
+    prompt, other = random_prompt(21, seed=3), random_prompt(5, seed=4)
+    table, other_table = tiny.blocks(21), tiny.blocks(8)
+    tiny.model.forward(ForwardBatch([other], [0], [other_table]), tiny.cache)
+    rows = []
+    for begin, end in ((0, 9), (9, 21)):
+        logits = tiny.model.forward(ForwardBatch(
+            [prompt[begin:end], [7]], [begin, 5 + begin // 9], [table, other_table],
+            all_logits=[True, False]), tiny.cache)
+        assert logits.shape == (end - begin + 1, 49152)
+        rows.append(logits[:-1])
+    with torch.inference_mode():
+        expected = tiny.hf(torch.tensor([prompt])).logits[0].float()
+    assert_close(torch.cat(rows), expected)
+
+
 def test_layer_hook_runs_once_each_layer_is_in_the_cache(tiny: Fixture) -> None:
     prompt = random_prompt(10, seed=3)
     table = tiny.blocks(10)

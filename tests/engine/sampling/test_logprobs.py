@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.messages import MAX_LOGPROBS, Sampling, TopLogprob
-from engine.sampling.sampler import Draw, History, draw, make_generator
+from engine.sampling.sampler import Draw, History, draw, make_generator, prompt_logprobs
 
 VOCAB = 1000
 
@@ -81,3 +81,16 @@ def test_a_vocabulary_smaller_than_k_gives_every_token() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     got = draw(logits, [Sampling(temperature=0.0, logprobs=MAX_LOGPROBS)], [make_generator(0)])[0]
     assert [t.token_id for t in got.top] == [2, 1, 0]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_are_each_row_s_raw_log_softmax_at_its_target(k: int) -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    targets = [7, 0, 49, 7]
+    entries = prompt_logprobs(logits, targets, k)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for entry, row, target in zip(entries, expected, targets, strict=True):
+        assert entry.logprob == pytest.approx(float(row[target]), abs=1e-6)
+        values, ids = row.topk(k)
+        assert [t.token_id for t in entry.top] == ids.tolist()
+        assert [t.logprob for t in entry.top] == pytest.approx(values.tolist(), abs=1e-6)

@@ -89,3 +89,13 @@ def test_kv_bytes_shrinks_the_cache_and_the_fingerprint_says_so(folder: Path) ->
     assert tenth.cache.bytes_per_token == pytest.approx(full.cache.bytes_per_token / 10, rel=0.02)
     assert tenth.kv_fingerprint != full.kv_fingerprint
     assert tenth.kernel_isa == "sim" and tenth.device.type == "cpu"
+
+
+def test_all_logits_give_each_position_s_next_chain_token(folder: Path) -> None:
+    runner = SimRunner(folder, 16, BLOCK, time_scale=0)
+    prompt = list(b"Count the waves.")
+    logits = runner.forward(ForwardBatch([prompt], [0], [list(range(5))], all_logits=[True]))
+    assert logits.shape[0] == len(prompt)
+    again = SimRunner(folder, 16, BLOCK, time_scale=0)
+    last = again.forward(ForwardBatch([prompt], [0], [list(range(5))]))
+    assert torch.equal(logits[-1:], last)
