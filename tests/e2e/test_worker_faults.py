@@ -221,16 +221,23 @@ def test_requests_routed_to_the_only_decode_worker_just_killed_wait_for_its_rest
     """Before the gateway declares it dead, requests go to the killed worker, and their KV
     cannot reach it: rather than send them there again (and fail), they wait for the worker
     launch.sh starts again, and finish with the greedy text."""
-    prompts = [f"Note {i}: the weather today" for i in range(3)]
+    killed_at = kill_decode_0_and_stream(cluster, tiny_model_dir, 3)
+    assert "restarting decode-0 (1 of 3)" in (cluster.run_dir / "launch.log").read_text()
+    print(f"3 requests sent as the only decode worker was killed, all done "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+
+
+def kill_decode_0_and_stream(cluster: Cluster, model_dir: Path, count: int) -> float:
+    """SIGKILL decode-0, then stream `count` greedy requests at once: each must end whole, as
+    the uninterrupted run. Returns when the kill was."""
+    prompts = [f"Note {i}: the weather today" for i in range(count)]
     max_tokens = 24
     os.kill(cluster.pids()["decode-0"], signal.SIGKILL)
     killed_at = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: stream_text(cluster, p, max_tokens), prompts))
-    assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
-    assert "restarting decode-0 (1 of 3)" in (cluster.run_dir / "launch.log").read_text()
-    print(f"{len(prompts)} requests sent as the only decode worker was killed, all done "
-          f"{time.monotonic() - killed_at:.1f} s after the kill")
+    assert_uninterrupted(model_dir, prompts, max_tokens, results)
+    return killed_at
 
 
 @pytest.mark.parametrize("cluster", [(1, 2)], indirect=True)
@@ -240,17 +247,11 @@ def test_requests_routed_to_a_decode_worker_just_killed_finish_on_the_other(
     """Before the gateway declares it dead, requests still go to the killed decode worker;
     their KV cannot reach it, and they are served again on the other one, with no error and
     the uninterrupted greedy text."""
-    prompts = [f"Note {i}: the weather today" for i in range(6)]
-    max_tokens = 24
-    os.kill(cluster.pids()["decode-0"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: stream_text(cluster, p, max_tokens), prompts))
-    assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
+    killed_at = kill_decode_0_and_stream(cluster, tiny_model_dir, 6)
     resumed = cluster.metric("raging_requests_resumed_total")
     assert resumed >= 1  # some were routed to the dead worker
     # ... and came back through the prefill worker's failed hand-off, not only (or not yet)
     # through the gateway's heartbeat timeout.
     assert "is not reachable" in (cluster.run_dir / "gateway.log").read_text()
-    print(f"{len(prompts)} requests sent as decode-0 was killed, {resumed:.0f} resumed, all "
+    print(f"6 requests sent as decode-0 was killed, {resumed:.0f} resumed, all "
           f"done {time.monotonic() - killed_at:.1f} s after the kill")
