@@ -17,6 +17,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
@@ -200,6 +201,44 @@ def test_context_overflow_names_the_limits(cluster: Cluster) -> None:
     response = cluster.client.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert "2048" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("length", [1023, 1024, 1025, 2046, 2047])
+def test_prompts_up_to_the_context_s_edge_are_served_as_transformers_does(
+    cluster: Cluster, tokenizer: PreTrainedTokenizerBase, reference: Any, length: int
+) -> None:
+    """Prompts (token ids) a block short of, at and past a block boundary, and the longest
+    the context (2048) leaves room for: greedy tokens as transformers', every one counted."""
+    ids = torch.randint(3, 49_000, (length,), generator=torch.Generator().manual_seed(length))
+    max_tokens = min(4, 2048 - length)
+    body = {"model": cluster.model, "prompt": ids.tolist(), "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    reply = cluster.client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    expected = reference(ids.tolist(), max_tokens)
+    assert reply.json()["choices"][0]["text"] == decode_text(tokenizer, expected,
+                                                             skip_special_tokens=True)
+    assert reply.json()["usage"]["prompt_tokens"] == length
+    too_long = cluster.client.post("/v1/completions", json={**body, "prompt": [*body["prompt"],
+                                                                          *[5] * (2049 - length)]})
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(cluster: Cluster) -> None:
+    """Tokenizing a 4 MB prompt (then refused: far past the context) runs off the event loop:
+    probes and other requests are answered meanwhile."""
+    body = {"model": cluster.model, "prompt": "many words " * 400_000, "max_tokens": 1}
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(cluster.client.post, "/v1/completions", json=body)
+        waits = []
+        while not refused.done():
+            began = time.monotonic()
+            assert cluster.client.get("/health").status_code == 200
+            waits.append(time.monotonic() - began)
+        assert refused.result().status_code == 400
+    print(f"/health answered {len(waits)} times during the tokenization, slowest "
+          f"{max(waits) * 1000:.0f} ms")
+    assert len(waits) >= 3 and max(waits) < 0.5
 
 
 def test_unknown_route_and_method(cluster: Cluster) -> None:
