@@ -11,6 +11,8 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +91,38 @@ def test_a_killed_decode_workers_streams_finish_right_elsewhere(cluster: Cluster
     assert (summary.right, summary.failed) == (120, 0), summary
     # The streams it held at the kill resumed (how many were still unfinished is timing's).
     assert cluster.metric("raging_requests_resumed_total") > resumed_before
+
+
+def test_a_prefill_worker_killed_mid_hand_off_leaves_decode_clean_and_its_requests_right(
+        tmp_path: Path) -> None:
+    """Prefill slowed (time_scale 50: a 256-token chunk takes ~3 s, its KV streamed layer by
+    layer) and killed while decode holds part of a prompt's KV: decode drops it (nothing in
+    transfer, no block, no lease run out), lives on, and each request is served again on the
+    other prefill worker, still the predicted stream."""
+    config = {**CONFIG, "sim": {**CONFIG["sim"], "time_scale": 50.0}}
+    requests = sim_requests(2, 3, seed=13, prompt_lens=(600, 700))
+    with launch(tmp_path, "sim", prefill=2, decode=1, config=config) as cluster:
+        decode_pid = cluster.pids()["decode-0"]
+
+        def kill_the_sender() -> None:
+            def sender() -> str | None:  # a prefill worker holding a prompt's blocks
+                return next((w for w in ("prefill-0", "prefill-1")
+                             if cluster.metric("raging_kv_blocks_used", f'worker="{w}"')), None)
+            wait_for(lambda: cluster.metric("raging_kv_in_transfer", 'worker="decode-0"') > 0
+                     and sender() is not None, 60, "KV in transfer to decode-0")
+            os.kill(cluster.pids()[sender() or ""], signal.SIGKILL)
+
+        with ThreadPoolExecutor(1) as pool:
+            killed = pool.submit(kill_the_sender)
+            began = time.monotonic()
+            outcomes = asyncio.run(run_streams(cluster.url, cluster.model, requests,
+                                               timeout_s=120))
+            killed.result()
+        summary = summarize(requests, outcomes, time.monotonic() - began, MEAN)
+        assert (summary.right, summary.failed) == (2, 0), summary
+        assert cluster.metric("raging_requests_resumed_total") >= 1
+        assert cluster.pids()["decode-0"] == decode_pid and os.path.exists(f"/proc/{decode_pid}")
+        held = ("raging_kv_in_transfer", "raging_kv_blocks_used", "raging_worker_running",
+                "raging_kv_leases_expired")
+        wait_for(lambda: not any(cluster.metric(name, 'worker="decode-0"') for name in held),
+                 30, "decode-0 to hold nothing")

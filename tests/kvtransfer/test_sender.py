@@ -199,6 +199,21 @@ def test_sending_where_nothing_listens_raises_soon_and_leaves_the_sender_usable(
         live.close()
 
 
+def test_a_peer_that_accepts_and_never_speaks_fails_the_send_soon(sender: KVSender) -> None:
+    """A listener that takes the connection but never answers ZeroMQ's handshake (a wedged
+    process, a wrong service on the port): the send fails as unreachable within the connect
+    grace rather than waiting on it for good, and counts as a failure."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # the kernel completes the TCP handshake; nobody ever reads or writes
+        k, v = kv(12)
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="not reachable"):
+            sender.send_layers(f"tcp://127.0.0.1:{mute.getsockname()[1]}", "r", 0, 0, k, v)
+        assert time.monotonic() - started < 3.0
+    assert (sender.counters.chunks, sender.counters.failures) == (0, 1)
+
+
 def test_a_receiver_given_up_on_fails_the_next_sends_at_once_until_it_is_back(
     context: zmq.Context, sender: KVSender,
 ) -> None:
