@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from bench.launcher import free_port
 from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
 
@@ -255,3 +256,26 @@ def test_requests_routed_to_a_decode_worker_just_killed_finish_on_the_other(
     assert "is not reachable" in (cluster.run_dir / "gateway.log").read_text()
     print(f"6 requests sent as decode-0 was killed, {resumed:.0f} resumed, all "
           f"done {time.monotonic() - killed_at:.1f} s after the kill")
+
+
+def test_a_decode_worker_restarted_on_its_fixed_kv_port_gets_kv_again(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`decode.kv_bind` on a fixed port (as behind a firewall, or in a pod): SIGKILLed and
+    restarted by launch.sh on the same address, the worker gets KV again over the prefill
+    worker's socket to that address; requests are served as before and sends stop failing."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference = greedy_reference(tiny_model_dir)
+    config = {**TEST_CONFIG, "decode": {**TEST_CONFIG["decode"],
+                                        "kv_bind": f"tcp://127.0.0.1:{free_port()}"}}
+    prompts = [f"Request number {i} says" for i in range(6)]
+    expected = [decode_text(tokenizer, reference(tokenizer.encode(p), 8)) for p in prompts]
+    failures = 'backend="shm",direction="send",worker="prefill-0"'
+    with launch(tmp_path, tiny_model_dir, config=config) as cluster:
+        assert complete(cluster, prompts[0]) == expected[0]
+        pid = cluster.pids()["decode-0"]
+        os.kill(pid, signal.SIGKILL)
+        within(30, lambda: cluster.pids()["decode-0"] != pid)
+        assert [complete(cluster, p) for p in prompts[1:3]] == expected[1:3]
+        settled = cluster.metric("raging_kv_transfer_failures_total", failures)
+        assert [complete(cluster, p) for p in prompts[3:]] == expected[3:]
+        assert cluster.metric("raging_kv_transfer_failures_total", failures) == settled
