@@ -518,6 +518,8 @@ def _score_prompts(batch: list[DecodeSequence], scored: list[bool],
     """Add the logprobs of the prompt tokens this step's rows predict to each scored
     sequence (`prompt_scores`, from position 0 again when it starts over); return the row of
     each sequence's last new token in `logits`."""
+    if not any(scored):  # every step but a scored prompt's: one row each
+        return list(range(len(batch)))
     last_rows: list[int] = []
     row = 0
     for sequence, every in zip(batch, scored, strict=True):

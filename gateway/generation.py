@@ -126,8 +126,7 @@ class Generation:
             return Delta("", "error", "the prompt's logprobs were lost")
         self.text_chars = len(echo.text)
         if echo.prompt_only:
-            self._count_token()
-            self.completion_tokens = 0
+            self._count_token(shown=False)
             return self._finished(echo.text, "length")
         delta = self._apply_token(event)
         return replace(delta, text=echo.text + delta.text)
@@ -207,7 +206,9 @@ class Generation:
         self.metrics.e2e.observe(time.monotonic() - self.started)
         return Delta(text, reason, stop_reason=stop_reason)
 
-    def _count_token(self) -> None:
+    def _count_token(self, shown: bool = True) -> None:
+        """A token arrived (its timing); `shown`: one of the completion's (not the token an
+        echoed prompt alone, max_tokens 0, draws and drops)."""
         now = time.monotonic()
         if self.last_token_at is None:
             self.handle.timing.first_token = now
@@ -219,8 +220,9 @@ class Generation:
             self.metrics.inter_token.observe(now - self.last_token_at)
             self.metrics.recent.tpot(now - self.last_token_at)
         self.last_token_at = now
-        self.completion_tokens += 1
-        self.metrics.generation_tokens.inc()
+        if shown:
+            self.completion_tokens += 1
+            self.metrics.generation_tokens.inc()
 
     def _count_end(self) -> None:
         """vLLM's per-request series: how it finished ("abort" when it ended unfinished), its

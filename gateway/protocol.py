@@ -496,8 +496,7 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _no_empty_completion_without_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
-            raise PydanticCustomError(
-                "invalid_value", "max_tokens 0 asks for the prompt alone: it needs echo")
+            raise _invalid("max_tokens 0 asks for the prompt alone: it needs echo")
         return self
 
     @field_validator("best_of")

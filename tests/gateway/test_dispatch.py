@@ -993,17 +993,25 @@ def test_a_hand_off_the_only_decode_worker_missed_waits_until_it_heartbeats(
     asyncio.run(body())
 
 
+async def left_waiting(gw: Gateway) -> tuple[FakeWorker, RequestHandle]:
+    """A request whose only decode worker left: it waits (its old epoch aborted on prefill)."""
+    prefill, decode = await pair(gw)
+    handle = await submitted(gw, prefill)
+    decode.send(Leave("d1", "i0"))
+    assert await prefill.expect(1) == [Abort(handle.request_id, 0)]
+    assert set(gw.dispatcher.waiting) == {handle.request_id}
+    return prefill, handle
+
+
 def test_a_waiting_request_fails_when_no_worker_joins_in_time(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path, worker_wait_s=0.3) as gw:
-            prefill, decode = await pair(gw)
-            handle = await submitted(gw, prefill)
+            _, handle = await left_waiting(gw)
+            until = gw.dispatcher.waiting[handle.request_id]
+            assert until - time.monotonic() > 0.2  # its wait: 0.3 s from the leave
             gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
-            decode.send(Leave("d1", "i0"))
-            await until(lambda: bool(gw.dispatcher.waiting), "the request to wait")
-            began = time.monotonic()
             assert await next_event(handle) == Event(None, "error", NO_WORKER)
-            assert time.monotonic() - began > 0.2
+            assert time.monotonic() >= until
             assert gw.dispatcher.waiting == {} and gw.dispatcher.requests == {}
             assert gw.active("p1") == {}
 
@@ -1013,10 +1021,7 @@ def test_a_waiting_request_fails_when_no_worker_joins_in_time(tmp_path: Path) ->
 def test_a_waiting_request_the_client_gave_up_on_is_forgotten(tmp_path: Path) -> None:
     async def body() -> None:
         async with gateway(tmp_path, worker_wait_s=30.0) as gw:
-            prefill, decode = await pair(gw)
-            handle = await submitted(gw, prefill)
-            decode.send(Leave("d1", "i0"))
-            assert await prefill.expect(1) == [Abort(handle.request_id, 0)]
+            prefill, handle = await left_waiting(gw)
             gw.dispatcher.abort(handle)
             assert gw.dispatcher.waiting == {} and gw.dispatcher.requests == {}
             assert await prefill.expect(1) == [Abort(handle.request_id, 1)]
