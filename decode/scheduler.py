@@ -94,11 +94,15 @@ class DecodeScheduler:
         self.cost = cost
         self.waiting: deque[DecodeSequence] = deque()
         self.running: list[DecodeSequence] = []
+        # Every sequence here by key: thousands may wait, and each abort looks one up.
+        self.sequences: dict[RequestKey, DecodeSequence] = {}
         self.preemptions = 0
         self.window = window
 
     def add(self, sequence: DecodeSequence) -> None:
+        assert sequence.key not in self.sequences, "a request is added once per epoch"
         self.waiting.append(sequence)
+        self.sequences[sequence.key] = sequence
 
     def fits_at_all(self, sequence: DecodeSequence) -> bool:
         """Whether the pool could hold the sequence at its longest (prompt + max_tokens)."""
@@ -107,7 +111,7 @@ class DecodeScheduler:
         return blocks_needed(longest, self.block_size) <= self.allocator.num_total
 
     def find(self, key: RequestKey) -> DecodeSequence | None:
-        return next((s for s in [*self.running, *self.waiting] if s.key == key), None)
+        return self.sequences.get(key)
 
     def schedule(self) -> tuple[list[DecodeSequence], list[DecodeSequence]]:
         """(sequences admitted now, the batch to run this step)."""
@@ -154,6 +158,8 @@ class DecodeScheduler:
         partial last one to be copied. Returns (source, target) of that copy, if any. A child
         that does not fit now waits, to be computed from scratch."""
         assert parent in self.running and child.num_cached <= parent.num_cached
+        assert child.key not in self.sequences, "a choice is forked once per epoch"
+        self.sequences[child.key] = child
         shared = child.num_cached // self.block_size
         fresh = self._need(child) - shared
         if len(self.running) >= self.max_running or not self._can_allocate(fresh):
@@ -173,6 +179,7 @@ class DecodeScheduler:
             self.running.remove(sequence)
         else:
             self.waiting.remove(sequence)
+        del self.sequences[sequence.key]
         self._release(sequence)
 
     def _need(self, sequence: DecodeSequence) -> int:

@@ -7,6 +7,9 @@ brings torch in through xgrammar, the first time one comes).
 
 from __future__ import annotations
 
+import logging
+import resource
+
 import uvicorn
 from starlette.applications import Starlette
 
@@ -27,6 +30,9 @@ from gateway.metrics import Metrics
 from gateway.packing import Packing
 from gateway.registry import LocalPrefill, Pulling, Registry
 from gateway.state import GatewayState
+
+log = logging.getLogger("gateway")
+_MOST_OPEN_FILES = 1 << 20  # where the hard limit is "unlimited": Linux's default nr_open
 
 
 def make_registry(gateway: GatewayConfig, fingerprint: str) -> Registry:
@@ -62,6 +68,22 @@ def gateway_app(config: Config) -> Starlette:
     return build_app(state)
 
 
+def raise_open_files_limit() -> int:
+    """Every client connection holds a socket: take the hard limit on open files, as vLLM
+    does, rather than a soft one that is often 1,024. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _MOST_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit from %d: %s", soft, exc)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning("open files limit %d: at most about %d clients at once", soft, soft - 64)
+    return soft
+
+
 def main() -> None:
     parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
     for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser",
@@ -75,6 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     config = with_keys(parser.config(args), args.api_key)
     setup_logging("gateway", config.logging.format)
+    raise_open_files_limit()
     try:
         app = gateway_app(config)
     except KeysError as exc:

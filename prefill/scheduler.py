@@ -34,6 +34,7 @@ class Prefilling:
     request: PrefillRequest
     deadline: float
     done: int = 0
+    admitted: bool = False  # blocks held: running
 
     @property
     def key(self) -> RequestKey:
@@ -73,6 +74,8 @@ class PrefillScheduler:
         self.cost = cost
         self.waiting: list[Prefilling] = []  # no blocks yet, in arrival order
         self.running: list[Prefilling] = []  # in progress (blocks held), in admission order
+        # Every prompt here by key: thousands may wait, and each arrival or abort looks one up.
+        self.prompts: dict[RequestKey, Prefilling] = {}
 
     @property
     def min_first_chunk(self) -> int:
@@ -85,27 +88,33 @@ class PrefillScheduler:
     def add(self, request: PrefillRequest, now: float = 0.0) -> bool:
         """Queue a request that arrived at `now` (seconds); False (and nothing queued) when
         the same one is here already."""
-        if request.key in self.held():
+        if request.key in self.prompts:
             return False
         deadline = now + self.ttft_s_per_token * len(request.task.prompt_ids)
-        self.waiting.append(Prefilling(request, deadline))
+        prompt = Prefilling(request, deadline)
+        self.waiting.append(prompt)
+        self.prompts[request.key] = prompt
         return True
 
     def abort(self, key: RequestKey) -> bool:
         """Drop a queued or in-progress request; False when it is not here."""
-        found = [p for p in [*self.waiting, *self.running] if p.key == key]
-        for prompt in found:
-            (self.waiting if prompt in self.waiting else self.running).remove(prompt)
-        return bool(found)
+        prompt = self.prompts.pop(key, None)
+        if prompt is None:
+            return False
+        (self.running if prompt.admitted else self.waiting).remove(prompt)
+        return True
+
+    def holds(self, key: RequestKey) -> bool:
+        return key in self.prompts
 
     def held(self) -> list[RequestKey]:
         """Every request here, waiting or in progress."""
-        return [p.key for p in [*self.waiting, *self.running]]
+        return list(self.prompts)
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens still to compute (a cached prefix, once found, does not count)."""
-        return sum(p.remaining for p in [*self.waiting, *self.running])
+        return sum(p.remaining for p in self.prompts.values())
 
     def schedule(self, free_blocks: int,
                  start: Callable[[PrefillRequest], int] = lambda request: 0) -> list[Chunk]:
@@ -125,7 +134,7 @@ class PrefillScheduler:
             finishing = any(chunk.is_last for chunk in chunks)
             if chunks and self._size(prompt, budget, False, finishing) == 0:
                 continue
-            if prompt not in self.running:
+            if not prompt.admitted:
                 need = blocks_needed(prompt.prompt_len, self.block_size)
                 admitting = admitting and blocks + need <= free_blocks
                 if not admitting:
@@ -156,6 +165,7 @@ class PrefillScheduler:
     def _admit(self, prompt: Prefilling, start: Callable[[PrefillRequest], int]) -> None:
         self.waiting.remove(prompt)
         self.running.append(prompt)  # before `start`, which may heartbeat: held all along
+        prompt.admitted = True
         prompt.done = start(prompt.request)
         assert 0 <= prompt.done < prompt.prompt_len, "the last token is always computed"
 
@@ -166,3 +176,4 @@ class PrefillScheduler:
         prompt.done = chunk.end
         if prompt.remaining == 0:
             self.running.remove(prompt)
+            del self.prompts[prompt.key]

@@ -109,7 +109,7 @@ class PrefillWorker(Worker):
     def _add(self, request: PrefillRequest) -> None:
         """Queue the request (unless it is here already) once its grammar, if any, has
         compiled: until then it waits in `compiling`, off the scheduler."""
-        if request.key in self.scheduler.held() or request.key in self.compiling:
+        if self.scheduler.holds(request.key) or request.key in self.compiling:
             return  # a repeat
         log.info("request %s: %d prompt tokens", request.request_id,
                  len(request.task.prompt_ids), extra=about(request.key))

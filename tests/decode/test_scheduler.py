@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -511,3 +512,20 @@ def test_without_a_window_no_block_is_dropped() -> None:
         _, batch = scheduler.schedule()
         step(batch)
     assert DROPPED not in seq.blocks and len(seq.blocks) == blocks_needed(40, BLOCK)
+
+
+def test_thousands_waiting_are_found_and_removed_each_in_constant_time() -> None:
+    """An abort finds its sequence by key, however many wait (a scan each made an abort storm
+    over thousands of queued requests quadratic)."""
+    scheduler, allocator = make(num_blocks=8)
+    sequences = [sequence(f"r{i}", 5) for i in range(20_000)]
+    began = time.monotonic()
+    for each in sequences:
+        scheduler.add(each)
+    for each in sequences:
+        found = scheduler.find(each.key)
+        assert found is each
+        scheduler.remove(found)
+    assert time.monotonic() - began < 5.0  # linear: well under a second here
+    assert not scheduler.waiting and scheduler.find(RequestKey("r0", 0)) is None
+    assert_accounted(scheduler, allocator)

@@ -83,10 +83,11 @@ def alive(pid: int) -> bool:
 def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
            config: dict[str, Any] | None = None, timeout_s: float = 180,
            flags: Sequence[str] = (), api_key: str | None = None,
-           cpus: Sequence[int] = ()) -> Iterator[Cluster]:
+           cpus: Sequence[int] = (), open_files: int | None = None) -> Iterator[Cluster]:
     """Run scripts/launch.sh (plus extra `flags`) until it reports ready; stop everything it
     started afterwards. `api_key` is what the cluster's client sends (as Bearer); `cpus`, if
-    any, the only CPUs launch.sh (and so every process it starts) may run on."""
+    any, the only CPUs launch.sh (and so every process it starts) may run on; `open_files`,
+    the soft open-files limit they start with (the hard one as it is)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config or TEST_CONFIG))
@@ -96,6 +97,8 @@ def launch(run_dir: Path, model: Path | str, prefill: int = 1, decode: int = 1,
                "--run-dir", str(run_dir), *flags]
     if cpus:
         command = ["taskset", "-c", ",".join(map(str, cpus)), *command]
+    if open_files is not None:
+        command = ["prlimit", f"--nofile={open_files}:", *command]
     log = (run_dir / "launch.log").open("wb")
     launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:

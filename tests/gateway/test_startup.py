@@ -3,6 +3,7 @@ its registry routing as the config says."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import textwrap
@@ -49,3 +50,16 @@ def test_the_registry_routes_as_the_config_says() -> None:
                                     "gateway.prefill_routing": "spread",
                                     "gateway.pack_kv_fraction": "0.5"})
     assert make_registry(config.gateway, "fp").packing == Packing("spread", "spread", 0.5)
+
+
+def test_the_gateway_takes_the_hard_open_files_limit() -> None:
+    """A soft limit of 1,024 (common) would refuse client connections past about a thousand."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    unlimited = hard == resource.RLIM_INFINITY
+    wanted = 1 << 20 if unlimited else hard
+    script = ("import resource; from gateway.__main__ import raise_open_files_limit; "
+              "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    limit = f"--nofile=256:{'unlimited' if unlimited else hard}"
+    run = subprocess.run(["prlimit", limit, sys.executable, "-c", script], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.split() == [str(wanted), str(wanted)]

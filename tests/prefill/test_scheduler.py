@@ -5,6 +5,8 @@ come, first served; the last ones test deadlines."""
 
 from __future__ import annotations
 
+import time
+
 from core.messages import GenerationTask, PrefillRequest, RequestKey, Sampling
 from engine.model.chunk_cost import ChunkCost
 from prefill.scheduler import Chunk, Prefilling, PrefillScheduler
@@ -336,3 +338,19 @@ def test_priority_comes_before_the_deadline_lower_first() -> None:
         scheduler.add(PrefillRequest(name, 0, task, "d1", "tcp://127.0.0.1:1"))
     assert ids(step(scheduler)) == ["urgent", "normal"]
     assert ids(step(scheduler)) == ["also", "later"]
+
+
+def test_thousands_queued_are_added_and_aborted_each_in_constant_time() -> None:
+    """Each arrival and abort looks its prompt up by key (a list scan each made 5,000 queued
+    requests take longer to take in than the stall timeout)."""
+    scheduler = scheduler_with()
+    began = time.monotonic()
+    for i in range(20_000):
+        assert scheduler.add(request(f"r{i}", 8))
+    assert not scheduler.add(request("r7", 8)) and scheduler.holds(RequestKey("r7", 0))
+    for i in range(20_000):
+        assert scheduler.abort(RequestKey(f"r{i}", 0))
+    # Linear: about 0.1 s here; quadratic was minutes.
+    assert time.monotonic() - began < 5.0
+    assert not scheduler.waiting and not scheduler.held() and not scheduler.abort(
+        RequestKey("r7", 0))
