@@ -207,6 +207,9 @@ class GatewayConfig:
                                                        "may call the API from a browser "
                                                        "(CORS); *: any, as vLLM and "
                                                        "llama.cpp allow; empty: none")
+    stored_responses: int = setting(256, "/v1/responses kept in memory for "
+                                         "previous_response_id and GET (the oldest go "
+                                         "first); 0: none kept")
 
     def __post_init__(self) -> None:
         if not 0 < self.pack_kv_fraction <= 1:
@@ -214,6 +217,9 @@ class GatewayConfig:
                              f"not {self.pack_kv_fraction}")
         if self.worker_wait_s < 0:
             raise ValueError(f"gateway.worker_wait_s must be >= 0, not {self.worker_wait_s}")
+        if self.stored_responses < 0:
+            raise ValueError(f"gateway.stored_responses must be >= 0, "
+                             f"not {self.stored_responses}")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ def build_app(state: GatewayState) -> Starlette:
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/responses", routes.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", routes.response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),

@@ -1,5 +1,5 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions (streaming and not), /v1/models;
-and vLLM's /tokenize and /detokenize."""
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/responses (streaming and
+not; kept responses read and deleted by id), /v1/models; and vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
 from gateway.logprobs import TokenPieces
 from gateway.protocol import (
+    ChatCompletionRequest,
     GenerationParams,
     TemplateOptions,
     TokenizeRequest,
@@ -45,6 +46,9 @@ from gateway.protocol import (
     tokenize_prompt,
 )
 from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
+from gateway.response_store import StoredResponse
+from gateway.responses_reply import ResponseContext, ResponsesReply
+from gateway.responses_request import parse_responses_request
 from gateway.state import GatewayState
 from gateway.timing import TIMING_HEADER, asks_for_timing
 from gateway.tools import ToolPlan, tool_plan
@@ -63,6 +67,7 @@ class Served:
     model: str
     arrived: float
     tools: ToolPlan | None = None
+    response: ResponseContext | None = None  # answered as a Response (/v1/responses)
 
 
 class OpenAIRoutes:
@@ -79,6 +84,51 @@ class OpenAIRoutes:
         body = await asyncio.to_thread(parse_chat_request, await self._read_body(request))
         self.ignored.check(body)
         model = self._served_model(body.model)
+        prompt_ids, params, tools = await self._chat_prompt(body)
+        return await self._serve(request, ChatFormat(), [prompt_ids], params,
+                                 Served(model, arrived, tools))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: a chat request spelled another way (responses_request.py),
+        answered as a Response (responses_reply.py)."""
+        arrived = time.monotonic()
+        body = await asyncio.to_thread(parse_responses_request, await self._read_body(request))
+        self.ignored.check(body)
+        model = self._served_model(body.model)
+        owner = cache_salt(request)
+        earlier = [] if body.previous_response_id is None else self._stored_response(
+            body.previous_response_id, owner, "previous_response_id").conversation
+        chat = await asyncio.to_thread(body.chat_request, earlier)
+        prompt_ids, params, tools = await self._chat_prompt(chat)
+        store = self.state.responses if body.store is not False and (
+            self.state.responses.capacity) else None
+        context = ResponseContext(body, [*earlier, *body.input_messages()], owner, store,
+                                  params.temperature, params.top_p)
+        return await self._serve(request, ChatFormat(), [prompt_ids], params,
+                                 Served(model, arrived, tools, context))
+
+    async def response(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}`: a kept response, as it was returned."""
+        response_id = request.path_params["response_id"]
+        return JSONResponse(self._stored_response(response_id, cache_salt(request)).body)
+
+    async def delete_response(self, request: Request) -> Response:
+        """`DELETE /v1/responses/{id}`: forget a kept response."""
+        response_id = request.path_params["response_id"]
+        if not self.state.responses.delete(response_id, cache_salt(request)):
+            raise _response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _stored_response(self, response_id: str, owner: str,
+                         param: str | None = None) -> StoredResponse:
+        stored = self.state.responses.get(response_id, owner)
+        if stored is None:
+            raise _response_not_found(response_id, param)
+        return stored
+
+    async def _chat_prompt(self, body: ChatCompletionRequest
+                           ) -> tuple[list[int], GenerationParams, ToolPlan | None]:
+        """A chat request's prompt token ids, generation parameters and tool plan."""
         gateway = self.state.config.gateway
         tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
         render = functools.partial(render_chat_prompt, tools=tools,
@@ -87,8 +137,7 @@ class OpenAIRoutes:
         params = generation_params(body, self.state.generation_defaults)
         if tools is not None and tools.grammar:
             params = dataclasses.replace(params, grammar=tools.grammar)
-        return await self._serve(request, ChatFormat(), [prompt_ids], params,
-                                 Served(model, arrived, tools))
+        return prompt_ids, params, tools
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -215,9 +264,15 @@ class OpenAIRoutes:
                                   self._echo(params, handle.task.prompt_ids))
                        for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
-        reply = Reply(fmt, generations, self.state, params.include_usage, logprobs, params.n,
-                      model=served.model, continuous_usage=params.continuous_usage,
-                      timing=timing, span=span, tools=served.tools)
+        reply: Reply
+        if served.response is not None:
+            reply = ResponsesReply(served.response, generations, self.state, logprobs,
+                                   model=served.model, timing=timing, span=span,
+                                   tools=served.tools)
+        else:
+            reply = Reply(fmt, generations, self.state, params.include_usage, logprobs,
+                          params.n, model=served.model, continuous_usage=params.continuous_usage,
+                          timing=timing, span=span, tools=served.tools)
         echoed = client_request_id(request)
         if params.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -309,6 +364,10 @@ def client_request_id(request: Request) -> dict[str, str]:
     return {}
 
 
+
+
+def _response_not_found(response_id: str, param: str | None = None) -> APIError:
+    return not_found(f"Response with id '{response_id[:100]}' not found.", param=param)
 
 
 def _tokenize_body(tokenizer: Any, body: TokenizeRequest) -> list[int]:

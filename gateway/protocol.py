@@ -76,7 +76,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
-def _invalid(message: str) -> PydanticCustomError:
+def invalid_value(message: str) -> PydanticCustomError:
     # PydanticCustomError formats its template with str.format-style fields: no braces in messages.
     return PydanticCustomError("invalid_value", message)
 
@@ -85,7 +85,7 @@ def _unsupported(what: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", f"{what} is not supported yet")
 
 
-def _none_only(value: object, info: ValidationInfo) -> object:
+def none_only(value: object, info: ValidationInfo) -> object:
     """For a feature that is missing: only null (asking for nothing) is accepted."""
     if value is not None:
         raise _unsupported(str(info.field_name))
@@ -106,14 +106,14 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     # strict: no "1" -> 1 or true -> 1 coercions. allow: a field outside the schema is kept in
     # model_extra, for gateway/ignored_fields.py to ignore (logged, counted) or refuse (strict
     # mode); OpenAI client fields that do not apply are declared and ignored.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     """`stream_options`: whether the last streamed chunk carries token usage."""
 
     include_usage: bool | None = False
@@ -121,13 +121,13 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too
 
 
-class RagingOptions(_Request):
+class RagingOptions(RequestModel):
     """`raging`: this server's own options (docs/api.md)."""
 
     timing: bool | None = False  # the response carries the request's latency breakdown
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     """`response_format.json_schema`: the JSON schema the output must match."""
 
     name: str = Field(min_length=1, max_length=64)
@@ -136,7 +136,7 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None  # ignored: the output always matches the schema here
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """`response_format`: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -145,7 +145,7 @@ class ResponseFormat(_Request):
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise _invalid("json_schema is required with type 'json_schema', and only then")
+            raise invalid_value("json_schema is required with type 'json_schema', and only then")
         problem = _schema_problem(self.grammar) if self.type == "json_schema" else None
         if problem is not None:
             raise PydanticCustomError("invalid_value", "invalid JSON schema: {problem}",
@@ -177,7 +177,7 @@ def _schema_problem(grammar: str) -> str | None:
     return None
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     """A function the model may call: `tools[i].function`, or a legacy `functions[i]`."""
 
     name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -186,32 +186,32 @@ class FunctionDefinition(_Request):
     strict: bool | None = None  # ignored: a forced call always matches the schema here
 
 
-class Tool(_Request):
+class Tool(RequestModel):
     """One entry of `tools`."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Request):
+class FunctionName(RequestModel):
     name: str = Field(min_length=1, max_length=64)
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     """`tool_choice` forcing a call of one function."""
 
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     """An earlier call: `tool_calls[i].function`, or a legacy assistant `function_call`."""
 
     name: str = Field(min_length=1, max_length=64)
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(_Request):
+class ToolCall(RequestModel):
     """One entry of an earlier assistant message's `tool_calls`."""
 
     id: str = Field(min_length=1, max_length=256)
@@ -219,7 +219,7 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One chat message; list-of-parts content is normalized to a string (parts joined by \\n).
     An assistant message that calls tools may have null or no content; a legacy "function"
     message is a tool result."""
@@ -233,7 +233,7 @@ class ChatMessage(_Request):
     audio: Any = None
     content: str | None = Field(default=None, validate_default=True)
 
-    _no_audio = field_validator("audio")(_none_only)
+    _no_audio = field_validator("audio")(none_only)
     _unknown_parts: tuple[str, ...] = PrivateAttr(default=())  # as `content[1].cache_control`
 
     @model_validator(mode="wrap")
@@ -256,7 +256,7 @@ class ChatMessage(_Request):
             calls = info.data.get("tool_calls") or info.data.get("function_call")
             if info.data.get("role") == "assistant" and calls:
                 return None
-            raise _invalid("content must be a string or a list of text parts")
+            raise invalid_value("content must be a string or a list of text parts")
         if isinstance(value, list):
             return "\n".join(_part_text(index, part) for index, part in enumerate(value))
         return value
@@ -264,11 +264,11 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _tool_fields_with_their_role(self) -> ChatMessage:
         if (self.tool_calls or self.function_call) and self.role != "assistant":
-            raise _invalid("only assistant messages may carry tool_calls or function_call")
+            raise invalid_value("only assistant messages may carry tool_calls or function_call")
         if self.role == "tool" and self.tool_call_id is None:
-            raise _invalid("a tool message needs the tool_call_id it answers")
+            raise invalid_value("a tool message needs the tool_call_id it answers")
         if self.role == "function" and self.name is None:
-            raise _invalid("a function message needs the name of the function")
+            raise invalid_value("a function message needs the name of the function")
         return self
 
     @property
@@ -279,21 +279,21 @@ class ChatMessage(_Request):
 def _part_text(index: int, part: object) -> str:
     """A text part's text; its fields outside TEXT_PART_FIELDS are unknown fields."""
     if not isinstance(part, dict):
-        raise _invalid("each content part must be an object")
+        raise invalid_value("each content part must be an object")
     kind = part.get("type")
     if isinstance(kind, str) and kind in UNREADABLE_PARTS:
         raise PydanticCustomError(
             "unreadable_part", "{what} input is not supported: this model reads text only",
             {"what": UNREADABLE_PARTS[kind], "part": index})
     if kind != "text":
-        raise _invalid("only content parts of type 'text' are supported")
+        raise invalid_value("only content parts of type 'text' are supported")
     text = part.get("text")
     if not isinstance(text, str):
-        raise _invalid("a text content part needs a string 'text' field")
+        raise invalid_value("a text content part needs a string 'text' field")
     return text
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(RequestModel):
     """Fields shared by chat and text completion requests."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)  # None: the served one
@@ -334,14 +334,14 @@ class _SamplingRequest(_Request):
     def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 10):
-                raise _invalid(f"logit_bias keys must be token ids, not {key[:20]!r}")
+                raise invalid_value(f"logit_bias keys must be token ids, not {key[:20]!r}")
         return value
 
     @model_validator(mode="after")
-    def _one_repetition_penalty(self) -> _SamplingRequest:
+    def _one_repetition_penalty(self) -> SamplingRequest:
         if None not in (self.repeat_penalty, self.repetition_penalty) and (
                 self.repeat_penalty != self.repetition_penalty):
-            raise _invalid("repeat_penalty is another name for repetition_penalty: "
+            raise invalid_value("repeat_penalty is another name for repetition_penalty: "
                            "send one, or the same value in both")
         return self
 
@@ -349,14 +349,15 @@ class _SamplingRequest(_Request):
     @classmethod
     def _words(cls, value: list[str] | None) -> list[str] | None:
         if value and any(not word.strip() or len(word) > MAX_STOP_CHARS for word in value):
-            raise _invalid(f"each bad word must have text, at most {MAX_STOP_CHARS} characters")
+            raise invalid_value(f"each bad word must have text, at most {MAX_STOP_CHARS} "
+                                "characters")
         return value
 
     @field_validator("n")
     @classmethod
     def _at_most_max_choices(cls, value: int | None) -> int | None:
         if value is not None and value > MAX_CHOICES:
-            raise _invalid(f"n must be at most {MAX_CHOICES}")
+            raise invalid_value(f"n must be at most {MAX_CHOICES}")
         return value
 
     @field_validator("stop", mode="before")
@@ -366,7 +367,7 @@ class _SamplingRequest(_Request):
         if stops is None:
             return None
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _invalid("stop must be a string or a list of strings")
+            raise invalid_value("stop must be a string or a list of strings")
         _check_stops(stops)
         return stops
 
@@ -376,20 +377,20 @@ class _SamplingRequest(_Request):
         cls, value: StreamOptions | None, info: ValidationInfo
     ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
-            raise _invalid("stream_options is only allowed when stream is true")
+            raise invalid_value("stream_options is only allowed when stream is true")
         return value
 
 
 def _check_stops(stops: list[str]) -> None:
     if len(stops) > MAX_STOP_STRINGS:
-        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        raise invalid_value(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
     if any(not s for s in stops):
-        raise _invalid("stop strings must not be empty")
+        raise invalid_value("stop strings must not be empty")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise _invalid(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+        raise invalid_value(f"each stop string must be at most {MAX_STOP_CHARS} characters")
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     """The body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -427,22 +428,22 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _continue_or_cue(self) -> ChatCompletionRequest:
         if self.continue_final_message and self.add_generation_prompt:
-            raise _invalid("continue_final_message and add_generation_prompt cannot both be "
+            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
                            "true: set add_generation_prompt to false to continue the last "
                            "message")
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise _invalid("continue_final_message needs the last message to be the "
+            raise invalid_value("continue_final_message needs the last message to be the "
                            "assistant's")
         return self
 
     _missing_features = field_validator("audio", "prediction", "web_search_options",
-                                        "moderation")(_none_only)
+                                        "moderation")(none_only)
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value and not info.data.get("logprobs"):
-            raise _invalid("top_logprobs needs logprobs set to true")
+            raise invalid_value("top_logprobs needs logprobs set to true")
         return value
 
     @field_validator("tool_choice", "function_call", mode="before")
@@ -453,7 +454,8 @@ class ChatCompletionRequest(_SamplingRequest):
                 value == "required" and info.field_name == "tool_choice"):
             return value
         if not isinstance(value, dict):
-            raise _invalid(f"{info.field_name} must be one of the allowed strings or an object")
+            raise invalid_value(f"{info.field_name} must be one of the allowed strings or an "
+                                "object")
         named = NamedToolChoice if info.field_name == "tool_choice" else FunctionName
         try:
             return named.model_validate(value)
@@ -470,7 +472,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return value
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """The body of POST /v1/completions; `prompt` is normalized to a list of prompts, each a
     string or token ids (a batch: each gets `n` choices)."""
 
@@ -490,20 +492,20 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _at_most_max_choices_in_all(self) -> CompletionRequest:
         if len(self.prompt) * (self.n or 1) > MAX_CHOICES:
-            raise _invalid(f"prompts times n must be at most {MAX_CHOICES}")
+            raise invalid_value(f"prompts times n must be at most {MAX_CHOICES}")
         return self
 
     @model_validator(mode="after")
     def _no_empty_completion_without_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
-            raise _invalid("max_tokens 0 asks for the prompt alone: it needs echo")
+            raise invalid_value("max_tokens 0 asks for the prompt alone: it needs echo")
         return self
 
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, value: int | None) -> int | None:
         if value not in (None, 1):
-            raise _invalid("only best_of=1 is supported for now")
+            raise invalid_value("only best_of=1 is supported for now")
         return value
 
     @field_validator("suffix")
@@ -514,7 +516,7 @@ class CompletionRequest(_SamplingRequest):
         return value
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """The body of POST /tokenize (vLLM's): a prompt, or messages under the chat template."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
@@ -531,9 +533,9 @@ class TokenizeRequest(_Request):
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise _invalid("give either prompt or messages")
+            raise invalid_value("give either prompt or messages")
         if self.continue_final_message and self.add_generation_prompt:
-            raise _invalid("continue_final_message and add_generation_prompt cannot both be "
+            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
                            "true")
         return self
 
@@ -543,7 +545,7 @@ class TokenizeRequest(_Request):
                                bool(self.continue_final_message), self.chat_template_kwargs)
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     """The body of POST /detokenize (vLLM's)."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
@@ -558,13 +560,13 @@ def _normalize_prompts(value: object) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
-        raise _invalid(_PROMPT_FORMS)
+        raise invalid_value(_PROMPT_FORMS)
     if not value:
-        raise _invalid("prompt must not be an empty list")
+        raise invalid_value("prompt must not be an empty list")
     if all(_is_token_id(item) for item in value):
         return [value]
     if not all(isinstance(item, str) or _is_token_list(item) for item in value):
-        raise _invalid(_PROMPT_FORMS)
+        raise invalid_value(_PROMPT_FORMS)
     return value
 
 
@@ -699,14 +701,14 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse a /v1/chat/completions body; any invalid body raises a 400 `APIError`."""
-    request = _parse(ChatCompletionRequest, body)
+    request = parse_body(ChatCompletionRequest, body)
     check_tool_request(request)
     return request
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse a /v1/completions body; any invalid body raises a 400 `APIError`."""
-    return _parse(CompletionRequest, body)
+    return parse_body(CompletionRequest, body)
 
 
 def check_tool_request(request: ChatCompletionRequest) -> None:
@@ -722,15 +724,15 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
                           f"schema: {problem}", param=param)
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     """Parse a /tokenize body; any invalid body raises a 400 `APIError`."""
-    return _parse(TokenizeRequest, body)
+    return parse_body(TokenizeRequest, body)
 
 
 def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
     """Parse a /detokenize body; any invalid body raises a 400 `APIError`."""
-    return _parse(DetokenizeRequest, body)
+    return parse_body(DetokenizeRequest, body)
 
 
-def _parse(model: type[_Model], body: bytes) -> _Model:
+def parse_body(model: type[_Model], body: bytes) -> _Model:
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:

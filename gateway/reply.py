@@ -84,7 +84,7 @@ Format = ChatFormat | CompletionFormat
 
 
 @dataclass
-class _Whole:
+class WholeChoice:
     """A choice collected to its end."""
 
     parts: list[str] = field(default_factory=list)
@@ -94,6 +94,7 @@ class _Whole:
 
 
 _ENDED = object()  # a choice's deltas are over
+KEEPALIVE_EVENT = ": keepalive\n\n"  # an SSE comment: keeps a waiting stream's connection
 
 
 class Reply:
@@ -123,6 +124,7 @@ class Reply:
         self.created = int(time.time())
         self.model = model or state.model_name
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
+        self.outcome = "aborted"  # of a stream, as it ends: ok, error or aborted
         # One per choice when its output may hold tool calls (gateway/tools.py).
         self.tool_streams = [tools.stream() for _ in generations] if tools else []
 
@@ -147,33 +149,44 @@ class Reply:
             assert item is None or isinstance(item, Delta)
             yield index, item
 
+    @property
+    def route(self) -> str:
+        """The `route` label of the request's metrics."""
+        return "chat" if isinstance(self.fmt, ChatFormat) else "completions"
+
     async def sse(self) -> AsyncIterator[str]:
-        outcome = "aborted"
+        """The response as SSE events; ends the request however the stream ends."""
+        self.outcome = "aborted"
         try:
-            if isinstance(self.fmt, ChatFormat):  # the role chunk: usage so far is the prompt
-                yield self._event([self.fmt.choice_delta(i, "", None, first=True)
-                                   for i in range(len(self.generations))],
-                                  self._usage() if self.continuous_usage else None)
-            async for index, delta in self._deltas():
-                if delta is KEEPALIVE:
-                    yield ": keepalive\n\n"
-                elif delta.finish_reason == "error":
-                    outcome = "error"
-                    yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
-                    yield "data: [DONE]\n\n"  # as vLLM ends a failed stream: clients stop here
-                    return
-                else:
-                    choice = self._streamed_choice(index, delta)
-                    if choice is not None:
-                        yield self._event([choice],
-                                          self._usage() if self.continuous_usage else None,
-                                          self._raging(index) if delta.finish_reason else None)
-            outcome = "ok"
-            if self.include_usage:
-                yield self._event([], usage=self._usage())
-            yield "data: [DONE]\n\n"
+            async for event in self._events():
+                yield event
         finally:
-            self._close(outcome)
+            self._close(self.outcome)
+
+    async def _events(self) -> AsyncIterator[str]:
+        """The SSE events; sets `outcome` as the stream ends well or in an error."""
+        if isinstance(self.fmt, ChatFormat):  # the role chunk: usage so far is the prompt
+            yield self._event([self.fmt.choice_delta(i, "", None, first=True)
+                               for i in range(len(self.generations))],
+                              self._usage() if self.continuous_usage else None)
+        async for index, delta in self._deltas():
+            if delta is KEEPALIVE:
+                yield KEEPALIVE_EVENT
+            elif delta.finish_reason == "error":
+                self.outcome = "error"
+                yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
+                yield "data: [DONE]\n\n"  # as vLLM ends a failed stream: clients stop here
+                return
+            else:
+                choice = self._streamed_choice(index, delta)
+                if choice is not None:
+                    yield self._event([choice],
+                                      self._usage() if self.continuous_usage else None,
+                                      self._raging(index) if delta.finish_reason else None)
+        self.outcome = "ok"
+        if self.include_usage:
+            yield self._event([], usage=self._usage())
+        yield "data: [DONE]\n\n"
 
     async def whole(self, request: Request) -> Response:
         """The complete response; a client that disconnects first aborts the request."""
@@ -190,8 +203,7 @@ class Reply:
                 outcome = "error"
                 return JSONResponse(_stream_error(wholes), status_code=503)
             outcome = "ok"
-            choices = [self._whole_choice(i, w) for i, w in enumerate(wholes)]
-            body = self._body(choices, usage=self._usage())
+            body = self._whole_body(wholes)
             if self.timing:
                 body["raging"] = self._raging(0)
             return JSONResponse(body)
@@ -199,6 +211,10 @@ class Reply:
             watcher.cancel()
             collector.cancel()
             self._close(outcome)
+
+    def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
+        choices = [self._whole_choice(i, w) for i, w in enumerate(wholes)]
+        return self._body(choices, usage=self._usage())
 
     def _tool_stream(self, index: int) -> ToolStream | None:
         return self.tool_streams[index] if self.tool_streams else None
@@ -220,7 +236,7 @@ class Reply:
         return self.fmt.choice_delta(index, output.content, reason, False, logprobs,
                                      delta.stop_reason, tools.message_fields(output))
 
-    def _whole_choice(self, index: int, whole: _Whole) -> dict[str, Any]:
+    def _whole_choice(self, index: int, whole: WholeChoice) -> dict[str, Any]:
         logprobs = whole.logprobs if self.logprobs else None
         text = "".join(whole.parts)
         tools = self._tool_stream(index)
@@ -230,9 +246,9 @@ class Reply:
         content, calls, reason = tools.whole(text, whole.finish_reason)
         return self.fmt.choice_full(index, content, reason, logprobs, whole.stop_reason, calls)
 
-    async def _collect(self) -> list[_Whole] | str:
+    async def _collect(self) -> list[WholeChoice] | str:
         """Every choice, once all have ended; or the error that ended one."""
-        wholes = [_Whole() for _ in self.generations]
+        wholes = [WholeChoice() for _ in self.generations]
         async for index, delta in self._deltas():
             if delta is KEEPALIVE:
                 continue
@@ -256,8 +272,7 @@ class Reply:
             task.cancel()
         for generation in self.generations:
             generation.close()
-        route = "chat" if isinstance(self.fmt, ChatFormat) else "completions"
-        self.state.metrics.requests.labels(route, outcome).inc()
+        self.state.metrics.requests.labels(self.route, outcome).inc()
         self._end_span(outcome)
 
     def _end_span(self, outcome: str) -> None:

@@ -19,6 +19,7 @@ from gateway.autoscale import Autoscaler
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
 from gateway.registry import Registry
+from gateway.response_store import ResponseStore
 
 
 @dataclass
@@ -45,6 +46,11 @@ class GatewayState:
     def autoscaler(self) -> Autoscaler:
         """The pools' wanted sizes (`raging_pool_desired_workers`), from this gateway's view."""
         return Autoscaler(self.config.autoscale, self.registry, self.metrics.recent)
+
+    @functools.cached_property
+    def responses(self) -> ResponseStore:
+        """The /v1/responses kept for `previous_response_id` and GET."""
+        return ResponseStore(self.config.gateway.stored_responses)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:

@@ -24,6 +24,7 @@ from gateway.auth import KeysError, Tenant, load_keys
 from gateway.errors import service_unavailable
 from gateway.metrics import Metrics
 from gateway.registry import Registry
+from gateway.response_store import StoredResponse
 from gateway.state import GatewayState
 
 MODEL = "tiny"
@@ -297,3 +298,18 @@ def test_an_exposed_gateway_without_keys_warns_at_start(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert bool(warnings) is warned
     assert not warned or "without API keys" in warnings[0].getMessage()
+
+
+def test_a_kept_response_is_its_tenants_alone(client: TestClient, state: GatewayState) -> None:
+    alpha_salt = salt_of(client, state, bearer(ALPHA))
+    state.responses.keep(StoredResponse(alpha_salt, {"id": "resp_a", "object": "response"},
+                                        [{"role": "user", "content": "Hi"}]))
+    continued = {"model": MODEL, "input": "Again", "previous_response_id": "resp_a"}
+    for key in (BETA, BETA_TOO):
+        assert client.get("/v1/responses/resp_a", headers=bearer(key)).status_code == 404
+        assert client.post("/v1/responses", json=continued,
+                           headers=bearer(key)).status_code == 404
+        assert client.delete("/v1/responses/resp_a", headers=bearer(key)).status_code == 404
+    assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["id"] == "resp_a"
+    assert client.delete("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["deleted"]
+    assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).status_code == 404

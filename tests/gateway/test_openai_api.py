@@ -114,3 +114,41 @@ def test_every_served_name_is_listed_and_accepted(named: TestClient) -> None:
     reply = named.post("/v1/completions", json=valid_body("/v1/completions"))  # its own name
     assert reply.status_code == 404
     assert "'alpha', 'beta'" in error_of(reply)["message"]
+
+
+def test_a_valid_response_request_passes_every_check(client: TestClient) -> None:
+    body = {"model": MODEL, "instructions": "Be brief.", "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}],
+        "tools": [{"type": "function", "name": "weather",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        "text": {"format": {"type": "text"}}, "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2, "max_output_tokens": 16, "store": True}
+    assert is_no_worker(client.post("/v1/responses", json=body))
+    streamed = client.post("/v1/responses", json={**body, "stream": True})
+    assert is_no_worker(streamed)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].message.content[0]"),
+    ({"input": "Hi", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0]"),
+    ({"input": "Hi", "background": True}, "background"),
+    ({"instructions": "no input"}, "input"),
+])
+def test_a_response_request_it_cannot_serve_is_a_400(
+        client: TestClient, body: dict[str, object], param: str) -> None:
+    reply = client.post("/v1/responses", json={"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    assert error_of(reply)["param"] == param
+
+
+def test_an_unknown_response_id_is_a_404_wherever_it_is_named(client: TestClient) -> None:
+    for reply in (client.get("/v1/responses/resp_none"),
+                  client.delete("/v1/responses/resp_none"),
+                  client.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                     "previous_response_id": "resp_none"})):
+        assert reply.status_code == 404, reply.text
+        assert error_of(reply)["message"] == "Response with id 'resp_none' not found."

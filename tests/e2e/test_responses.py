@@ -1,0 +1,269 @@
+"""OpenAI's Responses API end to end on the real SmolLM2-135M-Instruct, through the official
+openai client as its docs call it (`responses.create`, `responses.stream`, `retrieve`,
+`delete`) and as raw SSE: greedy output against transformers and against the chat route,
+stream events against the whole response, tool calls and their round trip, continued
+conversations, formats, logprobs and what is kept. 1 gateway + 1 prefill + 1 decode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+from openai.types.responses import (
+    FunctionToolParam,
+    Response,
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
+
+from engine.weights.tokenizer import decode_text
+from tests.e2e.cluster import Cluster, launch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
+
+LAUNCH_S = 420
+INSTRUCTIONS = "You are a helpful assistant. Answer in one sentence."
+QUESTION = "What is the capital of France?"
+WEATHER: FunctionToolParam = {
+    "type": "function", "name": "get_weather", "strict": True,
+    "description": "Get current temperature for a given location.",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+                   "required": ["location"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, timeout_s=LAUNCH_S) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as made:
+        yield made
+
+
+def transformers_answer(model_dir: Path, messages: list[dict[str, str]],
+                        max_tokens: int) -> tuple[str, int]:
+    """transformers' greedy answer to `messages` under the template, and the prompt's length."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+    assert isinstance(encoded, BatchEncoding)
+    ids = encoded["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    return decode_text(tokenizer, out[0, ids.shape[1]:].tolist(), skip_special_tokens=True), \
+        ids.shape[1]
+
+
+def message_of(response: Response) -> ResponseOutputMessage:
+    """The response's one output item, its message."""
+    [message] = response.output
+    assert isinstance(message, ResponseOutputMessage)
+    return message
+
+
+def text_part(response: Response) -> ResponseOutputText:
+    [part] = message_of(response).content
+    assert isinstance(part, ResponseOutputText)
+    return part
+
+
+def chat_answer(client: openai.OpenAI, cluster: Cluster, messages: list[Any],
+                **fields: Any) -> tuple[str | None, int]:
+    """The chat route's greedy answer to `messages`, and its prompt tokens."""
+    reply = client.chat.completions.create(model=cluster.model, messages=messages,
+                                           temperature=0, **fields)
+    assert reply.usage is not None
+    return reply.choices[0].message.content, reply.usage.prompt_tokens
+
+
+def test_a_greedy_response_equals_transformers(
+        client: openai.OpenAI, cluster: Cluster, real_model_dir: Path) -> None:
+    response = client.responses.create(model=cluster.model, instructions=INSTRUCTIONS,
+                                       input=QUESTION, max_output_tokens=32, temperature=0)
+    expected, prompt_tokens = transformers_answer(real_model_dir, [
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}], 32)
+    assert response.status in ("completed", "incomplete")
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == expected and "Paris" in expected
+    assert message_of(response).role == "assistant"
+    assert response.usage is not None and response.usage.input_tokens == prompt_tokens
+    assert response.usage.output_tokens <= 32
+    assert response.instructions == INSTRUCTIONS and response.temperature == 0
+
+
+def test_the_stream_builds_the_same_response(client: openai.OpenAI, cluster: Cluster) -> None:
+    request: dict[str, Any] = {"model": cluster.model, "input": QUESTION,
+                               "max_output_tokens": 24, "temperature": 0}
+    whole = client.responses.create(**request)
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text
+    assert final.usage is not None and whole.usage is not None
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    kept = client.responses.retrieve(final.id)
+    assert kept.output_text == final.output_text and kept.status == final.status
+
+
+def test_max_output_tokens_leaves_it_incomplete(client: openai.OpenAI, cluster: Cluster) -> None:
+    response = client.responses.create(model=cluster.model, input="Tell me a long story.",
+                                       max_output_tokens=5, temperature=0)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.output_tokens == 5
+    assert message_of(response).status == "incomplete"
+
+
+def test_a_required_call_and_its_output_round_trip(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    asked = "What is the weather like in Paris today?"
+    response = client.responses.create(model=cluster.model, input=asked, tools=[WEATHER],
+                                       tool_choice="required", temperature=0,
+                                       max_output_tokens=100)
+    calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
+    assert calls and response.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    results: list[Any] = [{"type": "function_call_output", "call_id": call.call_id,
+                           "output": "14 degrees celsius, light rain"} for call in calls]
+    # As the docs go on: the results, after the response they answer (kept by id) ...
+    answer = client.responses.create(model=cluster.model, previous_response_id=response.id,
+                                     input=results, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=40)
+    # ... or after the whole conversation sent again; and as chat, it is the same prompt.
+    conversation: list[Any] = [{"role": "user", "content": asked}, *calls, *results]
+    again = client.responses.create(model=cluster.model, input=conversation, tools=[WEATHER],
+                                    temperature=0, max_output_tokens=40, store=False)
+    chat_text, chat_prompt = chat_answer(client, cluster, [
+        {"role": "user", "content": asked},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.call_id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]},
+        *[{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]}
+          for r in results]],
+        tools=[{"type": "function", "function": {
+            k: v for k, v in WEATHER.items() if k != "type"}}], max_tokens=40)
+    assert answer.output_text and answer.output_text == again.output_text == chat_text
+    assert answer.usage is not None and again.usage is not None
+    assert answer.usage.input_tokens == again.usage.input_tokens == chat_prompt
+
+
+def test_a_named_call_streams_its_arguments(client: openai.OpenAI, cluster: Cluster) -> None:
+    with client.responses.stream(
+            model=cluster.model, input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=60) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    [call] = final.output
+    assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_weather"
+    assert "".join(pieces) == done.arguments == call.arguments
+    assert json.loads(call.arguments)["location"]
+
+
+def test_previous_response_id_continues_the_conversation(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    said = "My name is Ana and I live in Lisbon."
+    first = client.responses.create(model=cluster.model, input=said, temperature=0,
+                                    max_output_tokens=30, instructions=INSTRUCTIONS)
+    asked = "Where do I live?"
+    second = client.responses.create(model=cluster.model, input=asked, temperature=0,
+                                     max_output_tokens=30, previous_response_id=first.id)
+    # Instructions are not carried over to the next response, as OpenAI has it.
+    expected, prompt_tokens = chat_answer(client, cluster, [
+        {"role": "user", "content": said}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": asked}], max_tokens=30)
+    assert second.output_text == expected
+    assert second.usage is not None and second.usage.input_tokens == prompt_tokens
+    assert second.previous_response_id == first.id
+
+
+def test_store_false_keeps_nothing_and_delete_forgets(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    unkept = client.responses.create(model=cluster.model, input="Hi", max_output_tokens=4,
+                                     store=False)
+    assert unkept.to_dict()["store"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    kept = client.responses.create(model=cluster.model, input="Hi", max_output_tokens=4)
+    assert kept.to_dict()["store"] is True
+    assert client.responses.retrieve(kept.id).id == kept.id
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=cluster.model, input="Hi", previous_response_id=kept.id)
+
+
+def test_a_json_schema_format_is_followed(client: openai.OpenAI, cluster: Cluster) -> None:
+    # Bounded, so that the small model's output ends within the limit.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "country": {"enum": ["France", "Spain"]}},
+              "required": ["city", "country"], "additionalProperties": False}
+    response = client.responses.create(
+        model=cluster.model, input="Describe Paris as JSON.", temperature=0,
+        max_output_tokens=120,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                         "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+
+
+def test_logprobs_are_the_chat_routes(client: openai.OpenAI, cluster: Cluster) -> None:
+    response = client.responses.create(
+        model=cluster.model, input=QUESTION, temperature=0, max_output_tokens=12,
+        include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=cluster.model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=12, logprobs=True, top_logprobs=2)
+    part = text_part(response)
+    assert part.logprobs is not None
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    got = [(e.token, round(e.logprob, 4), len(e.top_logprobs)) for e in part.logprobs]
+    want = [(e.token, round(e.logprob, 4), len(e.top_logprobs))
+            for e in chat.choices[0].logprobs.content]
+    assert got == want  # the stop token's too, as chat shows it
+    assert "".join(e.token for e in part.logprobs).startswith(part.text)
+
+
+def test_raw_sse_names_each_event_and_counts_the_route(cluster: Cluster) -> None:
+    body = {"model": cluster.model, "input": "Hi", "max_output_tokens": 6, "stream": True}
+    with cluster.client.stream("POST", "/v1/responses", json=body) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in reply.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    payloads = [json.loads(line.removeprefix("data: ")) for line in lines
+                if line.startswith("data: ")]
+    assert names == [payload["type"] for payload in payloads]
+    final = payloads[-1]["response"]
+    assert payloads[-1]["type"] == f"response.{final['status']}"
+    assert final["status"] in ("completed", "incomplete") and final["output"]
+    assert final["usage"]["total_tokens"] == (final["usage"]["input_tokens"]
+                                              + final["usage"]["output_tokens"])
+    assert cluster.metric("raging_requests_total", 'outcome="ok",route="responses"') >= 1

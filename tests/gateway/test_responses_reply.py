@@ -1,0 +1,73 @@
+"""A response's output items and the stream events each step makes (no workers needed: the
+whole reply is exercised end to end in tests/e2e/test_responses.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.responses_reply import OutputItems
+
+LOGPROB = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+
+
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    return [event["type"].removeprefix("response.") for event in events]
+
+
+def test_text_opens_a_message_whose_deltas_add_up() -> None:
+    items = OutputItems("msg_1")
+    first = items.add_text("Hel", [LOGPROB])
+    assert kinds(first) == ["output_item.added", "content_part.added", "output_text.delta"]
+    assert first[0]["item"]["content"] == [] and first[0]["item"]["status"] == "in_progress"
+    assert kinds(items.add_text("lo", [])) == ["output_text.delta"]
+    done = items.finish("completed")
+    assert kinds(done) == ["output_text.done", "content_part.done", "output_item.done"]
+    assert done[0]["text"] == "Hello" and done[0]["logprobs"] == [LOGPROB]
+    assert done[2]["item"]["status"] == "completed"
+    assert items.items == [done[2]["item"]]
+    assert items.as_message() == {"role": "assistant", "content": "Hello"}
+
+
+def test_a_call_closes_the_message_and_streams_its_arguments() -> None:
+    items = OutputItems("msg_1")
+    items.add_text("Looking.", [])
+    started = items.start_call("call_1", "weather", '{"city"')
+    assert kinds(started) == ["output_text.done", "content_part.done", "output_item.done",
+                              "output_item.added", "function_call_arguments.delta"]
+    added = started[3]
+    assert added["output_index"] == 1 and added["item"]["arguments"] == ""
+    assert added["item"]["call_id"] == "call_1" and added["item"]["id"].startswith("fc_")
+    items.add_arguments(': "Paris"}')
+    second = items.start_call("call_2", "time", "{}")
+    assert kinds(second)[:2] == ["function_call_arguments.done", "output_item.done"]
+    assert second[0]["arguments"] == '{"city": "Paris"}' and second[0]["name"] == "weather"
+    done = items.finish("incomplete")
+    assert done[-1]["item"]["status"] == "incomplete"
+    assert [item["type"] for item in items.items] == ["message", "function_call",
+                                                      "function_call"]
+    assert items.as_message() == {"role": "assistant", "content": "Looking.", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "{}"}}]}
+
+
+def test_logprobs_of_held_back_text_wait_for_the_next_text() -> None:
+    items = OutputItems("msg_1")
+    assert items.add_text("", [LOGPROB]) == []
+    delta = items.add_text("b", [{**LOGPROB, "token": "b"}])[-1]
+    assert [entry["token"] for entry in delta["logprobs"]] == ["a", "b"]
+
+
+def test_an_output_of_nothing_is_an_empty_message() -> None:
+    items = OutputItems("msg_1")
+    assert kinds(items.finish("completed")) == [
+        "output_item.added", "content_part.added", "output_text.done", "content_part.done",
+        "output_item.done"]
+    assert items.as_message() == {"role": "assistant", "content": ""}
+
+
+def test_an_output_of_calls_only_has_no_content() -> None:
+    items = OutputItems("msg_1")
+    items.start_call("call_1", "f", "{}")
+    items.finish("completed")
+    assert items.as_message()["content"] is None
