@@ -6,6 +6,7 @@ elsewhere, still right."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -18,7 +19,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bench.sim_streams import run_streams, sim_requests, summarize
+from bench.client import read_stream
+from bench.serve import open_client
+from bench.sim_streams import SimRequest, run_streams, sim_requests, summarize
 from engine.sim.folder import scaled_kv, sim_folder
 from engine.sim.profile import load_profile
 from engine.sim.tokens import continuation, text_of
@@ -126,3 +129,57 @@ def test_a_prefill_worker_killed_mid_hand_off_leaves_decode_clean_and_its_reques
                 "raging_kv_leases_expired")
         wait_for(lambda: not any(cluster.metric(name, 'worker="decode-0"') for name in held),
                  30, "decode-0 to hold nothing")
+
+
+async def ttft_s(url: str, model: str, request: SimRequest) -> float:
+    """Seconds to the first token of one streamed request."""
+    async with open_client(url, None, 120) as client:
+        began = time.perf_counter()
+        arrivals, _, _ = await read_stream(client, "/v1/completions", request.body(model), began)
+    assert arrivals, "no token came"
+    return arrivals[0]
+
+
+async def send_and_leave(url: str, model: str, request: SimRequest, after_s: float) -> None:
+    """Send a streamed request, then drop the connection `after_s` later."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(request.body(model)).encode()
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    await asyncio.sleep(after_s)
+    writer.close()
+
+
+def test_a_client_that_leaves_a_long_prefill_stops_it_at_once(tmp_path: Path) -> None:
+    """Peer failure: a disconnect during a long prefill, before its first token. Prefill slowed
+    (time_scale 50: each 256-token chunk takes seconds) on a 1,800-token prompt, its client
+    gone 200 ms in: the prefill worker stops it within a layer (it never hands off), a short
+    request sent at the same moment gets its first token as fast as one sent to an idle
+    cluster, and no KV stays reserved on either worker."""
+    config = {**CONFIG, "sim": {**CONFIG["sim"], "time_scale": 50.0}}
+    long_prompt, = sim_requests(1, 4, seed=21, prompt_lens=(1800, 1800))
+    shorts = sim_requests(4, 2, seed=22, prompt_lens=(8, 8))
+    with launch(tmp_path, "sim", config=config) as cluster:
+        idle = max(asyncio.run(ttft_s(cluster.url, cluster.model, r)) for r in shorts[:3])
+
+        async def leave_then_ask() -> float:
+            left = asyncio.create_task(send_and_leave(cluster.url, cluster.model, long_prompt,
+                                                      0.2))
+            await asyncio.sleep(0.2)
+            ttft = await ttft_s(cluster.url, cluster.model, shorts[3])
+            await left
+            return ttft
+
+        behind = asyncio.run(leave_then_ask())
+        assert behind <= 2 * idle + 0.5, (behind, idle)
+        for worker in ("prefill-0", "decode-0"):
+            wait_for(lambda w=worker: not cluster.metric("raging_kv_blocks_used",
+                                                         f'worker="{w}"'),
+                     5, f"{worker} to hold no KV block")
+        log = cluster.log("prefill-0")
+        [long_id] = [line.split("request ")[1].split(":")[0] for line in log.splitlines()
+                     if ": 1800 prompt tokens" in line]
+        assert f"request {long_id}: first token" not in log  # stopped, never handed off
+        assert "aborted mid-prefill" in log
