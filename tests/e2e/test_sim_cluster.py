@@ -174,10 +174,11 @@ def test_a_client_that_leaves_a_long_prefill_stops_it_at_once(tmp_path: Path) ->
 
         behind = asyncio.run(leave_then_ask())
         assert behind <= 2 * idle + 0.5, (behind, idle)
-        for worker in ("prefill-0", "decode-0"):
-            wait_for(lambda w=worker: not cluster.metric("raging_kv_blocks_used",
-                                                         f'worker="{w}"'),
-                     5, f"{worker} to hold no KV block")
+        def blocks_held() -> float:
+            return sum(cluster.metric("raging_kv_blocks_used", f'worker="{worker}"')
+                       for worker in ("prefill-0", "decode-0"))
+
+        wait_for(lambda: not blocks_held(), 5, "both workers to hold no KV block")
         log = cluster.log("prefill-0")
         [long_id] = [line.split("request ")[1].split(":")[0] for line in log.splitlines()
                      if ": 1800 prompt tokens" in line]
