@@ -38,23 +38,11 @@ _MAX_ID_CHARS = 256
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
 
 
-class MessageItem(RequestModel):
-    """A message: the user's, the system's (or developer's), or an earlier assistant reply;
-    content parts are joined by \\n, as chat's are."""
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str
-    id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
-    status: str | None = None
-    phase: str | None = None  # ignored: OpenAI's commentary / final-answer mark
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _join_text_parts(cls, value: object) -> object:
-        if isinstance(value, list):
-            return "\n".join(_part_text(index, part) for index, part in enumerate(value))
-        return value
+def _joined(value: object) -> object:
+    """Text parts as one string, joined by \\n (anything else as it is, for pydantic)."""
+    if isinstance(value, list):
+        return "\n".join(_part_text(index, part) for index, part in enumerate(value))
+    return value
 
 
 def _part_text(index: int, part: object) -> str:
@@ -67,10 +55,24 @@ def _part_text(index: int, part: object) -> str:
                                                             "part": index})
     field = "refusal" if kind == "refusal" else "text"
     if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(part.get(field), str):
-        raise invalid_value("content parts must be input_text, output_text or refusal, with their "
-                       "text")
+        raise invalid_value("content parts must be input_text, output_text or refusal, with "
+                            "their text")
     text: str = part[field]
     return text
+
+
+class MessageItem(RequestModel):
+    """A message: the user's, the system's (or developer's), or an earlier assistant reply;
+    content parts are joined by \\n, as chat's are."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str
+    id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
+    status: str | None = None
+    phase: str | None = None  # ignored: OpenAI's commentary / final-answer mark
+
+    _join_text_parts = field_validator("content", mode="before")(_joined)
 
 
 class FunctionCallItem(RequestModel):
@@ -93,12 +95,7 @@ class FunctionCallOutputItem(RequestModel):
     id: str | None = Field(default=None, max_length=_MAX_ID_CHARS)
     status: str | None = None
 
-    @field_validator("output", mode="before")
-    @classmethod
-    def _join_text_parts(cls, value: object) -> object:
-        if isinstance(value, list):
-            return "\n".join(_part_text(index, part) for index, part in enumerate(value))
-        return value
+    _join_text_parts = field_validator("output", mode="before")(_joined)
 
 
 class ReasoningItem(RequestModel):
@@ -237,8 +234,9 @@ class ResponsesRequest(SamplingRequest):
     @classmethod
     def _in_the_foreground(cls, value: bool | None) -> bool | None:
         if value:
-            raise invalid_value("background responses are not supported: send the request and "
-                           "keep the connection (stream it to see tokens as they come)")
+            raise invalid_value("background responses are not supported: send the request "
+                                "and keep the connection (stream it to see tokens as they "
+                                "come)")
         return value
 
     @field_validator("n")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
@@ -19,6 +20,7 @@ from bench.client import auth_headers
 from bench.launcher import free_port, started_pids, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
+REAL_LAUNCH_S = 420  # the real model: a loaded machine may build the kernels first
 
 # Small pools so that tests start fast and leave memory for the rest of the suite.
 TEST_CONFIG: dict[str, Any] = {
@@ -50,8 +52,15 @@ class Cluster:
         self.launcher = launcher
         self.run_dir = run_dir
         self.url = url
+        self.api_key = api_key
         self.client = httpx.Client(base_url=url, timeout=120, headers=auth_headers(api_key))
         self.model = self.client.get("/v1/models").json()["data"][0]["id"]
+
+    def openai_client(self, timeout_s: float = 300) -> openai.OpenAI:
+        """The official client, as its docs make it; no retries, so that a test sees every
+        failure."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused",
+                             max_retries=0, timeout=timeout_s)
 
     def pids(self) -> dict[str, int]:
         return started_pids(self.run_dir)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.cluster import greedy_reference
+from tests.e2e.cluster import REAL_LAUNCH_S, Cluster, greedy_reference, launch
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +21,19 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
 def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
     """Greedy continuation of the tiny model by transformers itself."""
     return greedy_reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """1 gateway + 1 prefill + 1 decode on the real model, for the module (a module that needs
+    another cluster defines its own `cluster`)."""
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir,
+                timeout_s=REAL_LAUNCH_S) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    """The official client of the module's `cluster`."""
+    with cluster.openai_client() as made:
+        yield made

@@ -7,7 +7,6 @@ conversations, formats, logprobs and what is kept. 1 gateway + 1 prefill + 1 dec
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,11 @@ from openai.types.responses import (
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
 from engine.weights.tokenizer import decode_text
-from tests.e2e.cluster import Cluster, launch
+from tests.e2e.cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
-LAUNCH_S = 420
+
 INSTRUCTIONS = "You are a helpful assistant. Answer in one sentence."
 QUESTION = "What is the capital of France?"
 WEATHER: FunctionToolParam = {
@@ -37,19 +36,6 @@ WEATHER: FunctionToolParam = {
     "description": "Get current temperature for a given location.",
     "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
                    "required": ["location"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir, timeout_s=LAUNCH_S) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
-                       timeout=300) as made:
-        yield made
 
 
 def transformers_answer(model_dir: Path, messages: list[dict[str, str]],

@@ -22,12 +22,11 @@ from openai.types.chat import (
 )
 from pydantic import SecretStr
 
-from tests.e2e.cluster import Cluster, launch, sse_events
+from tests.e2e.cluster import REAL_LAUNCH_S, Cluster, launch, sse_events
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
 MAX_TOKENS = 200
-LAUNCH_S = 420  # a loaded machine may build the kernels first
 # The function of the openai client's tool-calling example (README / the API reference).
 WEATHER_PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -48,19 +47,6 @@ TIME: ChatCompletionToolParam = {"type": "function", "function": {
 SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME["function"]["parameters"]}
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-@pytest.fixture(scope="module")
-def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir, timeout_s=LAUNCH_S) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
-                       timeout=300) as made:
-        yield made
 
 
 def check_calls(calls: list[Any], offered: set[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -246,7 +232,7 @@ def test_a_chat_ui_turn_with_its_built_in_tools_gets_an_answer(cluster: Cluster)
 def hermes_cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[Cluster]:
     with launch(tmp_path_factory.mktemp("hermes"), real_model_dir,
-                flags=["--tool-call-parser", "hermes"], timeout_s=LAUNCH_S) as running:
+                flags=["--tool-call-parser", "hermes"], timeout_s=REAL_LAUNCH_S) as running:
         yield running
 
 
