@@ -207,9 +207,9 @@ class GatewayConfig:
                                                        "may call the API from a browser "
                                                        "(CORS); *: any, as vLLM and "
                                                        "llama.cpp allow; empty: none")
-    stored_responses: int = setting(256, "/v1/responses kept in memory for "
-                                         "previous_response_id and GET (the oldest go "
-                                         "first); 0: none kept")
+    stored_responses: int = setting(256, "/v1/responses kept in memory per tenant, for "
+                                         "previous_response_id and GET (the least recently "
+                                         "used go first); 0: none kept")
 
     def __post_init__(self) -> None:
         if not 0 < self.pack_kv_fraction <= 1:

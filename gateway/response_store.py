@@ -1,16 +1,20 @@
 """The responses /v1/responses keeps (`store`), in the gateway's memory: what GET
 /v1/responses/{id} returns and what `previous_response_id` continues.
 
-Bounded by count: past `capacity`, the least recently used goes first (`gateway.stored_responses`).
-Each belongs to its tenant (the API key's; "" with authentication off): another tenant's id is
-not found, as an unknown one is. A restarted gateway has none.
+Each tenant (the API key's; "" with authentication off) has its own: another tenant's id is not
+found, as an unknown one is, and one tenant's traffic never pushes out another's responses.
+Each is bounded by count (`gateway.stored_responses`) and by size (`TENANT_BYTES` of JSON):
+past either, the tenant's least recently used go first. A restarted gateway has none.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+import json
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
 from typing import Any
+
+TENANT_BYTES = 64 * 2**20  # what one tenant's kept responses may weigh, as JSON
 
 
 @dataclass(frozen=True)
@@ -18,37 +22,47 @@ class StoredResponse:
     owner: str  # the tenant's cache salt
     body: dict[str, Any]  # the response object, as the client got it
     conversation: list[dict[str, Any]]  # its chat messages, input and output, no instructions
+    size: int = field(init=False)  # bytes, as JSON
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", len(json.dumps([self.body, self.conversation])))
 
 
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, tenant_bytes: int = TENANT_BYTES) -> None:
         assert capacity >= 0
-        self.capacity = capacity
-        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.capacity = capacity  # per tenant
+        self.tenant_bytes = tenant_bytes
+        self._kept: defaultdict[str, OrderedDict[str, StoredResponse]] = defaultdict(OrderedDict)
+        self._bytes: defaultdict[str, int] = defaultdict(int)  # per tenant
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return sum(len(kept) for kept in self._kept.values())
 
     def keep(self, response: StoredResponse) -> None:
-        if self.capacity == 0:
+        if self.capacity == 0 or response.size > self.tenant_bytes:
             return
-        response_id = response.body["id"]
-        self._kept[response_id] = response
-        self._kept.move_to_end(response_id)
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+        self.delete(response.body["id"], response.owner)
+        kept = self._kept[response.owner]
+        kept[response.body["id"]] = response
+        self._bytes[response.owner] += response.size
+        while len(kept) > self.capacity or self._bytes[response.owner] > self.tenant_bytes:
+            _, oldest = kept.popitem(last=False)
+            self._bytes[response.owner] -= oldest.size
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The response, if kept and `owner`'s."""
-        response = self._kept.get(response_id)
-        if response is None or response.owner != owner:
+        kept = self._kept.get(owner)
+        if kept is None or response_id not in kept:
             return None
-        self._kept.move_to_end(response_id)
-        return response
+        kept.move_to_end(response_id)
+        return kept[response_id]
 
     def delete(self, response_id: str, owner: str) -> bool:
         """Forget the response; False if it was not kept (or not `owner`'s)."""
-        if self.get(response_id, owner) is None:
+        kept = self._kept.get(owner)
+        response = None if kept is None else kept.pop(response_id, None)
+        if response is None:
             return False
-        del self._kept[response_id]
+        self._bytes[owner] -= response.size
         return True

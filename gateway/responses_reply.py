@@ -50,11 +50,11 @@ class ResponseContext:
 class OutputItems:
     """A response's output items as they are made: text goes to a message item (opened at its
     first text), each function call to an item of its own; an item closes when another opens
-    or the response finishes. Logprobs of tokens whose text is held back wait for the next
+    or the response finishes (text after a call opens another message, with an id of its own:
+    clients track items by id). Logprobs of tokens whose text is held back wait for the next
     text."""
 
-    def __init__(self, message_id: str) -> None:
-        self.message_id = message_id
+    def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: int | None = None  # the index of the item still growing
         self.waiting_logprobs: list[dict[str, Any]] = []
@@ -103,7 +103,7 @@ class OutputItems:
 
     def _open_message(self) -> list[Event]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item = {"type": "message", "id": self.message_id, "status": "in_progress",
+        item = {"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "in_progress",
                 "role": "assistant", "content": [part]}
         self.items.append(item)
         self.open = len(self.items) - 1
@@ -156,7 +156,7 @@ class ResponsesReply(Reply):
                          logprobs=logprobs, model=model, timing=timing, span=span, tools=tools)
         self.id = f"resp_{generations[0].handle.request_id}"
         self.context = context
-        self.items = OutputItems(f"msg_{generations[0].handle.request_id}")
+        self.items = OutputItems()
         self.finish_reason: str | None = None
         self.sequence = itertools.count()
 
@@ -183,6 +183,8 @@ class ResponsesReply(Reply):
                 yield self._sse(event)
         self.outcome = "ok"
         for event in self._finish():
+            if self.timing and "response" in event:  # a whole response carries it too
+                event = {**event, "response": {**event["response"], "raging": self._raging(0)}}
             yield self._sse(event)
 
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
@@ -225,7 +227,7 @@ class ResponsesReply(Reply):
         if context.store is None:
             return
         conversation = [*context.conversation, self.items.as_message()]
-        context.store.keep(StoredResponse(context.owner, response, conversation))
+        context.store.keep(StoredResponse(context.owner, copy.deepcopy(response), conversation))
 
     def _sse(self, event: Event) -> str:
         event = {**event, "sequence_number": next(self.sequence)}

@@ -12,12 +12,13 @@ search, ...), images and files, background mode and the Conversations API are re
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
     UNREADABLE_PARTS,
@@ -29,13 +30,17 @@ from gateway.protocol import (
     invalid_value,
     none_only,
     parse_body,
+    validation_error,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
+_FIELDS_OF_CHAT = {"messages": "input", "response_format": "text.format"}  # chat's: ours
 _TEXT_PARTS = ("input_text", "output_text")
 _MAX_ID_CHARS = 256
 
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def _joined(value: object) -> object:
@@ -200,8 +205,10 @@ class ResponsesRequest(SamplingRequest):
     include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     text: TextOptions | None = None
-    # Accepted and ignored: bookkeeping for OpenAI's platform, or hints with no effect here.
-    metadata: dict[str, str] | None = None
+    # Accepted and ignored: bookkeeping for OpenAI's platform, or hints with no effect here;
+    # metadata and user are kept with the response, so bounded as OpenAI bounds them.
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    user: str | None = Field(default=None, max_length=256)
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
@@ -283,10 +290,11 @@ class ResponsesRequest(SamplingRequest):
             fields["response_format"] = self.text.format.chat_format()
         try:
             request = ChatCompletionRequest.model_validate(fields)
+            check_tool_request(request)
         except ValidationError as exc:
-            first = exc.errors(include_url=False, include_input=False)[0]
-            raise bad_request(f"Invalid 'input': {first['msg']}", param="input") from None
-        check_tool_request(request)
+            raise _in_responses_terms(validation_error(exc)) from None
+        except APIError as exc:
+            raise _in_responses_terms(exc) from None
         return request
 
     def _system(self) -> list[ChatMessageFields]:
@@ -315,6 +323,16 @@ def _add_call(messages: list[ChatMessageFields], item: FunctionCallItem) -> None
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _in_responses_terms(error: APIError) -> APIError:
+    """A chat request's 400, naming the field of this request it came from (a message's
+    index is not an item's: instructions, earlier turns and merged calls shift it)."""
+    chat_field = re.split(r"[.\[]", error.param or "")[0]
+    param = _FIELDS_OF_CHAT.get(chat_field)
+    if param is None or error.param is None:
+        return error
+    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
 
 
 def _chat_tool_choice(choice: Any) -> Any:

@@ -29,6 +29,28 @@ def test_another_tenant_finds_nothing_and_deletes_nothing() -> None:
     assert store.get("a", "salt-1") is None and not store.delete("a", "salt-1")
 
 
+def test_each_tenant_keeps_its_own_count() -> None:
+    store = ResponseStore(1)
+    store.keep(kept("a", owner="salt-1"))
+    store.keep(kept("b", owner="salt-2"))  # another tenant's pushes out nothing
+    assert store.get("a", "salt-1") is not None and store.get("b", "salt-2") is not None
+    store.keep(kept("c", owner="salt-1"))
+    assert store.get("a", "salt-1") is None and len(store) == 2
+
+
+def test_a_tenants_responses_are_bounded_in_bytes_too() -> None:
+    big = "x" * 1000
+    store = ResponseStore(100, tenant_bytes=2500)
+    for name in "abc":
+        store.keep(StoredResponse("", {"id": name, "text": big}, []))
+    assert [store.get(name, "") is not None for name in "abc"] == [False, True, True]
+    store.keep(StoredResponse("", {"id": "huge", "text": big * 3}, []))  # over the whole budget
+    assert store.get("huge", "") is None and store.get("c", "") is not None
+    assert store.delete("b", "") and store.delete("c", "")
+    store.keep(StoredResponse("", {"id": "d", "text": big * 2}, []))  # room again
+    assert store.get("d", "") is not None
+
+
 def test_capacity_zero_keeps_nothing() -> None:
     store = ResponseStore(0)
     store.keep(kept("a"))

@@ -15,7 +15,7 @@ def kinds(events: list[dict[str, Any]]) -> list[str]:
 
 
 def test_text_opens_a_message_whose_deltas_add_up() -> None:
-    items = OutputItems("msg_1")
+    items = OutputItems()
     first = items.add_text("Hel", [LOGPROB])
     assert kinds(first) == ["output_item.added", "content_part.added", "output_text.delta"]
     assert first[0]["item"]["content"] == [] and first[0]["item"]["status"] == "in_progress"
@@ -29,7 +29,7 @@ def test_text_opens_a_message_whose_deltas_add_up() -> None:
 
 
 def test_a_call_closes_the_message_and_streams_its_arguments() -> None:
-    items = OutputItems("msg_1")
+    items = OutputItems()
     items.add_text("Looking.", [])
     started = items.start_call("call_1", "weather", '{"city"')
     assert kinds(started) == ["output_text.done", "content_part.done", "output_item.done",
@@ -52,14 +52,14 @@ def test_a_call_closes_the_message_and_streams_its_arguments() -> None:
 
 
 def test_logprobs_of_held_back_text_wait_for_the_next_text() -> None:
-    items = OutputItems("msg_1")
+    items = OutputItems()
     assert items.add_text("", [LOGPROB]) == []
     delta = items.add_text("b", [{**LOGPROB, "token": "b"}])[-1]
     assert [entry["token"] for entry in delta["logprobs"]] == ["a", "b"]
 
 
 def test_an_output_of_nothing_is_an_empty_message() -> None:
-    items = OutputItems("msg_1")
+    items = OutputItems()
     assert kinds(items.finish("completed")) == [
         "output_item.added", "content_part.added", "output_text.done", "content_part.done",
         "output_item.done"]
@@ -67,7 +67,21 @@ def test_an_output_of_nothing_is_an_empty_message() -> None:
 
 
 def test_an_output_of_calls_only_has_no_content() -> None:
-    items = OutputItems("msg_1")
+    items = OutputItems()
     items.start_call("call_1", "f", "{}")
     items.finish("completed")
     assert items.as_message()["content"] is None
+
+
+def test_text_after_a_call_is_another_message_with_an_id_of_its_own() -> None:
+    """The openai client's stream accumulator tracks items by id: a repeated one breaks it."""
+    items = OutputItems()
+    items.add_text("First.", [])
+    items.start_call("call_1", "f", "{}")
+    again = items.add_text("Then.", [])
+    items.finish("completed")
+    first, _, second = items.items
+    [added] = [e for e in again if e["type"] == "response.output_item.added"]
+    assert first["id"] != second["id"] and added["item"]["id"] == second["id"]
+    assert added["output_index"] == 2
+    assert items.as_message()["content"] == "First.Then."

@@ -125,6 +125,20 @@ def test_what_is_not_served_is_a_400_that_says_why(fields: dict[str, Any], says:
     assert says in error.message, error.message
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x",
+                          "schema": {"type": "string", "pattern": "[a"}}}}, "text.format"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"user": "u" * 257}, "user"),
+])
+def test_a_400_names_the_field_of_this_request(fields: dict[str, Any], param: str) -> None:
+    error = refused(**{"input": "Hi", **fields})
+    assert error.param == param, error.message
+    assert "response_format" not in error.message and "messages" not in error.message
+
+
 def test_a_message_chat_would_refuse_is_a_400_on_input() -> None:
     earlier = [{"role": "tool", "content": "x"}]  # no tool_call_id
     with pytest.raises(APIError) as caught:
