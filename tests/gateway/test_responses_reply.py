@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai import omit
+from openai._models import construct_type_unchecked
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
 from gateway.responses_reply import OutputItems
 
 LOGPROB = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
@@ -85,3 +90,26 @@ def test_text_after_a_call_is_another_message_with_an_id_of_its_own() -> None:
     assert first["id"] != second["id"] and added["item"]["id"] == second["id"]
     assert added["output_index"] == 2
     assert items.as_message()["content"] == "First.Then."
+
+
+def test_the_openai_clients_stream_state_takes_text_a_call_and_text_again() -> None:
+    """The official client's accumulator (what `client.responses.stream` runs) reads these
+    events to the same items; with one id for both messages it raised."""
+    items = OutputItems()
+    events = [*items.add_text("First.", []), *items.start_call("call_1", "f", '{"a": 1}'),
+              *items.add_text("Then.", []), *items.finish("completed")]
+    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "status": "in_progress"}
+    state: ResponseStreamState[object] = ResponseStreamState(input_tools=omit, text_format=omit)
+    lifecycle = [{"type": "response.created", "response": response}, *events,
+                 {"type": "response.completed",
+                  "response": {**response, "status": "completed", "output": items.items}}]
+    handled = [state.handle_event(construct_type_unchecked(
+        type_=ResponseStreamEvent,  # type: ignore[arg-type]  # a union, as the client passes it
+        value={**event, "sequence_number": number})) for number, event in enumerate(lifecycle)]
+    completed = handled[-1][-1]
+    assert completed.type == "response.completed"
+    assert [item.type for item in completed.response.output] == [
+        "message", "function_call", "message"]
+    assert completed.response.output_text == "First.Then."
