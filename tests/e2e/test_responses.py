@@ -6,10 +6,12 @@ conversations, formats, logprobs and what is kept. 1 gateway + 1 prefill + 1 dec
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
+import agents
 import jsonschema
 import openai
 import pytest
@@ -253,3 +255,46 @@ def test_raw_sse_names_each_event_and_counts_the_route(cluster: Cluster) -> None
     assert final["usage"]["total_tokens"] == (final["usage"]["input_tokens"]
                                               + final["usage"]["output_tokens"])
     assert cluster.metric("raging_requests_total", 'outcome="ok",route="responses"') >= 1
+
+
+def test_the_agents_sdk_runs_a_tool_calling_agent(cluster: Cluster) -> None:
+    """The OpenAI Agents SDK over /v1/responses: the forced call of a Python function (which
+    the SDK runs, sending its output back as a function_call_output item), then the answer;
+    streamed too; then continued by `previous_response_id`."""
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"14 degrees celsius and light rain in {city}"
+
+    agents.set_tracing_disabled(True)  # its traces would go to OpenAI
+    client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+    # The SDK's reset_tool_choice asks the second turn with tool_choice "auto" (text here); a
+    # newline ends it, as the small model would otherwise run to the limit (an incomplete
+    # streamed response is an error to the SDK).
+    agent = agents.Agent(
+        name="weather", instructions="Answer briefly from the tool's result.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=cluster.model, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=300, extra_body={"stop": ["\n"]}))
+
+    async def run() -> tuple[agents.RunResult, agents.RunResultStreaming, list[str],
+                             agents.RunResult]:
+        first = await agents.Runner.run(agent, "What is the weather in Paris?")
+        streamed = agents.Runner.run_streamed(agent, "And in Oslo?")
+        kinds: list[str] = [event.type async for event in streamed.stream_events()]
+        again = await agents.Runner.run(agent, "Thanks.",
+                                        previous_response_id=first.last_response_id)
+        return first, streamed, kinds, again
+
+    first, streamed, kinds, again = asyncio.run(run())
+    assert len(called) == 3 and all(called)
+    assert [type(item).__name__ for item in first.new_items] == [
+        "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(first.final_output, str)
+    assert {"raw_response_event", "run_item_stream_event"} <= set(kinds)
+    assert isinstance(streamed.final_output, str) and isinstance(again.final_output, str)
+    assert (first.last_response_id or "").startswith("resp_")
