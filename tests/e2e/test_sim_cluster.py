@@ -21,7 +21,13 @@ from transformers import AutoTokenizer
 
 from bench.client import read_stream
 from bench.serve import open_client
-from bench.sim_streams import SimRequest, run_streams, sim_requests, summarize
+from bench.sim_streams import (
+    SimRequest,
+    StreamOutcome,
+    run_streams,
+    sim_requests,
+    summarize,
+)
 from engine.sim.folder import scaled_kv, sim_folder
 from engine.sim.profile import load_profile
 from engine.sim.tokens import continuation, text_of
@@ -184,3 +190,65 @@ def test_a_client_that_leaves_a_long_prefill_stops_it_at_once(tmp_path: Path) ->
                      if ": 1800 prompt tokens" in line]
         assert f"request {long_id}: first token" not in log  # stopped, never handed off
         assert "aborted mid-prefill" in log
+
+
+async def leave_after_first_token(url: str, model: str, request: SimRequest,
+                                  got_first: asyncio.Queue[None], leave: asyncio.Event) -> None:
+    """Stream a request; once its first token has come, say so, and drop the connection when
+    told to."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(request.body(model)).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    async with asyncio.timeout(60):
+        while b'"text": "' not in await reader.readline():
+            pass
+    got_first.put_nowait(None)
+    await leave.wait()
+    writer.close()
+
+
+def test_clients_that_leave_between_first_token_and_decode_admission_leave_nothing(
+        tmp_path: Path) -> None:
+    """Peer failure: a disconnect after prefill is done, before decode admits the request.
+    decode runs one sequence at a time (`max_running` 1) and a long stream holds that slot,
+    so each of 200 requests gets its first token (from prefill) and its KV reaches decode,
+    then waits there; its client leaves then. Nothing of theirs stays on either worker, and
+    the long stream, and one after, are the predicted ones."""
+    config = {**CONFIG, "decode": {**CONFIG["decode"], "max_running": 1}}
+    long_stream, after = sim_requests(2, 1500, seed=31, prompt_lens=(16, 16))
+    leaving = sim_requests(200, 8, seed=32, prompt_lens=(8, 24))
+    with launch(tmp_path, "sim", config=config) as cluster:
+        def at_decode() -> float:
+            return sum(cluster.metric(name, 'worker="decode-0"') for name in (
+                "raging_worker_waiting", "raging_kv_in_transfer"))
+
+        async def run() -> list[StreamOutcome]:
+            holder = asyncio.create_task(run_streams(cluster.url, cluster.model, [long_stream],
+                                                     timeout_s=120))
+            await asyncio.to_thread(wait_for, lambda: cluster.metric(
+                "raging_worker_running", 'worker="decode-0"') == 1, 10, "the long stream")
+            got_first: asyncio.Queue[None] = asyncio.Queue()
+            leave = asyncio.Event()
+            clients = [asyncio.create_task(leave_after_first_token(
+                cluster.url, cluster.model, r, got_first, leave)) for r in leaving]
+            for _ in leaving:
+                await got_first.get()
+            # Each is on decode, not admitted: its KV arriving or arrived (heartbeats tell).
+            await asyncio.to_thread(wait_for, lambda: at_decode() == len(leaving), 10,
+                                    "every request to reach decode")
+            leave.set()
+            await asyncio.gather(*clients)
+            return await holder
+
+        outcomes = asyncio.run(run())
+        assert outcomes[0].text == long_stream.expected(MEAN) and not outcomes[0].error
+        held = ("raging_worker_waiting", "raging_kv_in_transfer", "raging_kv_leases_expired")
+        wait_for(lambda: not any(cluster.metric(name, 'worker="decode-0"') for name in held),
+                 10, "decode-0 to hold none of the requests that left")
+        wait_for(lambda: not cluster.metric("raging_kv_blocks_used", 'worker="prefill-0"'),
+                 10, "prefill-0 to hold no KV block")
+        assert not cluster.metric("raging_kv_leases_expired", 'worker="prefill-0"')
+        [served] = asyncio.run(run_streams(cluster.url, cluster.model, [after], timeout_s=60))
+        assert served.text == after.expected(MEAN) and not served.error
