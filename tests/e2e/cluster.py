@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -129,6 +130,21 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> float:
         assert time.monotonic() - started < timeout_s, f"timed out waiting for {what}"
         time.sleep(0.05)
     return time.monotonic() - started
+
+
+async def post_raw(url: str, path: str, body: dict[str, Any]
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A JSON POST over a connection of its own, plain asyncio (no client pool: thousands at
+    once stay cheap, and a test may drop the connection at any byte); the reply unread. The
+    server closes the connection once the reply is sent."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                 % (path.encode(), host.encode(), len(payload), payload))
+    await writer.drain()
+    return reader, writer
 
 
 def sse_events(response: httpx.Response) -> Iterator[Any]:

@@ -19,7 +19,7 @@ import pytest
 
 from bench.sim_streams import SimRequest, sim_requests
 from engine.sim.profile import load_profile
-from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, wait_for
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, post_raw, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -69,12 +69,7 @@ class PeakFds:
 
 async def stream_text(url: str, model: str, request: SimRequest) -> str:
     """One streamed completion over its own connection: the text of its chunks."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(request.body(model)).encode()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                 % (host.encode(), len(body), body))
+    reader, writer = await post_raw(url, "/v1/completions", request.body(model))
     reply = await reader.read()
     writer.close()
     head, _, chunked = reply.partition(b"\r\n\r\n")

@@ -6,7 +6,6 @@ elsewhere, still right."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -32,7 +31,7 @@ from engine.sim.folder import scaled_kv, sim_folder
 from engine.sim.profile import load_profile
 from engine.sim.tokens import continuation, text_of
 from engine.weights.spec import load_spec
-from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, wait_for
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, post_raw, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -148,12 +147,7 @@ async def ttft_s(url: str, model: str, request: SimRequest) -> float:
 
 async def send_and_leave(url: str, model: str, request: SimRequest, after_s: float) -> None:
     """Send a streamed request, then drop the connection `after_s` later."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(request.body(model)).encode()
-    _, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
+    _, writer = await post_raw(url, "/v1/completions", request.body(model))
     await asyncio.sleep(after_s)
     writer.close()
 
@@ -196,11 +190,7 @@ async def leave_after_first_token(url: str, model: str, request: SimRequest,
                                   got_first: asyncio.Queue[None], leave: asyncio.Event) -> None:
     """Stream a request; once its first token has come, say so, and drop the connection when
     told to."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(request.body(model)).encode()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    reader, writer = await post_raw(url, "/v1/completions", request.body(model))
     async with asyncio.timeout(60):
         while b'"text": "' not in await reader.readline():
             pass
