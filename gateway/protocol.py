@@ -258,7 +258,7 @@ class ChatMessage(RequestModel):
                 return None
             raise invalid_value("content must be a string or a list of text parts")
         if isinstance(value, list):
-            return "\n".join(_part_text(index, part) for index, part in enumerate(value))
+            return "\n".join(part_text(index, part) for index, part in enumerate(value))
         return value
 
     @model_validator(mode="after")
@@ -276,8 +276,12 @@ class ChatMessage(RequestModel):
         return self.content or ""
 
 
-def _part_text(index: int, part: object) -> str:
-    """A text part's text; its fields outside TEXT_PART_FIELDS are unknown fields."""
+CHAT_TEXT_PARTS = {"text": "text"}  # a content part's type -> the field holding its text
+
+
+def part_text(index: int, part: object, kinds: Mapping[str, str] = CHAT_TEXT_PARTS) -> str:
+    """A text part's text, `kinds` naming the part types read and the field each keeps its
+    text in; image, audio, video and file parts are refused as unreadable."""
     if not isinstance(part, dict):
         raise invalid_value("each content part must be an object")
     kind = part.get("type")
@@ -285,11 +289,12 @@ def _part_text(index: int, part: object) -> str:
         raise PydanticCustomError(
             "unreadable_part", "{what} input is not supported: this model reads text only",
             {"what": UNREADABLE_PARTS[kind], "part": index})
-    if kind != "text":
-        raise invalid_value("only content parts of type 'text' are supported")
-    text = part.get("text")
+    if not isinstance(kind, str) or kind not in kinds:
+        names = ", ".join(f"'{name}'" for name in kinds)
+        raise invalid_value(f"only content parts of type {names} are supported")
+    text = part.get(kinds[kind])
     if not isinstance(text, str):
-        raise invalid_value("a text content part needs a string 'text' field")
+        raise invalid_value(f"a {kind} content part needs a string '{kinds[kind]}' field")
     return text
 
 

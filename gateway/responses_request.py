@@ -21,7 +21,6 @@ from pydantic_core import PydanticCustomError
 from gateway.errors import APIError, bad_request
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
-    UNREADABLE_PARTS,
     ChatCompletionRequest,
     FunctionDefinition,
     RequestModel,
@@ -30,12 +29,13 @@ from gateway.protocol import (
     invalid_value,
     none_only,
     parse_body,
+    part_text,
     validation_error,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text.format"}  # chat's: ours
-_TEXT_PARTS = ("input_text", "output_text")
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 _MAX_ID_CHARS = 256
 
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
@@ -46,24 +46,8 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 def _joined(value: object) -> object:
     """Text parts as one string, joined by \\n (anything else as it is, for pydantic)."""
     if isinstance(value, list):
-        return "\n".join(_part_text(index, part) for index, part in enumerate(value))
+        return "\n".join(part_text(index, part, _TEXT_PARTS) for index, part in enumerate(value))
     return value
-
-
-def _part_text(index: int, part: object) -> str:
-    if not isinstance(part, dict):
-        raise invalid_value("each content part must be an object")
-    kind = part.get("type")
-    if isinstance(kind, str) and kind in UNREADABLE_PARTS:
-        raise PydanticCustomError("unreadable_part", "{what} input is not supported: this "
-                                  "model reads text only", {"what": UNREADABLE_PARTS[kind],
-                                                            "part": index})
-    field = "refusal" if kind == "refusal" else "text"
-    if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(part.get(field), str):
-        raise invalid_value("content parts must be input_text, output_text or refusal, with "
-                            "their text")
-    text: str = part[field]
-    return text
 
 
 class MessageItem(RequestModel):

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import resource
-import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
+from bench.scale import Peak, process_use
 from bench.sim_streams import SimRequest, sim_requests
 from engine.sim.profile import load_profile
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, post_raw, wait_for
@@ -40,31 +40,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield running
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-class PeakFds:
-    """Each process's most open descriptors, sampled every 50 ms while it runs."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.peak = {name: open_fds(pid) for name, pid in pids.items()}
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> PeakFds:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopped.set()
-        self.thread.join(timeout=5)
-
-    def _sample(self) -> None:
-        while not self.stopped.wait(0.05):
-            for name, pid in self.pids.items():
-                self.peak[name] = max(self.peak[name], open_fds(pid))
+def open_fds(pid: int) -> float:
+    return process_use(pid)["fds"]
 
 
 async def stream_text(url: str, model: str, request: SimRequest) -> str:
@@ -105,16 +82,19 @@ def test_five_thousand_streams_at_once_each_the_predicted_one(cluster: Cluster) 
                .split()[0]) > STREAMS, "the gateway raised its soft limit"
     before = {name: open_fds(pid) for name, pid in pids.items()}
     requests = sim_requests(STREAMS, 4, seed=5, prompt_lens=(1, 32))
-    with PeakFds(pids) as fds:
+    with ExitStack() as watching:
+        peaks = {name: watching.enter_context(Peak(pid, every_s=0.05))
+                 for name, pid in pids.items()}
         texts = asyncio.run(all_streams(cluster.url, cluster.model, requests))
+    peak = {name: watched.most["fds"] for name, watched in peaks.items()}
     mean_output = load_profile("default").mean_output_tokens
     wrong = [i for i, (r, text) in enumerate(zip(requests, texts, strict=True))
              if text != r.expected(mean_output)]
     assert not wrong, f"{len(wrong)} streams differ from the predicted ones, as {wrong[:5]}"
     # Far more than the 1,024 the cluster started with were open at once ...
-    assert fds.peak["gateway"] > before["gateway"] + 2 * SOFT_LIMIT, fds.peak
+    assert peak["gateway"] > before["gateway"] + 2 * SOFT_LIMIT, peak
     for name in pids.keys() - {"gateway"}:  # ... and none of them inside the cluster
-        assert fds.peak[name] <= before[name] + WORKER_FD_SLACK, (name, fds.peak, before)
+        assert peak[name] <= before[name] + WORKER_FD_SLACK, (name, peak, before)
     wait_for(lambda: open_fds(gateway) <= before["gateway"] + 4, 30,
              "the gateway to close its client sockets")
     assert cluster.metric("raging_requests_total",
