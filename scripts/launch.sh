@@ -27,9 +27,10 @@
 #   and MAX workers, by starting workers on this host and draining them (docs/scaling.md)
 # Sets up .venv and the model on first use, waits until every worker is ready, prints the URL,
 # and stops every process it started on Ctrl-C or SIGTERM. Logs: runs/<time>/<process>.log
-# Each worker is pinned to one CPU of its pool's set, round robin: by default the first half of
-# the CPUs serve prefill and the rest decode, so a prefill burst cannot steal decode's cores.
-# More workers than the host has CPUs (--prefill 2 --decode 6 on two cores) are not pinned
+# Each worker is pinned to its share of its pool's CPUs (an even slice, or one CPU each, round
+# robin, where the workers outnumber them): by default the first half of the CPUs serve prefill
+# and the rest decode, so a prefill burst cannot steal decode's cores. As many workers as the
+# host has CPUs or more (--prefill 1 --decode 1 or --colocated 2 on two cores) are not pinned
 # unless --pin or --prefill-cpus/--decode-cpus says so: every worker runs on every CPU, and the
 # gateway packs each pool's work onto as few workers as the CPUs run at once (docs/scheduling.md,
 # "Workers sharing CPUs"). Pinned workers beyond a pool's CPUs share them (a warning says how
@@ -157,20 +158,28 @@ DECODE_POOL=($(expand_cpus "${DECODE_CPUS:-$(echo "${CPUS[@]:$HALF}" | tr ' ' ,)
 WORKERS=$(( PREFILL + DECODE ))
 # Simulated workers (--model sim, engine/sim) stand for GPUs: they sleep through their steps.
 [[ $PIN == auto && ( "$MODEL" == sim || "$MODEL" == sim:* ) ]] && PIN=0
-if [[ $PIN == auto ]]; then  # pinned, unless the workers outnumber the CPUs and none were named
+# Pinned, unless pinning would leave a worker one CPU of several (as many workers as CPUs or
+# more) and none were named: one core per step, the others idle whenever its pool is.
+if [[ $PIN == auto ]]; then
   PIN=1
-  if [[ $COLOCATED == 0 && -z "$PREFILL_CPUS$DECODE_CPUS" && $WORKERS -gt ${#CPUS[@]} ]]; then
+  if [[ -z "$PREFILL_CPUS$DECODE_CPUS" && $WORKERS -gt 1 && $WORKERS -ge ${#CPUS[@]} ]]; then
     PIN=0
     echo "[launch] $WORKERS workers on ${#CPUS[@]} CPUs: each runs on all of them, they compute" \
       "in turn, and the gateway packs each pool's work onto as few workers as the CPUs run at" \
-      "once (--pin keeps prefill and decode on CPUs of their own)" >&2
+      "once (--pin keeps each worker on CPUs of its own)" >&2
   fi
 fi
-pin_args() {  # pin_args POOL_NAME INDEX COUNT: the --cpus flag for worker INDEX of COUNT
-  [[ $PIN == 1 ]] || return 0
+share_out() {  # share_out POOL_NAME COUNT: each worker's CPUs, a line each (core/cpus.py)
   local -n pool="$1"
-  if [[ $3 == 1 ]]; then echo "--cpus $(echo "${pool[@]}" | tr ' ' ,)"; return; fi  # all of it
-  echo "--cpus ${pool[$(( $2 % ${#pool[@]} ))]}"
+  [[ $PIN == 1 && $2 -gt 0 ]] || return 0
+  "$RAGING_PY" -m core.cpus share-out "$(echo "${pool[@]}" | tr ' ' ,)" "$2"
+}
+mapfile -t PREFILL_SHARES < <(share_out PREFILL_POOL "$PREFILL")
+mapfile -t DECODE_SHARES < <(share_out DECODE_POOL "$DECODE")
+pin_args() {  # pin_args SHARES_NAME INDEX: the --cpus flag for worker INDEX
+  [[ $PIN == 1 ]] || return 0
+  local -n shares="$1"
+  echo "--cpus ${shares[$2]}"
 }
 warn_shared() {  # warn_shared ROLE COUNT POOL_NAME HOW: one line when workers outnumber CPUs
   local -n pool="$3"
@@ -281,11 +290,11 @@ fi
 WORKER_ARGS=("${COMMON[@]}" --control-address "$WORKER_CONTROL")
 for i in $(seq 0 $((PREFILL - 1))); do
   start "prefill-$TAG$i" -m prefill "${WORKER_ARGS[@]}" --worker-id "prefill-$TAG$i" \
-    $(pin_args PREFILL_POOL "$i" "$PREFILL") $(device_args "$i")
+    $(pin_args PREFILL_SHARES "$i") $(device_args "$i")
 done
 for i in $(seq 0 $((DECODE - 1))); do
   start "decode-$TAG$i" -m decode "${WORKER_ARGS[@]}" --worker-id "decode-$TAG$i" \
-    $(pin_args DECODE_POOL "$i" "$DECODE") $(device_args "$((PREFILL + i))")
+    $(pin_args DECODE_SHARES "$i") $(device_args "$((PREFILL + i))")
 done
 
 if [[ -n "$JOIN" ]]; then

@@ -1,6 +1,6 @@
-"""More workers than CPUs, as launch.sh starts them: pinned where asked (a warning says how
-many share a CPU, and the gateway packs every sequence onto one of them), else every worker on
-every CPU; workers on the same CPUs compute in turn (core/turns.py)."""
+"""As many workers as CPUs or more, as launch.sh starts them: pinned where asked (a warning says
+how many share a CPU, and the gateway packs every sequence onto one of them), else every worker
+on every CPU; workers on the same CPUs compute in turn (core/turns.py)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ def test_three_decode_workers_on_one_cpu_fill_one_batch(
     assert "gateway.decode_routing" in launched and "prefill workers" not in launched
 
 
-def test_workers_outnumbering_the_cpus_share_them_all(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("more", [0, 1], ids=["as-many-as-the-cpus", "one-more"])
+def test_workers_as_many_as_the_cpus_share_them_all(
+        tiny_model_dir: Path, tmp_path: Path, more: int) -> None:
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    decode = len(cpus)  # with the prefill worker, one worker more than the CPUs
+    decode = len(cpus) - 1 + more  # with the prefill worker, `more` workers more than the CPUs
     with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=decode,
                 cpus=cpus) as cluster:
         workers = cluster.client.get("/v1/cluster").json()["workers"]
@@ -52,6 +54,7 @@ def test_workers_outnumbering_the_cpus_share_them_all(tiny_model_dir: Path, tmp_
             ["prefill-0", *(f"decode-{i}" for i in range(decode))])
         assert all(w["cpus"] == cpus for w in workers)
         turns = tmp_path / "run" / "turns" / turns_file(Path(), cpus)
+        assert len(cluster.pids()) == decode + 2
         for name, pid in cluster.pids().items():
             held = set()
             for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -67,3 +70,12 @@ def test_workers_outnumbering_the_cpus_share_them_all(tiny_model_dir: Path, tmp_
     shared = f"[launch] {decode + 1} workers on {len(cpus)} CPUs: each runs on all of them"
     assert shared in launched
     assert "[launch] warning" not in launched
+
+
+def test_pin_keeps_each_pool_on_cpus_of_its_own(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    with launch(tmp_path / "run", tiny_model_dir, flags=["--pin"], cpus=cpus) as cluster:
+        workers = cluster.client.get("/v1/cluster").json()["workers"]
+        placed = {w["id"]: (w["cpus"], w["threads"]) for w in workers}
+        assert placed == {"prefill-0": ([cpus[0]], 1), "decode-0": ([cpus[1]], 1)}
+    assert "each runs on all of them" not in (tmp_path / "run" / "launch.log").read_text()
