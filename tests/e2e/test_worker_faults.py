@@ -1,10 +1,13 @@
-"""Workers that wedge (SIGSTOP) or die (SIGKILL) under load: readiness flips within the
-heartbeat timeout, the API keeps answering, and every request finishes whole, elsewhere or,
-when the last decode worker went, on the one that comes back."""
+"""Workers that wedge (SIGSTOP, or a loop stuck in a step while its liveness beats go on) or die
+(SIGKILL) under load: readiness flips within the heartbeat (or stall) timeout, the API keeps
+answering, and every request finishes whole, elsewhere or, when the last decode worker went, on
+the one that comes back."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import signal
 import threading
 import time
@@ -16,11 +19,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.launcher import free_port
+from core.turns import turns_file
 from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
+STALL_TIMEOUT_S = 3.0
 
 
 @pytest.fixture
@@ -66,6 +71,50 @@ def test_a_wedged_decode_worker_flips_readiness_and_is_taken_back(cluster: Clust
         assert waiting.result(timeout=30) == 200
     within(10, lambda: cluster.client.get("/health").status_code == 200)
     assert completion_status(cluster) == 200
+
+
+def test_streams_on_a_decode_worker_wedged_in_a_step_go_on_elsewhere(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A decode worker's loop stuck in its step (waiting for its CPU's turn, a lock the test
+    holds) while its thread's liveness beats go on, as a deadlocked loop would be: the gateway
+    calls it stalled within the stall timeout and /health names it, its streams go on on the
+    other decode worker whole, and let go, it is taken back holding nothing."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    both = f"{first},{second}"  # decode-0 is pinned to `first`, decode-1 to `second`
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"],
+                                         "stall_timeout_s": STALL_TIMEOUT_S}}
+    flags = ["--prefill-cpus", both, "--decode-cpus", both]
+    with launch(tmp_path, tiny_model_dir, decode=2, config=config, flags=flags) as cluster:
+        workers = cluster.client.get("/v1/cluster").json()["workers"]
+        assert {w["id"]: w["cpus"] for w in workers if w["role"] == "decode"} == {
+            "decode-0": [first], "decode-1": [second]}
+        prompts = [f"Story {i}: once upon a time" for i in range(6)]
+        max_tokens = 120
+        turn = os.open(turns_file(tmp_path / "turns", [first]), os.O_RDWR)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # decode-0's next step waits for it
+            wedged_at = time.monotonic()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                futures = [pool.submit(stream_text, cluster, p, max_tokens) for p in prompts]
+                took = within(STALL_TIMEOUT_S + 4, lambda: cluster.client.get(
+                    "/health").json()["stalled"] == ["decode-0"])
+                assert cluster.client.get("/v1/models").status_code == 200
+                results = [f.result(timeout=60) for f in futures]
+            assert cluster.pids()["decode-0"]  # alive all along: stalled, never declared dead
+        finally:
+            os.close(turn)  # lets go of the lock
+        assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
+        routed = re.findall(r"decode on (decode-\d)", cluster.log("gateway"))
+        assert "decode-0" in routed[:len(prompts)]
+        assert cluster.metric("raging_requests_resumed_total") >= 1
+        assert "decode-0 is alive but has got nowhere" in cluster.log("gateway")
+        within(10, lambda: cluster.client.get("/health").json() == {
+            "status": "ok", "prefill": 1, "decode": 2, "stalled": [], "draining": []})
+        within(10, lambda: cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0)
+        assert completion_status(cluster) == 200
+    print(f"decode-0 wedged: stalled {took:.1f} s after the first requests "
+          f"(timeout {STALL_TIMEOUT_S:g} s), all {len(prompts)} streams whole "
+          f"{time.monotonic() - wedged_at:.1f} s after the wedge")
 
 
 @pytest.mark.parametrize("cluster", [(2, 1)], indirect=True)
