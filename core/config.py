@@ -282,9 +282,17 @@ class DecodeConfig(PoolConfig):
     kv_bind: str = setting("tcp://127.0.0.1:*", "where it receives KV: an address the prefill "
                                                 "workers can reach (an interface's own IP, not "
                                                 "0.0.0.0, since it is advertised as it is)")
+    speculative_tokens: int = setting(6, "n-gram speculation: guess up to this many next "
+                                         "tokens of a sequence from its earlier text and check "
+                                         "them in one step (decode/drafts.py); 0: off")
+    speculative_max_running: int = setting(8, "speculate only while at most this many "
+                                              "sequences run (a bigger batch is compute-bound)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.speculative_tokens < 0 or self.speculative_max_running < 0:
+            raise ValueError("decode.speculative_tokens and speculative_max_running must be "
+                             ">= 0")
         host = urlsplit(self.kv_bind).hostname if "://" in self.kv_bind else None
         if host in ("0.0.0.0", "::", "*"):
             raise ValueError(f"decode.kv_bind {self.kv_bind!r} cannot be advertised to prefill "

@@ -249,6 +249,8 @@ class Heartbeat:
     running: int
     waiting: int
     preemptions: int = 0  # since the worker started
+    guessed_tokens: int = 0  # decode: tokens guessed (n-gram speculation), since start
+    kept_guesses: int = 0  # ... of which the draws kept
     transfers: list[TransferTotals] = field(default_factory=list)
     dropped_chunks: list[DropCount] = field(default_factory=list)
     in_transfer: int = 0  # requests (decode) or staged chunks (prefill) whose KV is in flight

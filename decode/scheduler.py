@@ -1,12 +1,13 @@
 """Continuous batching for decode: admit, grow, preempt (by recompute), finish. Pure bookkeeping.
 
 A sequence's KV covers `tokens[:num_cached]`; each step feeds the next `num_scheduled` of the
-rest: one token in steady state, a chunk of them for a prompt prefilled here or for a preempted
-sequence's recompute. A step's chunks share one budget, costed as the prefill worker's are
-(engine/model/chunk_cost.py: deep into a long prompt a chunk has fewer tokens), so a long prompt
-never holds the running sequences' next tokens back by more than one chunk's time; they go
-earliest deadline first (see prefill/scheduler.py), so a short prompt does not wait for a long
-one to finish.
+rest: one token in steady state (and after it the sequence's `draft`, guesses at the tokens that
+follow, where the worker speculates), a chunk of them for a prompt prefilled here or for a
+preempted sequence's recompute. A step's chunks share one budget, costed as the prefill worker's
+are (engine/model/chunk_cost.py: deep into a long prompt a chunk has fewer tokens), so a long
+prompt never holds the running sequences' next tokens back by more than one chunk's time; they
+go earliest deadline first (see prefill/scheduler.py), so a short prompt does not wait for a
+long one to finish.
 
 With prefix caching, a sequence that leaves (finished, aborted or preempted) leaves the full
 blocks of its computed KV, prompt and generated tokens alike, in the worker's `PrefixCache`;
@@ -59,10 +60,19 @@ class DecodeSequence:
     timeline: Timeline = field(default_factory=Timeline)  # its stages' stamps here
     # Its prompt tokens' logprobs so far, while computed here for a request that asked.
     prompt_scores: list[PromptLogprob] = field(default_factory=list)
+    # Guesses at its next tokens (decode/drafts.py), fed this step after its last token.
+    draft: list[int] = field(default_factory=list)
+    guess_misses: int = 0  # guessing steps in a row none of whose guesses held
+    guess_pause: int = 0  # steps left before it guesses again
 
     @property
     def key(self) -> RequestKey:
         return self.request.key
+
+    @property
+    def step_tokens(self) -> list[int]:
+        """What this step feeds it: its next `num_scheduled` tokens, its draft after them."""
+        return (self.tokens[self.num_cached:] + self.draft)[:self.num_scheduled]
 
     @property
     def block_table(self) -> list[int]:
@@ -138,7 +148,7 @@ class DecodeScheduler:
             pending = len(sequence.tokens) - sequence.num_cached
             assert pending > 0, "a running sequence always has its last token to feed"
             if pending == 1:
-                sequence.num_scheduled = 1
+                sequence.num_scheduled = 1 + len(sequence.draft)
                 continue
             fits = self.cost.tokens_within(budget, sequence.num_cached, pending)
             sequence.num_scheduled = max(fits, 1) if first else fits
@@ -183,7 +193,7 @@ class DecodeScheduler:
         self._release(sequence)
 
     def _need(self, sequence: DecodeSequence) -> int:
-        return blocks_needed(len(sequence.tokens), self.block_size)
+        return blocks_needed(len(sequence.tokens) + len(sequence.draft), self.block_size)
 
     def _grow_running(self) -> None:
         """Give each running sequence room for this step's tokens; preempt the newest if full."""
@@ -192,6 +202,9 @@ class DecodeScheduler:
                 continue  # preempted earlier in this loop: it must not preempt others
             self._drop_before_window(sequence)
             extra = self._need(sequence) - len(sequence.blocks)
+            if extra > 0 and sequence.draft and not self._can_allocate(extra):
+                sequence.draft = []  # a guess takes no room a sequence needs
+                extra = self._need(sequence) - len(sequence.blocks)
             while extra > 0 and not self._can_allocate(extra):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -215,6 +228,7 @@ class DecodeScheduler:
         self.running.remove(sequence)
         self._release(sequence)
         sequence.num_cached = 0
+        sequence.draft = []
         self.waiting.appendleft(sequence)
         self.preemptions += 1
 

@@ -284,7 +284,8 @@ class PullCollector(Collector):
 
 class RecoveryCollector(Collector):
     """What the gateway did to keep requests going, as Counters: aborts it sent, requests it
-    resumed elsewhere, and preemptions per worker (monotonic across restarts, gateway.totals)."""
+    resumed elsewhere; and per worker, preemptions and speculation's guesses, made and kept
+    (monotonic across restarts, gateway.totals)."""
 
     def __init__(self, membership: Registry, aborts_sent: int, resumed: int) -> None:
         self.membership = membership
@@ -303,3 +304,12 @@ class RecoveryCollector(Collector):
         for worker_id, count in self.membership.preemptions.by_worker().items():
             preemptions.add_metric([worker_id], count)
         yield preemptions
+        for name, totals, what in (
+                ("raging_guessed_tokens", self.membership.guessed,
+                 "Tokens guessed by n-gram speculation, per decode worker"),
+                ("raging_kept_guesses", self.membership.kept_guesses,
+                 "Guessed tokens the draws kept, per decode worker")):
+            family = CounterMetricFamily(name, what, labels=["worker"])
+            for worker_id, count in totals.by_worker().items():
+                family.add_metric([worker_id], count)
+            yield family

@@ -199,6 +199,8 @@ class Registry:
         self.was_ready = False  # every expected worker has served at once
         self.events: deque[MembershipEvent] = deque(maxlen=_EVENT_MEMORY)  # oldest first
         self.preemptions = WorkerTotals()  # per worker id, across its restarts
+        self.guessed = WorkerTotals()  # decode workers' guessed tokens (speculation)
+        self.kept_guesses = WorkerTotals()  # ... of which the draws kept
         # Decode workers' pulls of cached prefixes (core/messages.PullTotals), field by field.
         self.pulled = {name: WorkerTotals() for name in PULL_FIELDS}
         # While a route is being picked: pools and units as they are then (none change
@@ -266,6 +268,8 @@ class Registry:
         if message.draining:
             self.drain(info, "it said so")
         self.preemptions.report(message.worker_id, message.instance_id, message.preemptions)
+        self.guessed.report(message.worker_id, message.instance_id, message.guessed_tokens)
+        self.kept_guesses.report(message.worker_id, message.instance_id, message.kept_guesses)
         if info.role == "decode":
             for name, totals in self.pulled.items():
                 totals.report(message.worker_id, message.instance_id,

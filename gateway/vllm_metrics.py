@@ -141,4 +141,12 @@ class VllmEngineCollector(Collector):
                                           labels=labels)
         for worker_id, count in self.membership.preemptions.by_worker().items():
             preemptions.add_metric([self.model_name, worker_id], count)
-        yield from (running, waiting, usage, gpu_usage, preemptions)
+        drafted = CounterMetricFamily("vllm:spec_decode_num_draft_tokens",
+                                      "Number of draft tokens.", labels=labels)
+        accepted = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens",
+                                       "Number of accepted tokens.", labels=labels)
+        for family, totals in ((drafted, self.membership.guessed),
+                               (accepted, self.membership.kept_guesses)):
+            for worker_id, count in totals.by_worker().items():
+                family.add_metric([self.model_name, worker_id], count)
+        yield from (running, waiting, usage, gpu_usage, preemptions, drafted, accepted)

@@ -529,3 +529,44 @@ def test_thousands_waiting_are_found_and_removed_each_in_constant_time() -> None
     assert time.monotonic() - began < 5.0  # linear: well under a second here
     assert not scheduler.waiting and scheduler.find(RequestKey("r0", 0)) is None
     assert_accounted(scheduler, allocator)
+
+
+def test_a_draft_is_fed_after_the_last_token_in_blocks_of_its_own() -> None:
+    scheduler, allocator = make(10)
+    seq = sequence("a", 4)
+    scheduler.add(seq)
+    scheduler.schedule()
+    step([seq])  # 5 tokens, 4 cached: one block held
+    seq.draft = [9, 9, 9, 9]
+    _, batch = scheduler.schedule()
+    assert scheduler.chunk(batch) == [seq]
+    assert seq.num_scheduled == 5 and seq.step_tokens == [1, 9, 9, 9, 9]
+    assert len(seq.blocks) == blocks_needed(9, BLOCK)  # room for every guess's KV
+    assert_accounted(scheduler, allocator)
+
+
+def test_a_draft_takes_no_room_a_sequence_needs() -> None:
+    scheduler, allocator = make(4)
+    old, new = sequence("old", 8), sequence("new", 8)  # two blocks each: the pool is full
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.schedule()
+    old.draft = [5, 6, 7]  # would need a third block
+    _, batch = scheduler.schedule()
+    assert batch == [old, new] and scheduler.preemptions == 0
+    assert old.draft == [] and len(old.blocks) == 2
+    assert scheduler.chunk(batch) == [old, new] and old.num_scheduled == 1
+    assert_accounted(scheduler, allocator)
+
+
+def test_a_preempted_sequence_drops_its_draft() -> None:
+    scheduler, _ = make(4)
+    old, new = sequence("old", 8), sequence("new", 8)
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.schedule()
+    new.draft = [5]
+    old.tokens.append(1)  # needs a third block: the newest goes
+    old.num_cached = 8
+    scheduler.schedule()
+    assert list(scheduler.waiting) == [new] and new.draft == []

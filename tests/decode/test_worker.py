@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +39,7 @@ from core.messages import (
 )
 from decode.phases import Phase
 from decode.worker import DecodeWorker
+from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
@@ -50,13 +54,14 @@ Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing 
 
 @contextmanager
 def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512,
-            prefix_caching: bool = True) -> Iterator[Served]:
+            prefix_caching: bool = True, speculative_tokens: int = 0) -> Iterator[Served]:
     """A decode worker on the tiny model, and the ROUTER standing in for its gateway."""
     control = f"ipc://{folder}/control.sock"
     config: Config = load_config(None, {"gateway.control_address": control,
                                         "decode.kv_bind": f"ipc://{folder}/kv.sock",
                                         "decode.chunk_tokens": str(chunk_tokens),
-                                        "decode.prefix_caching": str(prefix_caching).lower()})
+                                        "decode.prefix_caching": str(prefix_caching).lower(),
+                                        "decode.speculative_tokens": str(speculative_tokens)})
     gateway: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
@@ -660,3 +665,139 @@ def test_prompts_prefilled_here_reuse_the_blocks_of_earlier_prompts_and_answers(
         prefill_here(w, "c2", follow_up, 12)
         assert output_of(w, g, "c2") == cold
         assert w.scheduler.cache.num_available == 256 and not admitted(w)
+
+
+def fed_tokens(worker: DecodeWorker) -> list[int]:
+    """The tokens each forward pass of the worker feeds, from now on (a list it appends to)."""
+    fed: list[int] = []
+    forward = worker.runner.forward
+
+    def counting(batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None
+                 ) -> torch.Tensor:
+        fed.append(batch.num_tokens)
+        return forward(batch, layer_hook)
+
+    worker.runner.forward = counting  # type: ignore[method-assign]
+    return fed
+
+
+def oracle(outputs: dict[tuple[int, ...], list[int]], wrong_after: int | None = None
+           ) -> Callable[..., list[int]]:
+    """A guesser that knows each prompt's output: it guesses the next k tokens right (only the
+    first `wrong_after` of them, the rest off by one)."""
+    def guess(tokens: list[int], k: int, min_n: int = 1) -> list[int]:
+        prompt = next(p for p in outputs if tuple(tokens[:len(p)]) == p)
+        done = len(tokens) - len(prompt)
+        right = outputs[prompt][done:done + k]
+        cut = len(right) if wrong_after is None else wrong_after
+        return right[:cut] + [(token + 1) % 64 for token in right[cut:]]
+    return guess
+
+
+def decoded(worker: Served, prompts: list[list[int]], sampling: Sampling
+            ) -> tuple[dict[str, list[tuple[Any, ...]]], list[int]]:
+    """Each prompt's events (index, token, logprob, top, finish) when prefilled and decoded
+    here, and the tokens each forward pass fed."""
+    w, gateway = worker
+    fed = fed_tokens(w)
+    for i, prompt in enumerate(prompts):
+        prefill_here(w, f"r{i}", prompt, 40, sampling)
+    while w.step():
+        pass
+    events = [e for m in sent_to_gateway(w, gateway) if isinstance(m, TokenBatch)
+              for e in m.events]
+    assert w.scheduler.cache.num_available == 256 and not admitted(w)
+    mine = {f"r{i}": [(e.index, e.token_id, e.logprob, e.top, e.finish_reason)
+                      for e in events if e.request_id == f"r{i}"] for i in range(len(prompts))}
+    assert all([e[0] for e in tokens] == list(range(40)) for tokens in mine.values())
+    return mine, fed
+
+
+@pytest.mark.parametrize("sampling", [
+    GREEDY,
+    Sampling(temperature=1.0, seed=11, logprobs=2),
+    Sampling(temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.3,
+             frequency_penalty=0.5),
+], ids=["greedy", "seeded-logprobs", "penalties"])
+@pytest.mark.parametrize("wrong_after", [None, 1], ids=["right", "first-right"])
+def test_guessed_tokens_change_no_output(tiny_model_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch, sampling: Sampling,
+                                          wrong_after: int | None) -> None:
+    """Each request draws the tokens (and logprobs) it draws without guesses, right guesses
+    or wrong, in fewer forward passes where guesses are right; every block comes back."""
+    prompts = [list(range(3 + i, 30 + i)) for i in range(3)]
+    (tmp_path / "plain").mkdir()
+    with serving(tiny_model_dir, tmp_path / "plain") as served:
+        plain, plain_fed = decoded(served, prompts, sampling)
+    outputs = {tuple(p): [e[1] for e in plain[f"r{i}"]] for i, p in enumerate(prompts)}
+    monkeypatch.setattr("decode.worker.propose", oracle(outputs, wrong_after))
+    (tmp_path / "guessed").mkdir()
+    with serving(tiny_model_dir, tmp_path / "guessed", speculative_tokens=4) as served:
+        guessed, guessed_fed = decoded(served, prompts, sampling)
+        beat = served[0].heartbeat()
+    # The same tokens; logprobs to rounding (rows of a longer pass: other reduction orders).
+    assert _tokens(guessed) == _tokens(plain)
+    assert _numbers(guessed) == pytest.approx(_numbers(plain), abs=1e-4)
+    # Right guesses: up to 5 tokens a step; the first right: 2 (the guess and the draw after).
+    per_step = 5 if wrong_after is None else 2
+    assert len(guessed_fed) == 1 + math.ceil(39 / per_step)
+    assert len(plain_fed) == 40
+    guesses = sum(fed - 3 for fed in guessed_fed[1:])  # each step's tokens beyond the 3 last
+    guessing_steps = sum(fed > 3 for fed in guessed_fed[1:])
+    kept = guesses if wrong_after is None else 3 * guessing_steps  # one a step each
+    assert (beat.guessed_tokens, beat.kept_guesses) == (guesses, kept)
+
+
+def _tokens(events: dict[str, list[tuple[Any, ...]]]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each event's index, token, top token ids and finish reason."""
+    return {key: [(index, token, [t.token_id for t in top], finish)
+                  for index, token, _, top, finish in tokens] for key, tokens in events.items()}
+
+
+def _numbers(events: dict[str, list[tuple[Any, ...]]]) -> list[float]:
+    """Every logprob of the events, the tops' included, in order."""
+    return [number for tokens in events.values() for _, _, logprob, top, _ in tokens
+            for number in ([] if logprob is None else [logprob, *(t.logprob for t in top)])]
+
+
+@pytest.mark.parametrize("wrong_after", [None, 1], ids=["right", "first-right"])
+def test_guesses_under_a_grammar_change_no_output(tiny_model_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  wrong_after: int | None) -> None:
+    """A structured-output request's guesses are drawn under its grammar's state after the
+    tokens before them: the same valid JSON, token for token."""
+    values = ["alpha beta gamma delta epsilon", "zeta eta theta iota kappa"]
+    grammar = json.dumps({"type": "object", "properties": {"k": {"enum": values}},
+                          "required": ["k"]})
+    job = replace(grammar_task(grammar), max_tokens=60)
+    outputs = []
+    for k in (0, 4):
+        (tmp_path / str(k)).mkdir()
+        with serving(tiny_model_dir, tmp_path / str(k), speculative_tokens=k) as (w, gateway):
+            w.handle(PrefillRequest("json", 0, job, w.worker_id, w.kv_address, []))
+            compiled(w, grammar)
+            while w.step():
+                pass
+            outputs.append([e.token_id for m in sent_to_gateway(w, gateway)
+                            if isinstance(m, TokenBatch) for e in m.events])
+            assert w.scheduler.cache.num_available == 256
+        if k == 0:
+            right = {tuple(job.prompt_ids): outputs[0]}
+            monkeypatch.setattr("decode.worker.propose", oracle(right, wrong_after))
+    assert outputs[1] == outputs[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert json.loads(decode_text(tokenizer, outputs[0][:-1]))["k"] in values
+    assert len(outputs[0]) > 10
+
+
+def test_guesses_that_miss_pause_guessing_longer_each_time(tiny_model_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Always wrong: guesses on steps 1, 3, 7, 15 and 31 after the first token (pauses of 1, 3,
+    7 and 15 steps between), and the same output as without them."""
+    monkeypatch.setattr("decode.worker.propose", lambda tokens, k: [0] * k)
+    with serving(tiny_model_dir, tmp_path, speculative_tokens=2) as served:
+        _, fed = decoded(served, [list(range(3, 30))], GREEDY)
+        beat = served[0].heartbeat()
+    assert [i for i, tokens in enumerate(fed) if tokens > 1] == [0, 1, 3, 7, 15, 31]
+    assert (beat.guessed_tokens, beat.kept_guesses) == (10, 0)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
 from engine.weights.tokenizer import decode_text
-from tests.e2e.cluster import Cluster, launch
+from tests.e2e.cluster import Cluster, launch, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
@@ -34,12 +34,13 @@ def client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
 
 
-def reference_answers(model_dir: Path, max_tokens: int) -> list[str]:
+def reference_answers(model_dir: Path, max_tokens: int,
+                      questions: list[str] = QUESTIONS) -> list[str]:
     """What transformers' own greedy generate says to each question."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     answers = []
-    for question in QUESTIONS:
+    for question in questions:
         encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                 add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)
@@ -62,6 +63,29 @@ def test_greedy_answers_equal_transformers(
             max_tokens=32, temperature=0)
         assert reply.choices[0].message.content == answer
     assert "Paris" in expected[0]
+
+
+def test_guessed_tokens_keep_the_greedy_answer(
+    cluster: Cluster, client: openai.OpenAI, real_model_dir: Path
+) -> None:
+    """An answer that repeats its question: n-gram speculation (on by default) guesses much of
+    it, and the answer is still transformers' own."""
+    question = ("Repeat this sentence three times: the old lighthouse keeper climbed the "
+                "stairs every night to light the lamp.")
+    (expected,) = reference_answers(real_model_dir, 64, [question])
+    guessed, kept = (cluster.metric(name, 'worker="decode-0"')
+                     for name in ("raging_guessed_tokens_total", "raging_kept_guesses_total"))
+    reply = client.chat.completions.create(
+        model=cluster.model, messages=[{"role": "user", "content": question}],
+        max_tokens=64, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert "lighthouse keeper climbed the stairs" in expected  # copied from the question
+
+    def counts() -> tuple[float, float]:
+        return (cluster.metric("raging_guessed_tokens_total", 'worker="decode-0"') - guessed,
+                cluster.metric("raging_kept_guesses_total", 'worker="decode-0"') - kept)
+    wait_for(lambda: counts()[1] >= 5, 5, "the heartbeat with the guesses")
+    print(f"guessed {counts()[0]:.0f} tokens, kept {counts()[1]:.0f}")
 
 
 def test_streaming_with_the_openai_client(cluster: Cluster, client: openai.OpenAI) -> None:

@@ -178,7 +178,8 @@ def test_disaggregation_decisions_are_counted_by_path() -> None:
 
 def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restart() -> None:
     registry = membership()
-    assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, preemptions=5))
+    assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, preemptions=5,
+                                        guessed_tokens=40, kept_guesses=30))
     metrics = Metrics("m")
     found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
     assert found[("raging_aborts_sent_total", frozenset())] == 3
@@ -186,9 +187,15 @@ def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restar
     assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 5
     # decode-0 restarts: a new instance whose own count begins at 0 again
     assert registry.register(Register("decode-0", "i1", "decode", "", FP, 16, 100))[0].accepted
-    assert registry.heartbeat(Heartbeat("decode-0", "i1", 0, 90, 1, 0, preemptions=1))
+    assert registry.heartbeat(Heartbeat("decode-0", "i1", 0, 90, 1, 0, preemptions=1,
+                                        guessed_tokens=4, kept_guesses=1))
     found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
     assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 6
+    assert found[("raging_guessed_tokens_total", labels(worker="decode-0"))] == 44
+    assert found[("raging_kept_guesses_total", labels(worker="decode-0"))] == 31
+    engine = labels(model_name="m", engine="decode-0")
+    assert found[("vllm:spec_decode_num_draft_tokens_total", engine)] == 44
+    assert found[("vllm:spec_decode_num_accepted_tokens_total", engine)] == 31
     assert found[("vllm:num_preemptions_total", labels(model_name="m", engine="decode-0"))] == 6
     registry.remove("decode-0")  # gone: its count stays in the totals
     found = samples(metrics.render(registry, 0, aborts_sent=4, resumed=2).decode())
