@@ -285,7 +285,7 @@ class DecodeConfig(PoolConfig):
     speculative_tokens: int = setting(6, "n-gram speculation: guess up to this many next "
                                          "tokens of a sequence from its earlier text and check "
                                          "them in one step (decode/drafts.py); 0: off")
-    speculative_max_running: int = setting(8, "speculate only while at most this many "
+    speculative_max_running: int = setting(1, "speculate only while at most this many "
                                               "sequences run (a bigger batch is compute-bound)")
 
     def __post_init__(self) -> None:

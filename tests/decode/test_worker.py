@@ -61,7 +61,8 @@ def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512,
                                         "decode.kv_bind": f"ipc://{folder}/kv.sock",
                                         "decode.chunk_tokens": str(chunk_tokens),
                                         "decode.prefix_caching": str(prefix_caching).lower(),
-                                        "decode.speculative_tokens": str(speculative_tokens)})
+                                        "decode.speculative_tokens": str(speculative_tokens),
+                                        "decode.speculative_max_running": "8"})
     gateway: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
     gateway.bind(control)
     runner = ModelRunner(model_dir, num_blocks=256, block_size=16)
