@@ -116,8 +116,11 @@ class Worker(ABC):
         self.tracer = make_tracer(config.tracing, f"raging-{identity.role}", self.worker_id)
         # Simulated workers stand for GPUs: they sleep through steps, on no CPUs of theirs.
         self.cpus = () if config.model.sim_profile is not None else tuple(pinned_cpus())
-        # `with self.turns:` around a forward pass: workers on these CPUs compute in turn
-        self.turns = CpuTurns(config.engine.cpu_turns_dir if self.cpus else "", self.cpus)
+        # `with self.turns:` around a forward pass: workers on these CPUs compute in turn,
+        # where each one's threads fill them (with fewer, two can compute at once)
+        fills = identity.threads == 0 or identity.threads >= len(self.cpus)
+        self.turns = CpuTurns(config.engine.cpu_turns_dir if self.cpus and fills else "",
+                              self.cpus)
 
     def registration(self) -> Register:
         i = self.identity

@@ -88,21 +88,25 @@ class SimRunner:
 
     def _advance(self, batch: ForwardBatch) -> list[int]:
         """The state after each row whose logits the batch asks for (each sequence's last new
-        token, or all its new tokens); every new position's kept in the cache."""
+        token, or all its new tokens); every new position's kept in the cache. A row may
+        follow one of the same pass over the same blocks (a decode worker's guesses), as the
+        model's attention sees the KV written before it."""
         starts, tables = batch.start_positions, batch.block_tables
         before = self._states.read([self._slot(table, start - 1) for table, start
                                     in zip(tables, starts, strict=True) if start > 0])
-        slots: list[int] = []
-        values: list[int] = []
+        written: dict[int, int] = {}  # slot -> state, of this pass
         rows: list[int] = []
         earlier = iter(before)
         for index, (tokens, start, table) in enumerate(zip(batch.token_ids, starts, tables,
                                                            strict=True)):
-            chain = states(tokens, start, next(earlier) if start > 0 else SEED)
-            slots += [self._slot(table, p) for p in range(start, start + len(tokens))]
-            values += chain
+            previous = SEED
+            if start > 0:
+                previous = written.get(self._slot(table, start - 1), next(earlier))
+            chain = states(tokens, start, previous)
+            slots = [self._slot(table, p) for p in range(start, start + len(tokens))]
+            written.update(zip(slots, chain, strict=True))
             rows += chain[-batch.logit_rows(index):]
-        self._states.write(slots, values)
+        self._states.write(list(written), list(written.values()))
         return rows
 
     def _slot(self, table: list[int], position: int) -> int:

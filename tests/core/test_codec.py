@@ -263,8 +263,8 @@ def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
 def test_a_transfer_total_names_a_known_backend() -> None:
     def heartbeat(backend: str) -> bytes:
         totals = [[backend, "send", 1, 1, 0.1, 0]]
-        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0, False,
-                      [0, 0, 0, 0, 0.0, 0.0], 0.0, 0.0)
+        return packed(TAG[Heartbeat], "w", "i", 0, 0, 0, 0, 0, 0, 0, totals, [], 0, 0, 0, [], 0,
+                      False, [0, 0, 0, 0, 0.0, 0.0], 0.0, 0.0)
 
     beat = decode(heartbeat("shm"))
     assert isinstance(beat, Heartbeat) and beat.transfers[0].backend == "shm"

@@ -70,7 +70,9 @@ def hog(cpus: set[int]) -> subprocess.Popen[bytes]:
 
 @pytest.fixture(scope="module")
 def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=CONFIG) as running:
+    # Pinned, one CPU each, so that each worker's hog halves its share of its CPU.
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=CONFIG,
+                flags=["--pin"]) as running:
         yield running
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.turns import turns_file
-from tests.e2e.cluster import launch
+from tests.e2e.cluster import TEST_CONFIG, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +42,23 @@ def test_three_decode_workers_on_one_cpu_fill_one_batch(
     assert "gateway.decode_routing" in launched and "prefill workers" not in launched
 
 
-@pytest.mark.parametrize("more", [0, 1], ids=["as-many-as-the-cpus", "one-more"])
+@pytest.mark.parametrize(("more", "threads"), [(0, 1), (1, 0)],
+                         ids=["as-many-as-the-cpus-one-thread-each", "one-more-filling-them"])
 def test_workers_as_many_as_the_cpus_share_them_all(
-        tiny_model_dir: Path, tmp_path: Path, more: int) -> None:
+        tiny_model_dir: Path, tmp_path: Path, more: int, threads: int) -> None:
+    """Every worker on every CPU; they take turns where each one's threads (by default one per
+    CPU) fill the CPUs, and compute at once where they leave room for each other."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
     decode = len(cpus) - 1 + more  # with the prefill worker, `more` workers more than the CPUs
-    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=decode,
+    config = {**TEST_CONFIG, "prefill": {**TEST_CONFIG["prefill"], "threads": threads},
+              "decode": {**TEST_CONFIG["decode"], "threads": threads}}
+    with launch(tmp_path / "run", tiny_model_dir, prefill=1, decode=decode, config=config,
                 cpus=cpus) as cluster:
         workers = cluster.client.get("/v1/cluster").json()["workers"]
         assert sorted(w["id"] for w in workers) == sorted(
             ["prefill-0", *(f"decode-{i}" for i in range(decode))])
-        assert all(w["cpus"] == cpus for w in workers)
+        assert all(w["cpus"] == cpus and w["threads"] == (threads or len(cpus))
+                   for w in workers)
         turns = tmp_path / "run" / "turns" / turns_file(Path(), cpus)
         assert len(cluster.pids()) == decode + 2
         for name, pid in cluster.pids().items():
@@ -60,7 +66,7 @@ def test_workers_as_many_as_the_cpus_share_them_all(
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 with contextlib.suppress(FileNotFoundError):  # closed meanwhile
                     held.add(os.readlink(fd))
-            assert (str(turns) in held) == (name != "gateway"), name
+            assert (str(turns) in held) == (name != "gateway" and threads == 0), name
         body = {"model": cluster.model, "prompt": "Count to 5:", "max_tokens": 8,
                 "ignore_eos": True}
         replies = [cluster.client.post("/v1/completions", json=body) for _ in range(3)]

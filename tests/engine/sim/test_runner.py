@@ -99,3 +99,18 @@ def test_all_logits_give_each_position_s_next_chain_token(folder: Path) -> None:
     again = SimRunner(folder, 16, BLOCK, time_scale=0)
     last = again.forward(ForwardBatch([prompt], [0], [list(range(5))]))
     assert torch.equal(logits[-1:], last)
+
+
+def test_one_token_rows_over_the_same_blocks_follow_each_other(folder: Path) -> None:
+    """A decode worker's guesses go as one-token rows of one pass, each at its position over
+    the same blocks: each row sees the rows before it, as the model's attention does."""
+    runner = SimRunner(folder, 16, BLOCK, time_scale=0)
+    prompt = list(b"Name the tides.")
+    expected = continuation(prompt, 4, runner.profile.mean_output_tokens)
+    table = list(range(6))
+    first = int(runner.forward(ForwardBatch([prompt], [0], [table]))[0].argmax())
+    fed = [first, *expected[1:3]]  # the last token and two right guesses
+    logits = runner.forward(ForwardBatch([[token] for token in fed],
+                                         list(range(len(prompt), len(prompt) + 3)),
+                                         [table] * 3))
+    assert first == expected[0] and logits.argmax(dim=-1).tolist() == expected[1:4]
