@@ -15,7 +15,10 @@ from core.config import Role
 
 # A stand-in for a launch.sh --join: a real process that exits on SIGTERM (as a drained worker
 # does) and on SIGINT.
-WORKER = [sys.executable, "-c", "import time; time.sleep(60)"]
+# SIGINT ends it even where the test runs with SIGINT ignored (a shell's background job), which
+# a child inherits and Python then leaves as it is.
+WORKER = [sys.executable, "-c", "import signal, time; "
+          "signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"]
 
 
 @pytest.fixture
