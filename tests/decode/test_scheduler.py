@@ -43,6 +43,16 @@ def step(batch: list[DecodeSequence], token: int = 1) -> None:
         seq.num_generated += 1
 
 
+def full_pool() -> tuple[DecodeScheduler, BlockAllocator, DecodeSequence, DecodeSequence]:
+    """A pool of 4 blocks that two admitted sequences of 8 tokens (2 blocks each) fill."""
+    scheduler, allocator = make(4)
+    old, new = sequence("old", 8), sequence("new", 8)
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.schedule()
+    return scheduler, allocator, old, new
+
+
 def held(scheduler: DecodeScheduler) -> list[int]:
     return [b for s in [*scheduler.running, *scheduler.waiting] for b in s.blocks]
 
@@ -180,11 +190,7 @@ def test_a_sequence_that_cannot_grow_preempts_itself_last() -> None:
 
 def test_a_preempted_sequence_does_not_preempt_others() -> None:
     """Once the newest is preempted for the oldest, the loop must not preempt again for it."""
-    scheduler, allocator = make(4)
-    old, new = sequence("old", 8), sequence("new", 8)
-    scheduler.add(old)
-    scheduler.add(new)
-    scheduler.schedule()
+    scheduler, allocator, old, new = full_pool()
     step([old, new])
     _, batch = scheduler.schedule()
     assert batch == [old] and scheduler.preemptions == 1
@@ -546,11 +552,7 @@ def test_a_draft_is_fed_after_the_last_token_in_blocks_of_its_own() -> None:
 
 
 def test_a_draft_takes_no_room_a_sequence_needs() -> None:
-    scheduler, allocator = make(4)
-    old, new = sequence("old", 8), sequence("new", 8)  # two blocks each: the pool is full
-    scheduler.add(old)
-    scheduler.add(new)
-    scheduler.schedule()
+    scheduler, allocator, old, new = full_pool()
     old.draft = [5, 6, 7]  # would need a third block
     _, batch = scheduler.schedule()
     assert batch == [old, new] and scheduler.preemptions == 0
@@ -560,11 +562,7 @@ def test_a_draft_takes_no_room_a_sequence_needs() -> None:
 
 
 def test_a_preempted_sequence_drops_its_draft() -> None:
-    scheduler, _ = make(4)
-    old, new = sequence("old", 8), sequence("new", 8)
-    scheduler.add(old)
-    scheduler.add(new)
-    scheduler.schedule()
+    scheduler, _, old, new = full_pool()
     new.draft = [5]
     old.tokens.append(1)  # needs a third block: the newest goes
     old.num_cached = 8
