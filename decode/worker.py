@@ -85,8 +85,7 @@ class DecodeWorker(Worker):
         self.rejected_requests = 0
         self.ttft_s_per_token = config.decode.ttft_ms_per_token / 1000
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
-        # On a GPU a decode step replays a CUDA graph, and a step with guesses would run
-        # eagerly: on an H200, 13.4 against 2.8 ms at batch 1 (docs/performance.md).
+        # Guessing is measured on CPUs only (docs/scheduling.md): off on a GPU until it is.
         on_cpu = runner.device.type == "cpu"
         self.speculative_tokens = config.decode.speculative_tokens if on_cpu else 0
         self.speculative_max_running = config.decode.speculative_max_running
@@ -147,7 +146,7 @@ class DecodeWorker(Worker):
 
     def _guess_next_tokens(self) -> None:
         """Each decoding sequence's draft for this step, while the batch is small enough for
-        guesses to come nearly free (each is a row more of the step's products)."""
+        guesses to pay (each is a row more of the step's products and attention)."""
         running = self.scheduler.running
         k = self.speculative_tokens if len(running) <= self.speculative_max_running else 0
         for sequence in running:
