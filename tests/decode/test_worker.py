@@ -796,9 +796,15 @@ def test_guesses_that_miss_pause_guessing_longer_each_time(tiny_model_dir: Path,
                                                           ) -> None:
     """Always wrong: guesses on steps 1, 3, 7, 15 and 31 after the first token (pauses of 1, 3,
     7 and 15 steps between), and the same output as without them."""
+    prompts = [list(range(3, 30))]
+    (tmp_path / "plain").mkdir()
+    with serving(tiny_model_dir, tmp_path / "plain") as served:
+        plain, _ = decoded(served, prompts, GREEDY)
     monkeypatch.setattr("decode.worker.propose", lambda tokens, k: [0] * k)
-    with serving(tiny_model_dir, tmp_path, speculative_tokens=2) as served:
-        _, fed = decoded(served, [list(range(3, 30))], GREEDY)
+    (tmp_path / "guessed").mkdir()
+    with serving(tiny_model_dir, tmp_path / "guessed", speculative_tokens=2) as served:
+        guessed, fed = decoded(served, prompts, GREEDY)
         beat = served[0].heartbeat()
+    assert _tokens(guessed) == _tokens(plain)
     assert [i for i, tokens in enumerate(fed) if tokens > 1] == [0, 1, 3, 7, 15, 31]
     assert (beat.guessed_tokens, beat.kept_guesses) == (10, 0)
