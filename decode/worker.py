@@ -128,12 +128,11 @@ class DecodeWorker(Worker):
                 sequence.timeline.start(now)
                 prompt_tokens += sequence.num_scheduled
         scored = [_scored(s) for s in batch]
-        every_row = [score or bool(s.draft) for s, score in zip(batch, scored, strict=True)]
         with self.turns:
             logits = self.runner.forward(_forward_batch(batch, scored),
                                          layer_hook=self.between_layers)
         self.pulls.pace.observe(prompt_tokens, time.monotonic() - now)
-        rows = _score_prompts(batch, scored, every_row, logits)
+        rows = _score_prompts(batch, scored, logits)
         for sequence in batch:
             sequence.num_cached += sequence.num_scheduled - len(sequence.draft)
         ready = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
@@ -148,15 +147,17 @@ class DecodeWorker(Worker):
         """Each decoding sequence's draft for this step, while the batch is small enough for
         guesses to pay (each is a row more of the step's products and attention)."""
         running = self.scheduler.running
-        k = self.speculative_tokens if len(running) <= self.speculative_max_running else 0
+        if not self.speculative_tokens or len(running) > self.speculative_max_running:
+            return  # drafts are empty between steps: _check_guesses clears each one it feeds
         for sequence in running:
-            left = sequence.request.task.max_tokens - sequence.num_generated - 1
-            decoding = sequence.num_generated and len(sequence.tokens) - sequence.num_cached == 1
-            sequence.draft = []
+            assert not sequence.draft, "a step feeds each draft and clears it"
             if sequence.guess_pause:
                 sequence.guess_pause -= 1
-            elif decoding and k:
-                sequence.draft = propose(sequence.tokens, min(k, left))
+                continue
+            left = sequence.request.task.max_tokens - sequence.num_generated - 1
+            decoding = sequence.num_generated and len(sequence.tokens) - sequence.num_cached == 1
+            if decoding:
+                sequence.draft = propose(sequence.tokens, min(self.speculative_tokens, left))
 
     def _check_guesses(self, guessed: list[tuple[DecodeSequence, torch.Tensor]],
                        ) -> list[TokenEvent]:
@@ -583,17 +584,17 @@ def _scored(sequence: DecodeSequence) -> bool:
             and sequence.received_kv is None)
 
 
-def _score_prompts(batch: list[DecodeSequence], scored: list[bool], every_row: list[bool],
+def _score_prompts(batch: list[DecodeSequence], scored: list[bool],
                    logits: torch.Tensor) -> list[int]:
     """Add the logprobs of the prompt tokens this step's rows predict to each scored
     sequence (`prompt_scores`, from position 0 again when it starts over); return the row of
     each sequence's last new token in `logits` (its last token's, before any guesses)."""
-    if not any(every_row):  # every step but a scored prompt's or a guess's: one row each
+    if not any(scored) and not any(s.draft for s in batch):  # one row each
         return list(range(len(batch)))
     last_rows: list[int] = []
     row = 0
-    for sequence, every, score in zip(batch, every_row, scored, strict=True):
-        count = sequence.num_scheduled if every else 1
+    for sequence, score in zip(batch, scored, strict=True):
+        count = sequence.num_scheduled if score or sequence.draft else 1
         if score:
             start, prompt = sequence.num_cached, sequence.request.task.prompt_ids
             targets = prompt[start + 1:start + count + 1]  # the last prompt row predicts output

@@ -176,6 +176,11 @@ share_out() {  # share_out POOL_NAME COUNT: each worker's CPUs, a line each (cor
 }
 mapfile -t PREFILL_SHARES < <(share_out PREFILL_POOL "$PREFILL")
 mapfile -t DECODE_SHARES < <(share_out DECODE_POOL "$DECODE")
+if [[ $PIN == 1 && ( ${#PREFILL_SHARES[@]} != "$PREFILL" || ${#DECODE_SHARES[@]} != "$DECODE" ) ]]; then
+  echo "launch.sh: cannot share out the CPUs (--prefill-cpus ${PREFILL_CPUS:-default}," \
+    "--decode-cpus ${DECODE_CPUS:-default})" >&2
+  exit 2
+fi
 pin_args() {  # pin_args SHARES_NAME INDEX: the --cpus flag for worker INDEX
   [[ $PIN == 1 ]] || return 0
   local -n shares="$1"
