@@ -500,8 +500,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     work.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     work.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path,
-                        help="results JSON; peers.md and peers.png go beside it "
-                             "(default runs/bench-TIME/peers.json)")
+                        help="results JSON, or a folder for peers.json; peers.md and "
+                             "peers.png go beside it (default runs/bench-TIME/peers.json)")
     parser.set_defaults(prepare=prepare)
 
 
@@ -558,6 +558,8 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     settings = ServeResults(("python -m bench", *redact(argv)), workload, how,
                             args.num_requests, args.warmup, plan.slo, False, ())
     out = args.out or ROOT / "runs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}" / "peers.json"
+    if out.is_dir():  # a folder named: the results go into it
+        out = out / "peers.json"
     run = PeersRun(tuple(dict.fromkeys(args.peer)), launches, plan, settings, cpus, peers_dir,
                    args.ready_timeout, out)
     return lambda: run_peers(run)

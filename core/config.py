@@ -285,8 +285,10 @@ class DecodeConfig(PoolConfig):
     speculative_tokens: int = setting(6, "n-gram speculation: guess up to this many next "
                                          "tokens of a sequence from its earlier text and check "
                                          "them in one step (decode/drafts.py); 0: off")
-    speculative_max_running: int = setting(1, "speculate only while at most this many "
-                                              "sequences run (a bigger batch is compute-bound)")
+    speculative_max_running: int = setting(64, "speculate only while at most this many "
+                                               "sequences run; within it, each sequence "
+                                               "guesses only the tokens that pay for their "
+                                               "rows (decode/guessing.py)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from core.messages import DecodeRequest, PromptLogprob, RequestKey
 from core.timeline import Timeline
+from decode.guessing import Tally
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.kv.block_hash import block_hashes
 from engine.kv.prefix_cache import PrefixCache
@@ -62,8 +63,7 @@ class DecodeSequence:
     prompt_scores: list[PromptLogprob] = field(default_factory=list)
     # Guesses at its next tokens (decode/drafts.py), fed this step after its last token.
     draft: list[int] = field(default_factory=list)
-    guess_misses: int = 0  # guessing steps in a row none of whose guesses held
-    guess_pause: int = 0  # steps left before it guesses again
+    guesses: Tally = field(default_factory=Tally)  # its guesses tried and kept, lately
 
     @property
     def key(self) -> RequestKey:

@@ -35,6 +35,7 @@ from core.messages import (
 )
 from core.worker import Worker, WorkerIdentity
 from decode.drafts import propose
+from decode.guessing import Guessing
 from decode.incoming import IncomingKV, IncomingTable
 from decode.phases import Phase, Phases
 from decode.pulls import Pulls
@@ -89,6 +90,7 @@ class DecodeWorker(Worker):
         on_cpu = runner.device.type == "cpu"
         self.speculative_tokens = config.decode.speculative_tokens if on_cpu else 0
         self.speculative_max_running = config.decode.speculative_max_running
+        self.guessing = Guessing(self.speculative_tokens)
         self.guessed_tokens = self.kept_guesses = 0  # since start
 
     def handle(self, message: Message) -> None:
@@ -128,36 +130,46 @@ class DecodeWorker(Worker):
                 sequence.timeline.start(now)
                 prompt_tokens += sequence.num_scheduled
         scored = [_scored(s) for s in batch]
+        decode_rows = _decode_rows(batch, scored)  # before the step clears the drafts
         with self.turns:
+            started = time.monotonic()
             logits = self.runner.forward(_forward_batch(batch, scored),
                                          layer_hook=self.between_layers)
         self.pulls.pace.observe(prompt_tokens, time.monotonic() - now)
-        rows = _score_prompts(batch, scored, logits)
-        for sequence in batch:
-            sequence.num_cached += sequence.num_scheduled - len(sequence.draft)
-        ready = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
-        events = self._sample([batch[i] for i in ready], logits[[rows[i] for i in ready]])
-        events += self._check_guesses([(batch[i], logits[rows[i] + 1:rows[i] + 1 + len(
-            batch[i].draft)]) for i in ready if batch[i].draft])
+        events = self._draw(batch, logits, _score_prompts(batch, scored, logits))
+        if decode_rows:  # what the step cost, but its wait for its turn
+            self.guessing.costs.observe(decode_rows, time.monotonic() - started)
         if events:
             self.control.send(TokenBatch(events))
         return True
 
+    def _draw(self, batch: list[DecodeSequence], logits: torch.Tensor, rows: list[int],
+              ) -> list[TokenEvent]:
+        """Each sequence whose KV the step completed draws its next token from its row of
+        `logits`, and its guessed tokens' after it while they hold."""
+        for sequence in batch:
+            sequence.num_cached += sequence.num_scheduled - len(sequence.draft)
+        ready = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
+        events = self._sample([batch[i] for i in ready], logits[[rows[i] for i in ready]])
+        return events + self._check_guesses([(batch[i], logits[rows[i] + 1:rows[i] + 1 + len(
+            batch[i].draft)]) for i in ready if batch[i].draft])
+
     def _guess_next_tokens(self) -> None:
-        """Each decoding sequence's draft for this step, while the batch is small enough for
-        guesses to pay (each is a row more of the step's products and attention)."""
+        """Each decoding sequence's draft for this step: as many guesses as pay for the rows
+        they add to the step's products and attention (decode/guessing.py)."""
         running = self.scheduler.running
         if not self.speculative_tokens or len(running) > self.speculative_max_running:
             return  # drafts are empty between steps: _check_guesses clears each one it feeds
         for sequence in running:
             assert not sequence.draft, "a step feeds each draft and clears it"
-            if sequence.guess_pause:
-                sequence.guess_pause -= 1
-                continue
+            if not sequence.num_generated or len(sequence.tokens) - sequence.num_cached != 1:
+                continue  # not decoding: its prompt (or a choice's first token) comes first
             left = sequence.request.task.max_tokens - sequence.num_generated - 1
-            decoding = sequence.num_generated and len(sequence.tokens) - sequence.num_cached == 1
-            if decoding:
-                sequence.draft = propose(sequence.tokens, min(self.speculative_tokens, left))
+            allowed = min(self.guessing.allowance(sequence.guesses, len(running)), left)
+            if allowed > 0:
+                sequence.draft = propose(sequence.tokens, allowed)
+            if not sequence.draft:
+                self.guessing.skip(sequence.guesses)
 
     def _check_guesses(self, guessed: list[tuple[DecodeSequence, torch.Tensor]],
                        ) -> list[TokenEvent]:
@@ -168,16 +180,19 @@ class DecodeWorker(Worker):
         sequence ends. The output is the one decoding without guesses gives."""
         events = []
         for sequence, rows in guessed:
-            kept = 0
+            kept = tries = 0
             for guess, row in zip(sequence.draft, rows, strict=True):
-                if sequence.tokens[-1] != guess or self.scheduler.find(sequence.key) is None:
+                if self.scheduler.find(sequence.key) is None:
+                    break  # it ended: the guesses after are never drawn
+                tries += 1
+                if sequence.tokens[-1] != guess:
                     break
                 kept += 1
                 sequence.num_cached += 1
                 (token,) = draw(row[None], [sequence.request.task.sampling],
                                 [_generator(sequence)], [self._history(sequence)])
                 events.append(self._advance(sequence, token))
-            _pace_guesses(sequence, kept)
+            self.guessing.record(sequence.guesses, tries, kept)
             self.guessed_tokens += len(sequence.draft)
             self.kept_guesses += kept
             sequence.draft = []
@@ -608,12 +623,12 @@ def _score_prompts(batch: list[DecodeSequence], scored: list[bool],
     return last_rows
 
 
-def _pace_guesses(sequence: DecodeSequence, kept: int) -> None:
-    """After a step none of whose guesses held, the sequence skips guessing for 1, 3, 7, ...
-    steps (at most 31): a step with guesses costs more than one without, and text that does
-    not repeat itself now seldom does a step later. A guess that holds resets the pause."""
-    sequence.guess_misses = 0 if kept else sequence.guess_misses + 1
-    sequence.guess_pause = min(2 ** sequence.guess_misses - 1, 31)
+def _decode_rows(batch: list[DecodeSequence], scored: list[bool]) -> int:
+    """The rows a step that only decodes feeds (each sequence its last token and its
+    guesses); 0 for a step with any prompt in it."""
+    decoding = not any(scored) and all(
+        s.num_generated and s.num_scheduled == 1 + len(s.draft) for s in batch)
+    return sum(s.num_scheduled for s in batch) if decoding else 0
 
 
 def _generator(sequence: DecodeSequence) -> torch.Generator:
