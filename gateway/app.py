@@ -43,6 +43,10 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/responses", routes.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", routes.response, methods=["GET"]),
             Route("/v1/responses/{response_id}", routes.delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", routes.cancel_response,
+                  methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", routes.response_input_items,
+                  methods=["GET"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
@@ -134,6 +138,7 @@ def _lifespan(state: GatewayState) -> Callable[[Starlette], AbstractAsyncContext
         try:
             yield
         finally:
+            await state.background.cancel_all()
             for task in state.control_tasks:
                 task.cancel()
             control.close()

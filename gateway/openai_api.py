@@ -46,7 +46,7 @@ from gateway.protocol import (
     tokenize_prompt,
 )
 from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
-from gateway.response_store import StoredResponse
+from gateway.response_store import StoredResponse, input_items_page
 from gateway.responses_reply import ResponseContext, ResponsesReply
 from gateway.responses_request import parse_responses_request
 from gateway.state import GatewayState
@@ -102,8 +102,8 @@ class OpenAIRoutes:
         prompt_ids, params, tools = await self._chat_prompt(chat)
         store = self.state.responses if body.store is not False and (
             self.state.responses.capacity) else None
-        context = ResponseContext(body, [*earlier, *body.input_messages()], owner, store,
-                                  params.temperature, params.top_p)
+        context = ResponseContext(body, [*earlier, *body.input_messages()], body.input_items(),
+                                  owner, store, params.temperature, params.top_p)
         return await self._serve(request, ChatFormat(), [prompt_ids], params,
                                  Served(model, arrived, tools, context))
 
@@ -113,11 +113,30 @@ class OpenAIRoutes:
         return JSONResponse(self._stored_response(response_id, cache_salt(request)).body)
 
     async def delete_response(self, request: Request) -> Response:
-        """`DELETE /v1/responses/{id}`: forget a kept response."""
-        response_id = request.path_params["response_id"]
-        if not self.state.responses.delete(response_id, cache_salt(request)):
+        """`DELETE /v1/responses/{id}`: forget a kept response (cancelled first, if it is a
+        background one still running)."""
+        response_id, owner = request.path_params["response_id"], cache_salt(request)
+        await self.state.background.cancel(owner, response_id)
+        if not self.state.responses.delete(response_id, owner):
             raise _response_not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def cancel_response(self, request: Request) -> Response:
+        """`POST /v1/responses/{id}/cancel`: stop a background response; it is kept
+        `cancelled`. One that has ended is returned as it is (cancelling is idempotent)."""
+        response_id, owner = request.path_params["response_id"], cache_salt(request)
+        if not self._stored_response(response_id, owner).body["background"]:
+            raise bad_request("only a response created with background true can be "
+                              "cancelled", param="response_id")
+        await self.state.background.cancel(owner, response_id)
+        return JSONResponse(self._stored_response(response_id, owner).body)
+
+    async def response_input_items(self, request: Request) -> Response:
+        """`GET /v1/responses/{id}/input_items`: a kept response's own input items, a page
+        at a time (`limit`, `order`, `after`)."""
+        stored = self._stored_response(request.path_params["response_id"], cache_salt(request))
+        page = input_items_page(stored.input_items, request.query_params)
+        return JSONResponse(page)
 
     def _stored_response(self, response_id: str, owner: str,
                          param: str | None = None) -> StoredResponse:
@@ -273,8 +292,18 @@ class OpenAIRoutes:
             reply = Reply(fmt, generations, self.state, params.include_usage, logprobs,
                           params.n, model=served.model, continuous_usage=params.continuous_usage,
                           timing=timing, span=span, tools=served.tools)
+        return await self._respond(request, reply, served, bool(params.stream))
+
+    async def _respond(self, request: Request, reply: Reply, served: Served,
+                       stream: bool) -> Response:
+        """The reply as asked for: a stream, the whole of it, or (a background response) the
+        announcement that it is queued, while it runs on."""
         echoed = client_request_id(request)
-        if params.stream:
+        if served.response is not None and served.response.request.background:
+            assert isinstance(reply, ResponsesReply)
+            self.state.background.start(served.response.owner, reply.id, reply.in_background())
+            return JSONResponse(reply.announce(), headers=echoed)
+        if stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **echoed})
         response = await reply.whole(request)

@@ -1,5 +1,6 @@
 """The responses /v1/responses keeps (`store`), in the gateway's memory: what GET
-/v1/responses/{id} returns and what `previous_response_id` continues.
+/v1/responses/{id} returns (and .../input_items lists), and what `previous_response_id`
+continues.
 
 Each tenant (the API key's; "" with authentication off) has its own: another tenant's id is not
 found, as an unknown one is, and one tenant's traffic never pushes out another's responses.
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.errors import bad_request
 
 TENANT_BYTES = 64 * 2**20  # what one tenant's kept responses may weigh, as JSON
 
@@ -22,10 +26,12 @@ class StoredResponse:
     owner: str  # the tenant's cache salt
     body: dict[str, Any]  # the response object, as the client got it
     conversation: list[dict[str, Any]]  # its chat messages, input and output, no instructions
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its own input, listed
     size: int = field(init=False)  # bytes, as JSON
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "size", len(json.dumps([self.body, self.conversation])))
+        size = len(json.dumps([self.body, self.conversation, self.input_items]))
+        object.__setattr__(self, "size", size)
 
 
 class ResponseStore:
@@ -66,3 +72,25 @@ class ResponseStore:
             return False
         self._bytes[owner] -= response.size
         return True
+
+
+def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a response's input items, as OpenAI lists them: `order` "desc" (the
+    default: the last item first) or "asc", the items after the one whose id is `after`, at
+    most `limit` (1-100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"no input item has the id '{after}'", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}

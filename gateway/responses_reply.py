@@ -10,6 +10,7 @@ events it causes, which the stream sends and a whole response ignores.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
@@ -36,11 +37,12 @@ Status = Literal["completed", "incomplete"]
 @dataclass(frozen=True)
 class ResponseContext:
     """What a response echoes of its request, and where it is kept: `conversation` holds the
-    chat messages before its output (the continued response's, then its input), `owner` the
-    tenant, `store` None when it is not kept."""
+    chat messages before its output (the continued response's, then its input), `input_items`
+    its own input as listed back, `owner` the tenant, `store` None when it is not kept."""
 
     request: ResponsesRequest
     conversation: list[ChatMessageFields]
+    input_items: list[dict[str, Any]]
     owner: str
     store: ResponseStore | None
     temperature: float
@@ -222,12 +224,40 @@ class ResponsesReply(Reply):
         self._keep(response)
         yield {"type": f"response.{status}", "response": response}
 
+    def announce(self) -> dict[str, Any]:
+        """A background response as its creation returns it: queued, and kept so."""
+        response = self._response("queued")
+        self._keep(response)
+        return response
+
+    async def in_background(self) -> None:
+        """A background response's work: its output collected whole and kept as it ends
+        (completed, incomplete or failed); cancelled, it is kept `cancelled`, and its request
+        aborted on the workers."""
+        outcome = "aborted"
+        try:
+            self._keep(self._response("in_progress"))
+            wholes = await self._collect()
+            if isinstance(wholes, str):
+                outcome = "error"
+                error = {"code": "server_error", "message": wholes}
+                self._keep(self._response("failed", error=error))
+            else:
+                outcome = "ok"
+                self._whole_body(wholes)  # kept as it finishes
+        except asyncio.CancelledError:
+            self._keep(self._response("cancelled"))
+            raise
+        finally:
+            self._close(outcome)
+
     def _keep(self, response: dict[str, Any]) -> None:
         context = self.context
         if context.store is None:
             return
         conversation = [*context.conversation, self.items.as_message()]
-        context.store.keep(StoredResponse(context.owner, copy.deepcopy(response), conversation))
+        context.store.keep(StoredResponse(context.owner, copy.deepcopy(response), conversation,
+                                          context.input_items))
 
     def _sse(self, event: Event) -> str:
         event = {**event, "sequence_number": next(self.sequence)}
@@ -251,7 +281,7 @@ class ResponsesReply(Reply):
             "text": {"format": _text_format(request)}, "tool_choice": _tool_choice(request),
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
             "truncation": request.truncation or "disabled", "user": request.user,
-            "metadata": request.metadata or {}, "background": False,
+            "metadata": request.metadata or {}, "background": bool(request.background),
             "usage": self._response_usage() if done else None}
 
     def _response_usage(self) -> dict[str, Any]:

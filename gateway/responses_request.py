@@ -6,16 +6,25 @@ calls and their outputs), `tools` flat function definitions, `text.format` the r
 `ResponsesRequest.chat_request` turns it into a `ChatCompletionRequest`, after the conversation
 of the response it continues (`previous_response_id`), so that everything downstream (template,
 tool calling, structured output, sampling) is the chat route's. Hosted tools (web search, file
-search, ...), images and files, background mode and the Conversations API are refused with a
-400 that says so.
+search, ...), images and files and the Conversations API are refused with a 400 that says so.
+`input_items` shows the input as the Responses API lists it back (GET .../input_items).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gateway.errors import APIError, bad_request
@@ -200,8 +209,8 @@ class ResponsesRequest(SamplingRequest):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    background: bool | None = None  # run on after the reply, polled by id (gateway/background.py)
     # Not supported: refused unless they ask for nothing.
-    background: bool | None = None
     conversation: Any = None
     prompt: Any = None
 
@@ -223,11 +232,12 @@ class ResponsesRequest(SamplingRequest):
 
     @field_validator("background")
     @classmethod
-    def _in_the_foreground(cls, value: bool | None) -> bool | None:
-        if value:
-            raise invalid_value("background responses are not supported: send the request "
-                                "and keep the connection (stream it to see tokens as they "
-                                "come)")
+    def _kept_and_whole(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("store") is False:
+            raise invalid_value("a background response is kept: background needs store true")
+        if value and info.data.get("stream"):
+            raise invalid_value("background responses are not streamed here: poll GET "
+                                "/v1/responses/ID, or stream in the foreground")
         return value
 
     @field_validator("n")
@@ -285,6 +295,11 @@ class ResponsesRequest(SamplingRequest):
         return [] if self.instructions is None else [
             {"role": "system", "content": self.instructions}]
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as the Responses API lists it back: each item with an id (its own, or one
+        made here) and a status, a message's text as one content part."""
+        return [_listed(item) for item in self.input]
+
     def input_messages(self) -> list[ChatMessageFields]:
         """`input` as chat messages: calls join the assistant turn before them (or make one),
         outputs become tool messages; reasoning items are skipped."""
@@ -298,6 +313,23 @@ class ResponsesRequest(SamplingRequest):
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
                                  "content": item.output})
         return messages
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _listed(item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+            ) -> dict[str, Any]:
+    fields = item.model_dump(exclude_none=True, exclude={"phase"})
+    fields["id"] = item.id or f"{_ID_PREFIXES[item.type]}_{secrets.token_hex(12)}"
+    if item.type != "reasoning":
+        fields.setdefault("status", "completed")
+    if isinstance(item, MessageItem):
+        fields["content"] = [{"type": "output_text", "text": item.content, "annotations": []}
+                             if item.role == "assistant" else
+                             {"type": "input_text", "text": item.content}]
+    return fields
 
 
 def _add_call(messages: list[ChatMessageFields], item: FunctionCallItem) -> None:

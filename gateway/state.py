@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from core.config import Config, GenerationDefaults
 from core.tracing import Tracer
 from gateway.autoscale import Autoscaler
+from gateway.background import BackgroundResponses
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
 from gateway.registry import Registry
@@ -36,6 +37,7 @@ class GatewayState:
     tracer: Tracer | None = None  # None: tracing off
     # What a request that leaves a field out gets (config, or the model's generation_config).
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    background: BackgroundResponses = field(default_factory=BackgroundResponses)
 
     @property
     def served_names(self) -> tuple[str, ...]:

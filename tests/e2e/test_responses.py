@@ -2,12 +2,14 @@
 openai client as its docs call it (`responses.create`, `responses.stream`, `retrieve`,
 `delete`) and as raw SSE: greedy output against transformers and against the chat route,
 stream events against the whole response, tool calls and their round trip, continued
-conversations, formats, logprobs and what is kept. 1 gateway + 1 prefill + 1 decode."""
+conversations, formats, logprobs, what is kept, background responses (polled, cancelled,
+deleted) and the input items listed back. 1 gateway + 1 prefill + 1 decode."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from openai.types.responses import (
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
 from engine.weights.tokenizer import decode_text
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
 
@@ -298,3 +300,83 @@ def test_the_agents_sdk_runs_a_tool_calling_agent(cluster: Cluster) -> None:
     assert {"raw_response_event", "run_item_stream_event"} <= set(kinds)
     assert isinstance(streamed.final_output, str) and isinstance(again.final_output, str)
     assert (first.last_response_id or "").startswith("resp_")
+
+
+def finished(client: openai.OpenAI, response_id: str, timeout_s: float = 60) -> Response:
+    """A background response polled until it has ended."""
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status in ("queued",
+                                                                           "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.1)
+    return response
+
+
+def idle(cluster: Cluster) -> bool:
+    return (cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
+            and cluster.metric("raging_worker_running", 'worker="decode-0"') == 0
+            and cluster.metric("raging_requests_inflight") == 0)
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    fields: dict[str, Any] = {"model": cluster.model, "input": QUESTION, "temperature": 0,
+                              "instructions": INSTRUCTIONS, "max_output_tokens": 24}
+    foreground = client.responses.create(**fields)
+    queued = client.responses.create(**fields, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    response = finished(client, queued.id)
+    assert response.background and response.status == foreground.status
+    assert response.output_text == foreground.output_text
+    assert response.usage is not None and foreground.usage is not None
+    assert response.usage.output_tokens == foreground.usage.output_tokens
+    continued = client.responses.create(model=cluster.model, input="Why?", temperature=0,
+                                        max_output_tokens=8, previous_response_id=queued.id)
+    assert continued.previous_response_id == queued.id and continued.output_text
+
+
+def test_cancelling_a_background_response_aborts_it_on_the_workers(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
+                                     max_output_tokens=4000, background=True,
+                                     extra_body={"ignore_eos": True})
+    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
+             "the response to decode")
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"  # idempotent
+    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+    foreground = client.responses.create(model=cluster.model, input="Hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="background true"):
+        client.responses.cancel(foreground.id)
+
+
+def test_a_deleted_background_response_is_cancelled_first(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
+                                     max_output_tokens=4000, background=True,
+                                     extra_body={"ignore_eos": True})
+    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
+             "the response to decode")
+    client.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(queued.id)
+    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+
+
+def test_input_items_list_a_responses_own_input_a_page_at_a_time(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    first = client.responses.create(model=cluster.model, input="Hi", max_output_tokens=4)
+    said = [{"role": "user", "content": f"Message {i}."} for i in range(5)]
+    response = client.responses.create(model=cluster.model, input=said,  # type: ignore[arg-type]
+                                       max_output_tokens=4, previous_response_id=first.id)
+    newest_first = client.responses.input_items.list(response.id)
+    texts = [json.loads(item.to_json())["content"][0]["text"] for item in newest_first.data]
+    assert texts == [f"Message {i}." for i in (4, 3, 2, 1, 0)]  # only its own input
+    page = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert page.has_more and len(page.data) == 2
+    every = list(client.responses.input_items.list(response.id, order="asc", limit=2))
+    assert [item.id for item in every] == [item.id for item in newest_first.data[::-1]]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_none")

@@ -302,14 +302,24 @@ def test_an_exposed_gateway_without_keys_warns_at_start(
 
 def test_a_kept_response_is_its_tenants_alone(client: TestClient, state: GatewayState) -> None:
     alpha_salt = salt_of(client, state, bearer(ALPHA))
-    state.responses.keep(StoredResponse(alpha_salt, {"id": "resp_a", "object": "response"},
-                                        [{"role": "user", "content": "Hi"}]))
+    item = {"id": "msg_a", "type": "message", "role": "user", "status": "completed",
+            "content": [{"type": "input_text", "text": "Hi"}]}
+    state.responses.keep(StoredResponse(alpha_salt, {"id": "resp_a", "object": "response",
+                                                     "background": True},
+                                        [{"role": "user", "content": "Hi"}], [item]))
     continued = {"model": MODEL, "input": "Again", "previous_response_id": "resp_a"}
     for key in (BETA, BETA_TOO):
         assert client.get("/v1/responses/resp_a", headers=bearer(key)).status_code == 404
         assert client.post("/v1/responses", json=continued,
                            headers=bearer(key)).status_code == 404
+        assert client.get("/v1/responses/resp_a/input_items",
+                          headers=bearer(key)).status_code == 404
+        assert client.post("/v1/responses/resp_a/cancel", headers=bearer(key)).status_code == 404
         assert client.delete("/v1/responses/resp_a", headers=bearer(key)).status_code == 404
+    assert client.get("/v1/responses/resp_a/input_items",
+                      headers=bearer(ALPHA)).json()["data"] == [item]
+    assert client.post("/v1/responses/resp_a/cancel", headers=bearer(ALPHA)).json()["id"] == \
+        "resp_a"  # it has ended: returned as it is
     assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["id"] == "resp_a"
     assert client.delete("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["deleted"]
     assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).status_code == 404

@@ -135,7 +135,7 @@ def test_a_valid_response_request_passes_every_check(client: TestClient) -> None
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].message.content[0]"),
     ({"input": "Hi", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0]"),
-    ({"input": "Hi", "background": True}, "background"),
+    ({"input": "Hi", "background": True, "stream": True}, "background"),
     ({"instructions": "no input"}, "input"),
 ])
 def test_a_response_request_it_cannot_serve_is_a_400(

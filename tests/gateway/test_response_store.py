@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from gateway.response_store import ResponseStore, StoredResponse
+import pytest
+
+from gateway.errors import APIError
+from gateway.response_store import ResponseStore, StoredResponse, input_items_page
 
 
 def kept(response_id: str, owner: str = "") -> StoredResponse:
@@ -55,3 +58,31 @@ def test_capacity_zero_keeps_nothing() -> None:
     store = ResponseStore(0)
     store.keep(kept("a"))
     assert len(store) == 0 and store.get("a", "") is None
+
+
+ITEMS = [{"id": f"msg_{i}"} for i in range(5)]
+
+
+@pytest.mark.parametrize(("query", "ids", "has_more"), [
+    ({}, [4, 3, 2, 1, 0], False),
+    ({"order": "asc", "limit": "2"}, [0, 1], True),
+    ({"order": "asc", "after": "msg_1", "limit": "3"}, [2, 3, 4], False),
+    ({"after": "msg_3", "limit": "2"}, [2, 1], True),
+    ({"after": "msg_0"}, [], False),
+])
+def test_input_items_come_a_page_at_a_time(query: dict[str, str], ids: list[int],
+                                          has_more: bool) -> None:
+    page = input_items_page(ITEMS, query)
+    assert [item["id"] for item in page["data"]] == [f"msg_{i}" for i in ids]
+    assert page["object"] == "list" and page["has_more"] is has_more
+    assert (page["first_id"], page["last_id"]) == (
+        (f"msg_{ids[0]}", f"msg_{ids[-1]}") if ids else (None, None))
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"order": "up"}, "order"), ({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
+    ({"limit": "x"}, "limit"), ({"after": "msg_9"}, "after")])
+def test_a_bad_page_query_is_a_400_naming_it(query: dict[str, str], param: str) -> None:
+    with pytest.raises(APIError) as caught:
+        input_items_page(ITEMS, query)
+    assert (caught.value.status, caught.value.param) == (400, param)

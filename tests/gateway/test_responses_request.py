@@ -106,7 +106,8 @@ def test_text_format_is_the_response_format(text: dict[str, Any]) -> None:
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input items must be"),
     ({"input": []}, "must not be empty"),
     ({"input": ""}, "must not be empty"),
-    ({"background": True}, "background responses"),
+    ({"background": True, "store": False}, "background needs store true"),
+    ({"background": True, "stream": True}, "not streamed here"),
     ({"n": 2}, "n must be 1"),
     ({"response_format": {"type": "json_object"}}, "text.format"),
     ({"conversation": "conv_1"}, "not supported"),
@@ -144,3 +145,39 @@ def test_a_message_chat_would_refuse_is_a_400_on_input() -> None:
     with pytest.raises(APIError) as caught:
         parse(input="Hi").chat_request(earlier)
     assert caught.value.param == "input"
+
+
+def test_a_background_response_is_accepted() -> None:
+    assert parse(input="Hi", background=True).background
+
+
+def test_input_items_are_listed_with_ids_statuses_and_content_parts() -> None:
+    items = parse(input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "role": "assistant", "id": "msg_mine", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_a", "name": "weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_a", "output": "18 C"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+    ]).input_items()
+    user, assistant, call, output, reasoning = items
+    assert user["id"].startswith("msg_") and len(user["id"]) == 28
+    assert {k: v for k, v in user.items() if k != "id"} == {
+        "type": "message", "role": "user", "status": "completed",
+        "content": [{"type": "input_text", "text": "Weather in Paris?"}]}
+    assert assistant == {"id": "msg_mine", "type": "message", "role": "assistant",
+                         "status": "completed",
+                         "content": [{"type": "output_text", "text": "Let me look.",
+                                      "annotations": []}]}
+    assert call["id"].startswith("fc_") and call["call_id"] == "call_a"
+    assert (call["name"], call["arguments"], call["status"]) == (
+        "weather", '{"city": "Paris"}', "completed")
+    assert output["id"].startswith("fco_") and output["output"] == "18 C"
+    assert reasoning == {"id": "rs_1", "type": "reasoning", "summary": []}
+    assert len({item["id"] for item in items}) == 5
+
+
+def test_a_string_input_is_listed_as_one_user_message() -> None:
+    [item] = parse(input="Hi").input_items()
+    assert item["content"] == [{"type": "input_text", "text": "Hi"}]
