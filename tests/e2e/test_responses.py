@@ -318,6 +318,16 @@ def idle(cluster: Cluster) -> bool:
             and cluster.metric("raging_requests_inflight") == 0)
 
 
+def decoding_in_background(client: openai.OpenAI, cluster: Cluster) -> Response:
+    """A long background response, once its decode worker runs it."""
+    queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
+                                     max_output_tokens=4000, background=True,
+                                     extra_body={"ignore_eos": True})
+    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
+             "the response to decode")
+    return queued
+
+
 def test_a_background_response_is_polled_to_the_foreground_answer(
         client: openai.OpenAI, cluster: Cluster) -> None:
     fields: dict[str, Any] = {"model": cluster.model, "input": QUESTION, "temperature": 0,
@@ -337,11 +347,7 @@ def test_a_background_response_is_polled_to_the_foreground_answer(
 
 def test_cancelling_a_background_response_aborts_it_on_the_workers(
         client: openai.OpenAI, cluster: Cluster) -> None:
-    queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
-                                     max_output_tokens=4000, background=True,
-                                     extra_body={"ignore_eos": True})
-    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
-             "the response to decode")
+    queued = decoding_in_background(client, cluster)
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.output == []
     assert client.responses.retrieve(queued.id).status == "cancelled"
@@ -354,11 +360,7 @@ def test_cancelling_a_background_response_aborts_it_on_the_workers(
 
 def test_a_deleted_background_response_is_cancelled_first(
         client: openai.OpenAI, cluster: Cluster) -> None:
-    queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
-                                     max_output_tokens=4000, background=True,
-                                     extra_body={"ignore_eos": True})
-    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
-             "the response to decode")
+    queued = decoding_in_background(client, cluster)
     client.responses.delete(queued.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(queued.id)
