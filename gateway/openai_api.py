@@ -102,6 +102,10 @@ class OpenAIRoutes:
         prompt_ids, params, tools = await self._chat_prompt(chat)
         store = self.state.responses if body.store is not False and (
             self.state.responses.capacity) else None
+        if body.background and store is None:
+            raise bad_request("background responses are polled from the responses this server "
+                              "keeps, and it keeps none (gateway.stored_responses is 0)",
+                              param="background")
         context = ResponseContext(body, [*earlier, *body.input_messages()], body.input_items(),
                                   owner, store, params.temperature, params.top_p)
         return await self._serve(request, ChatFormat(), [prompt_ids], params,
@@ -125,11 +129,12 @@ class OpenAIRoutes:
         """`POST /v1/responses/{id}/cancel`: stop a background response; it is kept
         `cancelled`. One that has ended is returned as it is (cancelling is idempotent)."""
         response_id, owner = request.path_params["response_id"], cache_salt(request)
-        if not self._stored_response(response_id, owner).body["background"]:
+        await self.state.background.cancel(owner, response_id)  # kept, cancelled, as it ends
+        stored = self._stored_response(response_id, owner)
+        if not stored.body.get("background"):
             raise bad_request("only a response created with background true can be "
                               "cancelled", param="response_id")
-        await self.state.background.cancel(owner, response_id)
-        return JSONResponse(self._stored_response(response_id, owner).body)
+        return JSONResponse(stored.body)
 
     async def response_input_items(self, request: Request) -> Response:
         """`GET /v1/responses/{id}/input_items`: a kept response's own input items, a page

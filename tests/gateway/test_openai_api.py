@@ -152,3 +152,14 @@ def test_an_unknown_response_id_is_a_404_wherever_it_is_named(client: TestClient
                                                      "previous_response_id": "resp_none"})):
         assert reply.status_code == 404, reply.text
         assert error_of(reply)["message"] == "Response with id 'resp_none' not found."
+
+
+def test_a_background_response_where_none_are_kept_is_a_400(real_model_dir: Path) -> None:
+    with serve_without_workers(real_model_dir, **{"gateway.stored_responses": 0}) as client:
+        reply = client.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                   "background": True})
+        assert reply.status_code == 400, reply.text
+        assert error_of(reply)["param"] == "background"
+        assert "keeps none" in error_of(reply)["message"]
+        foreground = client.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
+        assert is_no_worker(foreground)  # past every check: only the workers are missing
