@@ -50,6 +50,7 @@ class StepCosts:
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # row count: its steps' recent mean
         self.steps: dict[int, int] = {}  # row count: steps seen, up to 20 (its weight)
+        self._line: tuple[float, float] | None = None  # fitted since the last step, if asked
 
     def observe(self, rows: int, seconds: float) -> None:
         assert rows > 0 and seconds >= 0
@@ -57,11 +58,16 @@ class StepCosts:
         mean = self.seconds.get(rows, seconds)
         self.seconds[rows] = mean * COST_MEMORY + seconds * (1 - COST_MEMORY) if seen else seconds
         self.steps[rows] = min(seen + 1, 20)
+        self._line = None
 
     def line(self) -> tuple[float, float] | None:
-        """(fixed, per_row) seconds, both at least 0; None before any step."""
-        if not self.seconds:
-            return None
+        """(fixed, per_row) seconds, both at least 0; None before any step. Fitted once per
+        step, however many sequences ask."""
+        if self._line is None and self.seconds:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
         if len(self.seconds) == 1:
             ((rows, seconds),) = self.seconds.items()
             per_row = seconds / (rows + FIXED_IN_ROWS)

@@ -79,3 +79,12 @@ def test_a_sequence_that_stopped_guessing_drifts_back_to_the_workers_rate() -> N
     for _ in range(20):
         policy.skip(own)
     assert before < 0.5 < policy.rate(own) == pytest.approx(39 / 44, abs=0.03)
+
+
+def test_the_line_is_fitted_again_after_each_step() -> None:
+    costs = costs_of({1: 0.005, 3: 0.007})
+    before = costs.line()
+    assert costs.line() is before  # asked again within the step: the same fit
+    costs.observe(5, 0.020)
+    after = costs.line()
+    assert after is not None and before is not None and after[1] > before[1]
