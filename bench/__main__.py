@@ -367,7 +367,8 @@ def prepare_fidelity(args: argparse.Namespace, argv: Sequence[str]) -> Callable[
 
     def job() -> int:
         folder = resolve_model(args.model, ModelConfig().cache_dir)
-        answers = greedy_fidelity.reference_answers(folder, dtype, args.max_tokens)
+        gguf = Path(args.model) if args.model.endswith(".gguf") else None
+        answers = greedy_fidelity.reference_answers(folder, dtype, args.max_tokens, gguf=gguf)
         verdicts = {variant: greedy_fidelity.measure(folder, dtype, answers, variant)
                     for variant in tqdm(variants, desc="variants", unit="variant")}
         print(greedy_fidelity.markdown(verdicts, args.dtype, args.max_tokens))

@@ -2,7 +2,8 @@
 
     python -m bench fidelity [--variant dense --variant quant --variant int8] [--max-tokens 32]
 
-transformers' own greedy `generate` answers 20 chat questions; our runner then reads each
+transformers' own greedy `generate` answers 20 chat questions (from the GGUF file itself, where
+`--model` is one); our runner then reads each
 answer teacher-forced (its prompt prefilled, then one decode step per answer token, as a decode
 worker computes them) and picks its own greedy token at every position. An answer is equal
 when every pick is transformers' token. Where one differs, the first such position tells how
@@ -76,11 +77,16 @@ class Verdict:
 
 
 def reference_answers(folder: Path, dtype: torch.dtype, max_tokens: int,
-                      questions: Sequence[str] = QUESTIONS) -> list[Answer]:
+                      questions: Sequence[str] = QUESTIONS,
+                      gguf: Path | None = None) -> list[Answer]:
+    """transformers' answers, from the model folder, or from the GGUF file `gguf` it was
+    prepared from (the folder then holds no dense copy of the quantized matrices)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    source = {"pretrained_model_name_or_path": folder} if gguf is None else \
+        {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).eval()
     answers = []
     with torch.inference_mode():
         for question in questions:

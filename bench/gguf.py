@@ -1,12 +1,14 @@
 """GGUF files read directly, and the copies of the weights a worker multiplies.
 
     python -m bench gguf write --shape 7b --out /tmp/random-7b.gguf
+    python -m bench gguf write --shape 1b --mix q4_k_m --out /tmp/random-1b-q4_k_m.gguf
     python -m bench gguf measure --model /tmp/random-7b.gguf --weights quant
     python -m bench gguf serve --model /tmp/random-7b.gguf
 
-`write` writes a Llama of a named shape with random weights in Q4_1 quant blocks (the embedding
-in Q8_0), with SmolLM2's tokenizer and chat template, by the `gguf` package: the bytes of each
-quant block are drawn directly, so a 7B file takes seconds and no dense copy ever exists.
+`write` writes a Llama of a named shape with random weights in quant blocks (`--mix`: Q4_1 with
+the embedding in Q8_0, as llama.cpp's Q4_K_M, or every type raging keeps a different way), with
+SmolLM2's tokenizer and chat template, by the `gguf` package: the bytes of each quant block are
+drawn directly, so a 7B file takes seconds and no dense copy ever exists.
 `measure` loads the model once per `--weights` choice (engine.weights.choice), each in a fresh
 process, and reports that process's memory (from /proc/self/smaps_rollup: its own, and mapped
 from files, which workers on a host share) and the time of a prompt chunk and of decode steps.
@@ -23,13 +25,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
 from tqdm import tqdm
 
 from bench.launcher import launched, memory
@@ -37,17 +40,36 @@ from bench.report import write_json
 from core.config import ModelConfig
 from engine.locate import resolve_model
 from engine.weights.folder import DEFAULT_MODEL, packaged_gguf
-from engine.weights.quant_blocks import QUANT_BLOCK, QUANT_BLOCK_BYTES
 
 # Llama shapes, with SmolLM2's vocabulary (its tokenizer is the one written)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2},
+    # the smallest whose rows split into 256-value K-quant blocks
+    "small": {"hidden": 256, "intermediate": 512, "layers": 2, "heads": 4, "kv_heads": 2},
     "1b": {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8},
     "3b": {"hidden": 3072, "intermediate": 8192, "layers": 28, "heads": 24, "kv_heads": 8},
     "7b": {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8},
 }
 WEIGHT_SCALE = 0.02  # standard deviation of the random weights
-_BLOCK_TYPES = {4: GGMLQuantizationType.Q4_1, 8: GGMLQuantizationType.Q8_0}
+Kind = GGMLQuantizationType
+# the quant type of each matrix of a random model: by GGUF name part, else "matrices"
+MIXES: dict[str, dict[str, Kind]] = {
+    "q4_1": {"token_embd": Kind.Q8_0, "output": Kind.Q8_0, "matrices": Kind.Q4_1},
+    # as llama.cpp's Q4_K_M, but with Q6_K in every layer's v and down matrices, not half
+    "q4_k_m": {"token_embd": Kind.Q4_K, "output": Kind.Q6_K, "attn_v": Kind.Q6_K,
+               "ffn_down": Kind.Q6_K, "matrices": Kind.Q4_K},
+    # one type per matrix, each way engine.weights.gguf_blocks keeps one (columns: x256)
+    "every": {"token_embd": Kind.Q2_K, "output": Kind.IQ4_NL, "attn_q": Kind.Q4_0,
+              "attn_k": Kind.Q5_0, "attn_v": Kind.Q5_1, "attn_output": Kind.Q4_K,
+              "ffn_gate": Kind.Q5_K, "ffn_up": Kind.Q3_K, "ffn_down": Kind.Q6_K,
+              "matrices": Kind.Q8_0},
+}
+# where a block's fp16 scale and (for types with one) its fp16 min are, in bytes
+_SCALE_BYTES: dict[Kind, tuple[int, int | None]] = {
+    Kind.Q4_0: (0, None), Kind.Q4_1: (0, 2), Kind.Q5_0: (0, None), Kind.Q5_1: (0, 2),
+    Kind.Q8_0: (0, None), Kind.Q2_K: (80, 82), Kind.Q3_K: (108, None), Kind.Q4_K: (0, 2),
+    Kind.Q5_K: (0, 2), Kind.Q6_K: (208, None), Kind.IQ4_NL: (0, None), Kind.IQ4_XS: (0, None),
+}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -57,6 +79,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     write = actions.add_parser("write", help="a random Llama of a named shape as a GGUF")
     write.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    write.add_argument("--mix", choices=sorted(MIXES), default="q4_1",
+                       help="quant types of the matrices (q4_k_m: as llama.cpp's Q4_K_M)")
     write.add_argument("--seed", type=int, default=0)
     write.add_argument("--out", type=Path, required=True)
     write.set_defaults(prepare=lambda args, argv: lambda: _write(args))
@@ -82,36 +106,36 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _write(args: argparse.Namespace) -> int:
-    write_random_gguf(args.out, SHAPES[args.shape], seed=args.seed)
+    write_random_gguf(args.out, SHAPES[args.shape], seed=args.seed, mix=args.mix)
     print(args.out)
     return 0
 
 
-def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, bits: int = 4,
+def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str = "q4_1",
                       scale: float = WEIGHT_SCALE, architecture: str = "llama") -> None:
     """A Llama-family model of `shape` with random weights of deviation `scale`: its matrices
-    in `bits`-bit quant blocks, its embedding in 8-bit ones, its norms ones; SmolLM2's
-    tokenizer. A "qwen2" has biases on q, k and v and an output matrix of its own; a "llama"
-    and a "mistral" share the embedding."""
+    in the quant types of `mix` (`MIXES`), its norms ones; SmolLM2's tokenizer. A "qwen2" has
+    biases on q, k and v and an output matrix of its own; a "llama" and a "mistral" share the
+    embedding."""
     tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(path, architecture)
     _add_metadata(writer, shape, vocab, tokenizer)
-    tensors = list(_tensor_plan(shape, vocab, bits, biases=architecture == "qwen2"))
+    tensors = list(_tensor_plan(shape, vocab, MIXES[mix], biases=architecture == "qwen2"))
     for name, rows, columns, kind in tensors:
         if kind is None:
             writer.add_tensor_info(name, [rows], np.dtype(np.float32), rows * 4)
         else:
-            nbytes = rows * columns // QUANT_BLOCK * QUANT_BLOCK_BYTES[kind]
+            nbytes = rows * quant_row_bytes(kind, columns)
             writer.add_tensor_info(name, [rows, nbytes // rows], np.dtype(np.uint8), nbytes,
-                                   _BLOCK_TYPES[kind])
+                                   kind)
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for name, rows, columns, kind in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
         if kind is not None:
-            writer.write_tensor_data(random_blocks(rng, rows, columns, kind, scale))
+            writer.write_tensor_data(random_blocks(rng, kind, rows, columns, scale))
         elif name.endswith(".bias"):  # drawn large enough to count
             writer.write_tensor_data(rng.normal(0, 0.5, rows).astype(np.float32))
         else:
@@ -119,15 +143,15 @@ def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, bits: in
     writer.close()
 
 
-def _tensor_plan(shape: dict[str, int], vocab: int, bits: int,
-                 biases: bool) -> Iterator[tuple[str, int, int, int | None]]:
-    """(GGUF name, rows, columns, quant bits or None for an fp32 vector) of every tensor;
+def _tensor_plan(shape: dict[str, int], vocab: int, mix: dict[str, Kind],
+                 biases: bool) -> Iterator[tuple[str, int, int, Kind | None]]:
+    """(GGUF name, rows, columns, quant type or None for an fp32 vector) of every tensor;
     with `biases`, q/k/v biases and an output matrix."""
     hidden, head_dim = shape["hidden"], shape["hidden"] // shape["heads"]
     kv = shape["kv_heads"] * head_dim
-    yield "token_embd.weight", vocab, hidden, 8
+    yield "token_embd.weight", vocab, hidden, mix["token_embd"]
     if biases:
-        yield "output.weight", vocab, hidden, 8
+        yield "output.weight", vocab, hidden, mix["output"]
     yield "output_norm.weight", hidden, 1, None
     for layer in range(shape["layers"]):
         prefix = f"blk.{layer}."
@@ -138,23 +162,52 @@ def _tensor_plan(shape: dict[str, int], vocab: int, bits: int,
                                     ("ffn_gate", shape["intermediate"], hidden),
                                     ("ffn_up", shape["intermediate"], hidden),
                                     ("ffn_down", hidden, shape["intermediate"])):
-            yield prefix + part + ".weight", rows, columns, bits
+            yield prefix + part + ".weight", rows, columns, mix.get(part, mix["matrices"])
             if biases and part in ("attn_q", "attn_k", "attn_v"):
                 yield prefix + part + ".bias", rows, 1, None
 
 
-def random_blocks(rng: np.random.Generator, rows: int, columns: int, bits: int,
+def quant_row_bytes(kind: Kind, columns: int) -> int:
+    values, nbytes = GGML_QUANT_SIZES[kind]
+    assert columns % values == 0, f"{columns} columns do not split into {kind.name} blocks"
+    return columns // values * nbytes
+
+
+def random_blocks(rng: np.random.Generator, kind: Kind, rows: int, columns: int,
                   deviation: float) -> np.ndarray:
-    """Random quant blocks `[rows, bytes]` of values with this `deviation`, centred."""
-    blocks = columns // QUANT_BLOCK
-    data = rng.integers(0, 256, (rows, blocks, QUANT_BLOCK_BYTES[bits]), dtype=np.uint8)
-    levels = 16 if bits == 4 else 255
-    scale = deviation * np.sqrt(12) / levels  # uniform over `levels` steps
-    d = (scale * rng.uniform(0.5, 1.5, (rows, blocks, 1))).astype(np.float16)
-    data[..., 0:2] = d.view(np.uint8)
-    if bits == 4:
-        data[..., 2:4] = (-7.5 * d).view(np.uint8)
+    """Random quant blocks `[rows, bytes]` of type `kind`, of values with about this
+    `deviation`, centred: random bytes, with each block's fp16 scale (and min) set."""
+    values, nbytes = GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows * columns // values, nbytes), dtype=np.uint8)
+    unit, centring = _calibration(kind)
+    scale = (deviation / unit * rng.uniform(0.5, 1.5, (data.shape[0], 1))).astype(np.float32)
+    _set_scales(data, kind, scale, centring * scale)
     return data.reshape(rows, -1)
+
+
+def _set_scales(blocks: np.ndarray, kind: Kind, scale: np.ndarray, low: np.ndarray) -> None:
+    scale_at, low_at = _SCALE_BYTES[kind]
+    blocks[:, scale_at:scale_at + 2] = scale.astype(np.float16).view(np.uint8)
+    if low_at is not None:
+        blocks[:, low_at:low_at + 2] = low.astype(np.float16).view(np.uint8)
+
+
+@cache
+def _calibration(kind: Kind) -> tuple[float, float]:
+    """For random blocks of `kind`: the deviation of their values at scale 1, and the min (in
+    scales) that centres them, measured on a sample."""
+    sample = np.random.default_rng(0).integers(0, 256, (512, GGML_QUANT_SIZES[kind][1]),
+                                               dtype=np.uint8)
+    ones, zeros = np.ones((512, 1), np.float32), np.zeros((512, 1), np.float32)
+    _set_scales(sample, kind, ones, zeros)
+    scaled = dequantize(sample, kind)
+    centring = 0.0
+    if _SCALE_BYTES[kind][1] is not None:
+        _set_scales(sample, kind, zeros, ones)
+        centring = -float(scaled.mean() / dequantize(sample, kind).mean())
+        _set_scales(sample, kind, ones, centring * ones)
+        scaled = dequantize(sample, kind)
+    return float(scaled.std()), centring
 
 
 def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,

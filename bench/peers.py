@@ -9,8 +9,9 @@ a stamp file in each peer's folder says what was installed, so a later run insta
   model folder as a plain Hugging Face folder (config.json with `architectures`, raging's quant
   blocks left out), in float32, its OpenMP threads bound to `--cpus`.
 - llamacpp: llama.cpp's `llama-server`, built (-march=native) from the llama.cpp sources inside
-  the PyPI sdist of llama-cpp-python. It serves the GGUF the default model ships in, with one
-  slot per stream of the highest concurrency and as many threads as `--cpus` has CPUs.
+  the PyPI sdist of llama-cpp-python. It serves the GGUF the default model ships in (or
+  `--gguf`), with one slot per stream of the highest concurrency and as many threads as
+  `--cpus` has CPUs.
 - llamacpp-avx2: the same sources built for AVX2 + FMA + F16C and nothing newer (ggml's
   portable build), so that a CPU with more measures llama.cpp on the AVX2 path beside ours
   at `engine.isa=avx2`.
@@ -483,6 +484,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                          help="where peers are installed (default: %(default)s)")
     targets.add_argument("--install-only", action="store_true",
                          help="install the --peer ones (default: both) and stop")
+    targets.add_argument("--gguf", type=Path,
+                         help="a GGUF file llama.cpp serves, and each --launch (with --model "
+                              "FILE), instead of the default model (not vllm)")
     targets.add_argument("--ready-timeout", type=float, default=1800.0,
                          help="seconds a target may take to start (default: %(default)s)")
     work = parser.add_argument_group("workload (the same requests for every target)")
@@ -517,6 +521,7 @@ class PeersRun:
     peers_dir: Path
     ready_timeout_s: float
     out: Path
+    gguf: Path | None = None  # what llama.cpp serves, where not the default model's
 
 
 def peers_plan(args: argparse.Namespace, prompts: TokenPrompts | TextPrompts
@@ -547,12 +552,14 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
         raise ValueError("give at least one --peer or --launch")
     cpus = args.cpus or tuple(sorted(os.sched_getaffinity(0)))
     model = Config().model
-    folder = resolve_model(model.name, model.cache_dir)
+    if args.gguf is not None and "vllm" in args.peer:
+        raise ValueError("--gguf is served by llama.cpp and ours; vllm serves the default model")
+    folder = resolve_model(str(args.gguf or model.name), model.cache_dir)
     for target in launches:
         assert target.launch_flags is not None
         if model_dir(target.launch_flags) != folder:
-            raise ValueError(f"the peers serve {model.name}; --launch {target.label!r} serves "
-                             "another model")
+            raise ValueError(f"the peers serve {args.gguf or model.name}; --launch "
+                             f"{target.label!r} serves another model (give it --model)")
     plan, workload = peers_plan(args, TokenPrompts(folder))
     how = "text messages" if args.workload == "messages" else "token ids (exact lengths)"
     settings = ServeResults(("python -m bench", *redact(argv)), workload, how,
@@ -561,12 +568,14 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     if out.is_dir():  # a folder named: the results go into it
         out = out / "peers.json"
     run = PeersRun(tuple(dict.fromkeys(args.peer)), launches, plan, settings, cpus, peers_dir,
-                   args.ready_timeout, out)
+                   args.ready_timeout, out, args.gguf)
     return lambda: run_peers(run)
 
 
-def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int) -> PeerServer:
-    """`peer` installed (once), with what it serves prepared, ready to start."""
+def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int,
+                gguf: Path | None = None) -> PeerServer:
+    """`peer` installed (once), with what it serves prepared, ready to start: the default
+    model, or for llama.cpp the GGUF file `gguf`."""
     model = Config().model
     if peer == "vllm":
         venv = install_vllm(peers_dir)
@@ -574,8 +583,9 @@ def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int) -> 
                            peers_dir / "models" / model.name)
         return vllm_server(venv, folder, model.name, free_port(), cpus)
     binary = install_llamacpp(peers_dir, peer)
-    return llamacpp_server(binary, packaged_gguf(model.name), model.name, free_port(), cpus,
-                           slots, peer=peer, flags=cpu_flags())
+    served = (gguf, gguf.stem) if gguf is not None else (packaged_gguf(model.name), model.name)
+    return llamacpp_server(binary, *served, free_port(), cpus, slots, peer=peer,
+                           flags=cpu_flags())
 
 
 def run_peers(run: PeersRun) -> int:
@@ -598,7 +608,7 @@ def run_peers(run: PeersRun) -> int:
     servers = []
     for peer in run.peers:  # every install first: none fails after a long measurement
         try:
-            servers.append(peer_server(peer, run.peers_dir, run.cpus, slots))
+            servers.append(peer_server(peer, run.peers_dir, run.cpus, slots, run.gguf))
         except (subprocess.CalledProcessError, RuntimeError, OSError) as error:
             failure(PEER_LABELS[peer], error)
     for server in servers:

@@ -142,6 +142,9 @@ def plot_peers(results: PeersResults, path: Path) -> None:
             cdf(itl, [gap for r in done for gap in r.itl_s], label)
     throughput.set(title="throughput", xlabel="concurrent streams", ylabel="output tokens/s",
                    xscale="log", ylim=(0, None))
+    loads = sorted({m.load.concurrency or 0 for t in results.serve.targets for m in t.runs})
+    throughput.set_xticks(loads, [str(load) for load in loads])  # not 2x10^0 between them
+    throughput.minorticks_off()
     ttft.set(title="TTFT CDF", xlabel="TTFT (ms)", ylabel="share of requests", ylim=(0, 1.02),
              xscale="log")
     itl.set(title="ITL CDF", xlabel="inter-token gap (ms)", ylabel="share of gaps",

@@ -1,8 +1,8 @@
 """A GGUF file served directly (`--model path/to/file.gguf`): prepared once into a folder of
-the cache, with its config, tokenizer and chat template read as transformers reads them, its
-Q4_1 and Q8_0 matrices kept as they are, as the model's quant blocks (the only copy of those
-weights), and only the rest (norms, biases, matrices of other types) written out dense, in
-fp32. Nothing is dequantized that our products can read quantized, so a model whose dense copy
+the cache, with its config, tokenizer and chat template read as transformers reads them, and its
+quantized matrices as the model's quant blocks, the only copy of those weights: Q4_1 and Q8_0 as
+they are, the other types in one of those two formats (engine.weights.gguf_blocks). Only the rest
+(norms, biases, F32/F16/BF16 matrices) is written out dense, in fp32, so a model whose dense copy
 would not fit in memory still loads (engine.weights.choice).
 """
 
@@ -12,19 +12,21 @@ import hashlib
 import re
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from engine.weights.files import QUANT_FILE, READY_MARKER, WEIGHTS_FILE
+from engine.weights.gguf_blocks import conversion, quant_blocks_of
 from engine.weights.load import EMBED, LM_HEAD
 from engine.weights.spec import SUPPORTED_MODEL_TYPES
 
-QUANT_BITS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+PREPARATION = 2  # counts the changes to what a prepared folder holds
 _TOP_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": "model.norm.weight",
               "output.weight": LM_HEAD}
 _LAYER_PARTS = {
@@ -38,10 +40,10 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def prepared_folder(path: Path, cache_dir: Path) -> Path:
     """The cache folder `path` is prepared into: named after the file (the model's name, as
-    served), inside one named after its place, size and time of change, so that a file
-    replaced under the same name is prepared anew."""
+    served), inside one named after its place, size and time of change, and the way it is
+    prepared, so that a file replaced under the same name, or a new way, prepares it anew."""
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARATION}".encode()
     return cache_dir / "gguf" / hashlib.sha256(key).hexdigest()[:16] / path.stem
 
 
@@ -68,18 +70,21 @@ def prepare_gguf(path: Path, target: Path) -> None:
     heads = _heads(reader, architecture)
     dense, quant, bits = {}, {}, {}
     for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
-        name, quantized = hf_name(tensor.name), tensor.tensor_type in QUANT_BITS
-        data = tensor.data if quantized else _dense(tensor)
+        name, blocks = hf_name(tensor.name), quant_blocks_of(tensor.data, tensor.tensor_type)
+        data = _dense(tensor) if blocks is None else blocks[0]
         if architecture == "llama":
             data = _unpermuted(data, tensor.name, heads)
-        if quantized:
-            quant[name], bits[name] = data, str(QUANT_BITS[tensor.tensor_type])
-        else:
+        if blocks is None:
             dense[name] = data
+        else:
+            quant[name], bits[name] = data, str(blocks[1])
     save_file(dense, staging / WEIGHTS_FILE, metadata={"format": "pt"})
     save_file(quant, staging / QUANT_FILE, metadata={"format": "pt", **bits})
-    (staging / READY_MARKER).write_text(f"prepared from {path} in "
-                                        f"{time.monotonic() - start:.1f}s\n")
+    kinds = Counter(conversion(tensor.tensor_type) for tensor in reader.tensors
+                    if len(tensor.shape) > 1)
+    (staging / READY_MARKER).write_text(
+        f"prepared from {path} in {time.monotonic() - start:.1f}s\n"
+        + "".join(f"{kind} ({count} matrices)\n" for kind, count in sorted(kinds.items())))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
 
@@ -123,7 +128,7 @@ def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool) -> None:
 
 
 def _dense(tensor: ReaderTensor) -> np.ndarray:
-    """A tensor of a type our products do not read quantized, in fp32, in its HF shape."""
+    """A vector, or a matrix of a dense type, in fp32, in its HF shape."""
     values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     return np.ascontiguousarray(values)
 

@@ -261,6 +261,23 @@ def test_flags() -> None:
         peers.prepare(_parse(), [])
 
 
+def test_a_gguf_of_ones_own_is_served_by_llamacpp_and_ours_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "Mine.Q4_K_M.gguf"
+    with pytest.raises(ValueError, match="vllm serves the default model"):
+        peers.prepare(_parse("--peer", "vllm", "--gguf", str(gguf)), [])
+    prepared = tmp_path / "prepared" / "Mine.Q4_K_M"
+    monkeypatch.setattr(peers, "resolve_model", lambda name, cache_dir: prepared)
+    monkeypatch.setattr(peers, "model_dir", lambda flags: tmp_path / "default")
+    with pytest.raises(ValueError, match=r"Mine\.Q4_K_M\.gguf; --launch 'p1d1' serves another"):
+        peers.prepare(_parse("--gguf", str(gguf), "--launch", "p1d1=--prefill 1"), [])
+    monkeypatch.setattr(peers, "install_llamacpp", lambda peers_dir, peer: Path("/b/server"))
+    server = peers.peer_server("llamacpp", tmp_path, (0,), 4, gguf)
+    words = server.command
+    assert words[words.index("-m") + 1] == str(gguf) and server.serves == str(gguf)
+    assert words[words.index("--alias") + 1] == "Mine.Q4_K_M"  # as ours serves it
+
+
 def test_a_plan_of_per_load_requests_has_one_per_load() -> None:
     spec = RequestSpec(0, "fixed", "hi", None, 4)
     with pytest.raises(ValueError):

@@ -11,27 +11,33 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from bench.gguf import SHAPES, write_random_gguf
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
+from engine.weights import gguf as gguf_module
 from engine.weights.folder import DEFAULT_MODEL, model_folder, packaged_gguf
 from engine.weights.gguf import hf_name, prepare_gguf, prepared_folder
 from engine.weights.load import load_weights
-from engine.weights.quant_blocks import load_quant_blocks
+from engine.weights.quant_blocks import dequantize, load_quant_blocks
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=[("llama", "q4_1"), ("qwen2", "q4_1"),
+                                        ("llama", "q4_k_m"), ("qwen2", "every")],
+                ids="-".join)
 def random_gguf(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A random tiny GGUF of a family (transformers reads these two), and its folder."""
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """A random small GGUF of a family (transformers reads these two) in a mix of quant
+    types (bench.gguf.MIXES), its folder and the mix."""
+    family, mix = request.param
     folder = tmp_path_factory.mktemp("gguf")
-    path = folder / f"random-{request.param}.gguf"
-    write_random_gguf(path, SHAPES["tiny"], seed=3, scale=0.2,  # logits far apart
-                      architecture=request.param)
-    return path, model_folder(str(path), folder / "models")
+    path = folder / f"random-{family}.gguf"
+    shape = SHAPES["tiny" if mix == "q4_1" else "small"]  # K-quants: rows of 256 values
+    write_random_gguf(path, shape, seed=3, scale=0.2,  # logits far apart
+                      architecture=family, mix=mix)
+    return path, model_folder(str(path), folder / "models"), mix
 
 
 def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
@@ -55,9 +61,12 @@ def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("weights", ["quant", "dense"])
-def test_a_random_gguf_gives_the_logits_transformers_reads_from_it(
-        random_gguf: tuple[Path, Path], weights: str) -> None:
-    gguf, folder = random_gguf
+def test_a_random_gguf_gives_the_logits_transformers_computes(
+        random_gguf: tuple[Path, Path, str], weights: str) -> None:
+    """From the file itself where its types are ours (Q4_1, Q8_0); from the values of the
+    blocks they were converted to otherwise (engine.weights.gguf_blocks), each within 1 % of
+    the largest value transformers read."""
+    gguf, folder, mix = random_gguf
     runner = ModelRunner(folder, 16, 16, weights=weights)  # type: ignore[arg-type]
     family = gguf.stem.removeprefix("random-")
     assert json.loads((folder / "config.json").read_text())["model_type"] == family
@@ -66,6 +75,8 @@ def test_a_random_gguf_gives_the_logits_transformers_reads_from_it(
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent,
                                                      gguf_file=gguf.name,
                                                      dtype=torch.float32).eval()
+    if mix != "q4_1":
+        reference.load_state_dict(converted_weights(folder, reference), strict=False)
     prompt = random_prompt(40, seed=1)
     logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
     for _ in range(4):
@@ -75,6 +86,17 @@ def test_a_random_gguf_gives_the_logits_transformers_reads_from_it(
         prompt.append(int(logits.argmax()))
         step = ForwardBatch([prompt[-1:]], [len(prompt) - 1], [[0, 1, 2, 3]])
         logits = runner.forward(step)[0]
+
+
+def converted_weights(folder: Path, reference: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The values of the folder's quant blocks, each checked against transformers' own."""
+    theirs = reference.state_dict()
+    ours = {name: dequantize(matrix) for name, matrix in load_quant_blocks(folder).items()}
+    assert len(ours) == sum(name.endswith("proj.weight") for name in theirs) + 1 + \
+        (reference.config.tie_word_embeddings is False)  # every matrix: none left dense
+    for name, values in ours.items():
+        assert (values - theirs[name]).abs().max() <= theirs[name].abs().max() / 100, name
+    return ours
 
 
 def test_a_gguf_of_another_architecture_is_refused_naming_it(tmp_path: Path) -> None:
@@ -99,13 +121,17 @@ def test_tensor_names_map_to_hugging_faces() -> None:
         hf_name("blk.0.ffn_gate_exps.weight")
 
 
-def test_a_file_changed_in_place_is_prepared_anew(tmp_path: Path) -> None:
+def test_a_file_changed_in_place_or_a_new_preparation_prepares_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"one")
     before = prepared_folder(path, tmp_path)
     path.write_bytes(b"other")
-    assert prepared_folder(path, tmp_path) != before
+    moved = prepared_folder(path, tmp_path)
+    assert moved != before
     assert before.name == "model"  # the name it is served under
+    monkeypatch.setattr(gguf_module, "PREPARATION", gguf_module.PREPARATION + 1)
+    assert prepared_folder(path, tmp_path) not in (before, moved)  # a new way of preparing
 
 
 def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
