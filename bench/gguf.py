@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 from tqdm import tqdm
@@ -40,6 +41,8 @@ from bench.report import write_json
 from core.config import ModelConfig
 from engine.locate import resolve_model
 from engine.weights.folder import DEFAULT_MODEL, packaged_gguf
+from engine.weights.gguf import ROPE_FACTORS
+from engine.weights.rope_scaling import llama3_frequencies
 
 # Llama shapes, with SmolLM2's vocabulary (its tokenizer is the one written)
 SHAPES: dict[str, dict[str, int]] = {
@@ -51,6 +54,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "7b": {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8},
 }
 WEIGHT_SCALE = 0.02  # standard deviation of the random weights
+ROPE_THETA = 10000.0
 Kind = GGMLQuantizationType
 # the quant type of each matrix of a random model: by GGUF name part, else "matrices"
 MIXES: dict[str, dict[str, Kind]] = {
@@ -112,16 +116,21 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str = "q4_1",
-                      scale: float = WEIGHT_SCALE, architecture: str = "llama") -> None:
+                      scale: float = WEIGHT_SCALE, architecture: str = "llama",
+                      llama3_rope: dict[str, Any] | None = None) -> None:
     """A Llama-family model of `shape` with random weights of deviation `scale`: its matrices
     in the quant types of `mix` (`MIXES`), its norms ones; SmolLM2's tokenizer. A "qwen2" has
     biases on q, k and v and an output matrix of its own; a "llama" and a "mistral" share the
-    embedding."""
+    embedding. `llama3_rope`: Llama 3's rope scaling, written as llama.cpp's converter writes
+    it (a divisor per frequency, `rope_freqs.weight`)."""
     tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(path, architecture)
     _add_metadata(writer, shape, vocab, tokenizer)
     tensors = list(_tensor_plan(shape, vocab, MIXES[mix], biases=architecture == "qwen2"))
+    head_dim = shape["hidden"] // shape["heads"]
+    if llama3_rope is not None:
+        tensors.append((ROPE_FACTORS, head_dim // 2, 1, None))
     for name, rows, columns, kind in tensors:
         if kind is None:
             writer.add_tensor_info(name, [rows], np.dtype(np.float32), rows * 4)
@@ -136,6 +145,11 @@ def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str
     for name, rows, columns, kind in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
         if kind is not None:
             writer.write_tensor_data(random_blocks(rng, kind, rows, columns, scale))
+        elif name == ROPE_FACTORS:
+            assert llama3_rope is not None
+            plain = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2).double() / head_dim)
+            writer.write_tensor_data(
+                (plain / llama3_frequencies(plain, llama3_rope)).float().numpy())
         elif name.endswith(".bias"):  # drawn large enough to count
             writer.write_tensor_data(rng.normal(0, 0.5, rows).astype(np.float32))
         else:
@@ -220,7 +234,7 @@ def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     for key, field in tokenizer.fields.items():

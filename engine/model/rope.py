@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from engine.kernels.cpu.build import kernels_for
+from engine.weights.rope_scaling import llama3_frequencies
 from engine.weights.spec import ModelSpec
 
 
@@ -19,7 +18,7 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
-        return _llama3_frequencies(inv_freq, scaling)
+        return llama3_frequencies(inv_freq, scaling)
     assert rope_type in ("default", "dynamic"), rope_type
     return inv_freq
 
@@ -45,22 +44,6 @@ def _dynamic_angles(spec: ModelSpec, positions: torch.Tensor) -> torch.Tensor:
     dim = spec.head_dim
     bases = spec.rope_theta * ((factor * lengths / original) - (factor - 1)) ** (dim / (dim - 2))
     return positions[:, None] * _frequencies(bases, dim)
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1: slow down low frequencies by `factor`, blend the middle band smoothly."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 def settle_vector_math() -> None:

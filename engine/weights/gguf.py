@@ -24,9 +24,11 @@ from tqdm import tqdm
 from engine.weights.files import QUANT_FILE, READY_MARKER, WEIGHTS_FILE
 from engine.weights.gguf_blocks import conversion, quant_blocks_of
 from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.rope_scaling import llama3_scaling
 from engine.weights.spec import SUPPORTED_MODEL_TYPES
 
 PREPARATION = 2  # counts the changes to what a prepared folder holds
+ROPE_FACTORS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling: a divisor per frequency
 _TOP_NAMES = {"token_embd.weight": EMBED, "output_norm.weight": "model.norm.weight",
               "output.weight": LM_HEAD}
 _LAYER_PARTS = {
@@ -65,11 +67,14 @@ def prepare_gguf(path: Path, target: Path) -> None:
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    _write_config_and_tokenizer(path, staging, tied="output.weight" not in
-                                {tensor.name for tensor in reader.tensors})
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    rope_factors = tensors.pop(ROPE_FACTORS, None)
+    _write_config_and_tokenizer(path, staging, tied="output.weight" not in tensors,
+                                rope_factors=None if rope_factors is None else
+                                np.asarray(rope_factors.data, np.float64))
     heads = _heads(reader, architecture)
     dense, quant, bits = {}, {}, {}
-    for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor"):
+    for tensor in tqdm(tensors.values(), desc=f"reading {path.name}", unit="tensor"):
         name, blocks = hf_name(tensor.name), quant_blocks_of(tensor.data, tensor.tensor_type)
         data = _dense(tensor) if blocks is None else blocks[0]
         if architecture == "llama":
@@ -80,7 +85,7 @@ def prepare_gguf(path: Path, target: Path) -> None:
             quant[name], bits[name] = data, str(blocks[1])
     save_file(dense, staging / WEIGHTS_FILE, metadata={"format": "pt"})
     save_file(quant, staging / QUANT_FILE, metadata={"format": "pt", **bits})
-    kinds = Counter(conversion(tensor.tensor_type) for tensor in reader.tensors
+    kinds = Counter(conversion(tensor.tensor_type) for tensor in tensors.values()
                     if len(tensor.shape) > 1)
     (staging / READY_MARKER).write_text(
         f"prepared from {path} in {time.monotonic() - start:.1f}s\n"
@@ -112,9 +117,11 @@ def _heads(reader: GGUFReader, architecture: str) -> dict[str, int]:
     return {"attn_q": heads, "attn_k": kv_heads}
 
 
-def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool) -> None:
+def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool,
+                                rope_factors: np.ndarray | None) -> None:
     """config.json, generation_config.json, the tokenizer and its chat template, as
-    transformers reads them from the GGUF's metadata (no tensor is read)."""
+    transformers reads them from the GGUF's metadata (no tensor is read); with Llama 3's rope
+    scaling where the file has `rope_factors` (which transformers leaves out)."""
     # Imported here: transformers is slow to import, and only preparing needs it.
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -123,6 +130,10 @@ def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool) -> None:
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.tie_word_embeddings = tied
     config.dtype = "float32"
+    if rope_factors is not None:
+        theta = config.rope_parameters["rope_theta"]
+        config.rope_parameters = {"rope_theta": theta,
+                                  **llama3_scaling(rope_factors, theta, config.head_dim)}
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
 

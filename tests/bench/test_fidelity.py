@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from bench.fidelity import Answer, Verdict, judge, markdown, measure, reference_answers
+from bench.gguf import SHAPES, write_random_gguf
+from engine.weights.folder import model_folder
 
 
 def test_dense_products_pick_every_token_transformers_picked(tiny_model_dir: Path) -> None:
@@ -16,6 +18,17 @@ def test_dense_products_pick_every_token_transformers_picked(tiny_model_dir: Pat
     verdicts = measure(tiny_model_dir, torch.float32, answers, "dense")
     assert [v.first_difference for v in verdicts] == [None, None]
     assert max(v.max_logit_difference for v in verdicts) < 1e-3
+
+
+def test_a_ggufs_answers_come_from_the_file_itself(tmp_path: Path) -> None:
+    """The folder prepared from a GGUF holds no dense copy of its quantized matrices, so
+    transformers reads them from the file."""
+    gguf = tmp_path / "random.gguf"
+    write_random_gguf(gguf, SHAPES["tiny"], seed=6, scale=0.2)
+    folder = model_folder(str(gguf), tmp_path / "models")
+    answers = reference_answers(folder, torch.float32, 4, ["Hello"], gguf=gguf)
+    verdicts = measure(folder, torch.float32, answers, "quant")
+    assert verdicts[0].first_difference is None and verdicts[0].max_logit_difference < 1e-3
 
 
 def test_the_first_differing_pick_and_its_gap_are_found() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from bench.gguf import SHAPES, write_random_gguf
 from engine.model.batch import ForwardBatch
@@ -137,3 +137,27 @@ def test_a_file_changed_in_place_or_a_new_preparation_prepares_anew(
 def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no GGUF file at"):
         model_folder(str(tmp_path / "absent.gguf"), tmp_path)
+
+
+@pytest.mark.kernels
+def test_a_llama_3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
+    """llama.cpp writes Llama 3's rope scaling as a divisor per frequency, which transformers
+    reading the file leaves out: the prepared config has it back, and the logits are those of
+    transformers given that config."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0,  # two of the tiny model's frequencies between
+               "original_max_position_embeddings": 8192}
+    gguf = tmp_path / "llama-3.gguf"
+    write_random_gguf(gguf, SHAPES["tiny"], seed=4, scale=0.2, llama3_rope=scaling)
+    folder = model_folder(str(gguf), tmp_path / "models")
+    assert json.loads((folder / "config.json").read_text())["rope_parameters"] == \
+        {"rope_theta": 10000.0, **scaling}
+    runner = ModelRunner(folder, 16, 16)
+    prompt = random_prompt(60, seed=2)
+    logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
+    plain, scaled = (AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **config).eval()
+        for config in ({}, {"config": AutoConfig.from_pretrained(folder)}))
+    with torch.inference_mode():
+        assert (logits - scaled(torch.tensor([prompt])).logits[0, -1]).abs().max() < TOLERANCE
+        assert (logits - plain(torch.tensor([prompt])).logits[0, -1]).abs().max() > 0.01
