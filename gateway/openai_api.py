@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from core.messages import GenerationTask, Sampling, TokenBias
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
+from gateway.background import KEPT_LOGS, EventLog
 from gateway.errors import (
     APIError,
     bad_request,
@@ -45,7 +46,7 @@ from gateway.protocol import (
     render_chat_prompt,
     tokenize_prompt,
 )
-from gateway.reply import ChatFormat, CompletionFormat, Format, Reply
+from gateway.reply import KEEPALIVE_EVENT, ChatFormat, CompletionFormat, Format, Reply
 from gateway.response_store import StoredResponse, input_items_page
 from gateway.responses_reply import ResponseContext, ResponsesReply
 from gateway.responses_request import parse_responses_request
@@ -112,15 +113,26 @@ class OpenAIRoutes:
                                  Served(model, arrived, tools, context))
 
     async def response(self, request: Request) -> Response:
-        """`GET /v1/responses/{id}`: a kept response, as it was returned."""
-        response_id = request.path_params["response_id"]
-        return JSONResponse(self._stored_response(response_id, cache_salt(request)).body)
+        """`GET /v1/responses/{id}`: a kept response, as it was returned; with `stream=true`,
+        a background stream's events after sequence number `starting_after` (all without),
+        followed until it ends."""
+        response_id, owner = request.path_params["response_id"], cache_salt(request)
+        stored = self._stored_response(response_id, owner)
+        after = stream_resumed_after(request.query_params)
+        if after is None:
+            return JSONResponse(stored.body)
+        log = self.state.background.log(owner, response_id)
+        if log is None:
+            raise bad_request("only a response made with background and stream true is "
+                              f"streamed again (the last {KEPT_LOGS} ended ones)", param="stream")
+        return self._following(log, after, client_request_id(request))
 
     async def delete_response(self, request: Request) -> Response:
         """`DELETE /v1/responses/{id}`: forget a kept response (cancelled first, if it is a
         background one still running)."""
         response_id, owner = request.path_params["response_id"], cache_salt(request)
         await self.state.background.cancel(owner, response_id)
+        self.state.background.forget(owner, response_id)
         if not self.state.responses.delete(response_id, owner):
             raise _response_not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -306,14 +318,33 @@ class OpenAIRoutes:
         echoed = client_request_id(request)
         if served.response is not None and served.response.request.background:
             assert isinstance(reply, ResponsesReply)
-            self.state.background.start(served.response.owner, reply.id, reply.in_background())
-            return JSONResponse(reply.announce(), headers=echoed)
+            announced = reply.announce()
+            if not stream:
+                self.state.background.start(served.response.owner, reply.id,
+                                            reply.in_background())
+                return JSONResponse(announced, headers=echoed)
+            log = EventLog()
+            self.state.background.start(served.response.owner, reply.id,
+                                        reply.streamed_in_background(log), log)
+            return self._following(log, -1, echoed)
         if stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **echoed})
         response = await reply.whole(request)
         response.headers.update(echoed)
         return response
+
+    def _following(self, log: EventLog, after: int, headers: dict[str, str]) -> Response:
+        """A background stream's events after sequence number `after`, as they come: the
+        client going away stops only its own following."""
+        quiet_s = self.state.config.gateway.keepalive_s
+
+        async def events() -> AsyncIterator[str]:
+            async for event in log.follow(after, quiet_s):
+                yield KEEPALIVE_EVENT if event is None else event
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **headers})
 
     def _echo(self, params: GenerationParams, prompt_ids: list[int]) -> Echo | None:
         """What the request's choices start with (`echo`): its prompt, as text and tokens."""
@@ -398,6 +429,23 @@ def client_request_id(request: Request) -> dict[str, str]:
     return {}
 
 
+
+
+def stream_resumed_after(query: Mapping[str, str]) -> int | None:
+    """For GET /v1/responses/{id}: None unless `stream` is true; else the sequence number
+    the events start after (`starting_after`; -1, before the first, without one)."""
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise bad_request("stream must be true or false", param="stream")
+    after = query.get("starting_after")
+    if stream == "false":
+        if after is not None:
+            raise bad_request("starting_after needs stream true", param="starting_after")
+        return None
+    if after is not None and not after.isdigit():
+        raise bad_request("starting_after must be a sequence number (an integer from 0)",
+                          param="starting_after")
+    return -1 if after is None else int(after)
 
 
 def _response_not_found(response_id: str, param: str | None = None) -> APIError:

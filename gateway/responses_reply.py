@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from gateway.background import EventLog
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, Reply, WholeChoice
 from gateway.response_store import ResponseStore, StoredResponse
@@ -167,7 +168,12 @@ class ResponsesReply(Reply):
         return "responses"
 
     async def _events(self) -> AsyncIterator[str]:
-        yield self._sse({"type": "response.created", "response": self._response("in_progress")})
+        if self.context.request.background:  # announced queued, as OpenAI's are
+            yield self._sse({"type": "response.created", "response": self._response("queued")})
+            yield self._sse({"type": "response.queued", "response": self._response("queued")})
+        else:
+            yield self._sse({"type": "response.created",
+                             "response": self._response("in_progress")})
         yield self._sse({"type": "response.in_progress",
                          "response": self._response("in_progress")})
         async for index, delta in self._deltas():
@@ -176,9 +182,8 @@ class ResponsesReply(Reply):
                 continue
             if delta.finish_reason == "error":
                 self.outcome = "error"
-                error = {"code": "server_error", "message": delta.error}
-                yield self._sse({"type": "response.failed",
-                                 "response": self._response("failed", error=error)})
+                failed = self._failed(delta.error)
+                yield self._sse({"type": "response.failed", "response": failed})
                 return
             choice = self._streamed_choice(index, delta)
             for event in self._choice_events(choice or {}):
@@ -240,8 +245,7 @@ class ResponsesReply(Reply):
             wholes = await self._collect()
             if isinstance(wholes, str):
                 outcome = "error"
-                error = {"code": "server_error", "message": wholes}
-                self._keep(self._response("failed", error=error))
+                self._failed(wholes)
             else:
                 outcome = "ok"
                 self._whole_body(wholes)  # kept as it finishes
@@ -250,6 +254,32 @@ class ResponsesReply(Reply):
             raise
         finally:
             self._close(outcome)
+
+    async def streamed_in_background(self, log: EventLog) -> None:
+        """A background stream's work: its events logged as they come (the stream that created
+        it, and any later one, follows the log), the response kept as it goes and ends;
+        cancelled, it is kept `cancelled`, its log ending there, and its request aborted on the
+        workers."""
+        self.outcome = "aborted"
+        try:
+            self._keep(self._response("in_progress"))
+            async for event in self._events():
+                if event != KEEPALIVE_EVENT:  # a follower makes its own
+                    log.append(event)
+        except asyncio.CancelledError:
+            self._keep(self._response("cancelled"))
+            raise
+        finally:
+            log.end()
+            self._close(self.outcome)
+
+    def _failed(self, message: str) -> dict[str, Any]:
+        """The response failed, as its error says: kept so if it runs in the background (a
+        foreground client is told by its reply)."""
+        failed = self._response("failed", error={"code": "server_error", "message": message})
+        if self.context.request.background:
+            self._keep(failed)
+        return failed
 
     def _keep(self, response: dict[str, Any]) -> None:
         context = self.context

@@ -232,12 +232,9 @@ class ResponsesRequest(SamplingRequest):
 
     @field_validator("background")
     @classmethod
-    def _kept_and_whole(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+    def _kept(cls, value: bool | None, info: ValidationInfo) -> bool | None:
         if value and info.data.get("store") is False:
             raise invalid_value("a background response is kept: background needs store true")
-        if value and info.data.get("stream"):
-            raise invalid_value("background responses are not streamed here: poll GET "
-                                "/v1/responses/ID, or stream in the foreground")
         return value
 
     @field_validator("n")

@@ -3,7 +3,8 @@ openai client as its docs call it (`responses.create`, `responses.stream`, `retr
 `delete`) and as raw SSE: greedy output against transformers and against the chat route,
 stream events against the whole response, tool calls and their round trip, continued
 conversations, formats, logprobs, what is kept, background responses (polled, cancelled,
-deleted) and the input items listed back. 1 gateway + 1 prefill + 1 decode."""
+deleted; streamed, left and followed again) and the input items listed back.
+1 gateway + 1 prefill + 1 decode."""
 
 from __future__ import annotations
 
@@ -364,6 +365,56 @@ def test_a_deleted_background_response_is_cancelled_first(
     client.responses.delete(queued.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(queued.id)
+    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+
+
+def test_a_background_stream_is_followed_again_from_any_event(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    """The client that made it leaves early; the response runs on; a later GET follows it
+    from the next event, as the official client resumes one (`starting_after`)."""
+    fields: dict[str, Any] = {"model": cluster.model, "input": QUESTION, "temperature": 0,
+                              "instructions": INSTRUCTIONS, "max_output_tokens": 24}
+    foreground = client.responses.create(**fields)
+    first = []
+    with client.responses.create(**fields, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta":
+                break  # gone after the first text
+    created = first[0]
+    assert created.type == "response.created" and created.response.status == "queued"
+    assert [e.type for e in first[1:3]] == ["response.queued", "response.in_progress"]
+    response_id, seen = created.response.id, first[-1].sequence_number
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+    assert rest[-1].type == "response.completed"
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    assert text == foreground.output_text == rest[-1].response.output_text
+    again = list(client.responses.retrieve(response_id, stream=True))  # from the start, ended
+    assert [e.sequence_number for e in again] == list(range(len(first) + len(rest)))
+    assert finished(client, response_id).output_text == text
+    with client.responses.stream(response_id=response_id) as replayed:  # the client's helper
+        assert replayed.get_final_response().output_text == text
+    with pytest.raises(openai.BadRequestError, match="background and stream"):
+        list(client.responses.retrieve(foreground.id, stream=True))
+    client.responses.delete(response_id)
+    with pytest.raises(openai.NotFoundError):
+        list(client.responses.retrieve(response_id, stream=True))
+
+
+def test_a_cancelled_background_stream_ends_its_followers(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    stream = client.responses.create(model=cluster.model, input="Tell me a long story.",
+                                     max_output_tokens=4000, background=True, stream=True,
+                                     extra_body={"ignore_eos": True})
+    events = iter(stream)
+    response_id = next(events).response.id  # type: ignore[union-attr]
+    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
+             "the response to decode")
+    assert client.responses.cancel(response_id).status == "cancelled"
+    kinds = [event.type for event in events]  # ends: the log ended with the cancel
+    assert "response.completed" not in kinds and "response.output_text.delta" in kinds
+    assert client.responses.retrieve(response_id).status == "cancelled"
     wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
 
 

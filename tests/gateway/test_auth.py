@@ -21,6 +21,7 @@ from core.messages import GenerationTask
 from gateway import auth
 from gateway.app import build_app
 from gateway.auth import KeysError, Tenant, load_keys
+from gateway.background import EventLog
 from gateway.errors import service_unavailable
 from gateway.metrics import Metrics
 from gateway.registry import Registry
@@ -307,9 +308,15 @@ def test_a_kept_response_is_its_tenants_alone(client: TestClient, state: Gateway
     state.responses.keep(StoredResponse(alpha_salt, {"id": "resp_a", "object": "response",
                                                      "background": True},
                                         [{"role": "user", "content": "Hi"}], [item]))
+    log = EventLog()
+    log.append('event: response.created\ndata: {"sequence_number": 0}\n\n')
+    log.end()
+    state.background.add_log(alpha_salt, "resp_a", log)  # as a background stream leaves it
     continued = {"model": MODEL, "input": "Again", "previous_response_id": "resp_a"}
     for key in (BETA, BETA_TOO):
         assert client.get("/v1/responses/resp_a", headers=bearer(key)).status_code == 404
+        assert client.get("/v1/responses/resp_a?stream=true",
+                          headers=bearer(key)).status_code == 404
         assert client.post("/v1/responses", json=continued,
                            headers=bearer(key)).status_code == 404
         assert client.get("/v1/responses/resp_a/input_items",
@@ -321,5 +328,8 @@ def test_a_kept_response_is_its_tenants_alone(client: TestClient, state: Gateway
     assert client.post("/v1/responses/resp_a/cancel", headers=bearer(ALPHA)).json()["id"] == \
         "resp_a"  # it has ended: returned as it is
     assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["id"] == "resp_a"
+    assert client.get("/v1/responses/resp_a?stream=true", headers=bearer(ALPHA)).text == \
+        log.events[0]
     assert client.delete("/v1/responses/resp_a", headers=bearer(ALPHA)).json()["deleted"]
+    assert state.background.log(alpha_salt, "resp_a") is None  # forgotten with it
     assert client.get("/v1/responses/resp_a", headers=bearer(ALPHA)).status_code == 404

@@ -1,10 +1,11 @@
-"""The background responses' tasks: started, found while they run, cancelled and waited for."""
+"""The background responses' tasks: started, found while they run, cancelled and waited for;
+the event logs of background streams, followed from any event and kept for a while."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.background import BackgroundResponses
+from gateway.background import KEPT_LOGS, BackgroundResponses, EventLog
 
 
 async def _until(event: asyncio.Event, ended: list[str], name: str) -> None:
@@ -53,4 +54,55 @@ def test_shutdown_cancels_every_task() -> None:
         await background.cancel_all()
         assert sorted(ended) == ["resp_1 cancelled", "resp_2 cancelled"]
         assert len(background) == 0
+    asyncio.run(scenario())
+
+
+async def _followed(log: EventLog, after: int, quiet_s: float = 5.0) -> list[str | None]:
+    return [event async for event in log.follow(after, quiet_s)]
+
+
+def test_a_log_is_followed_from_after_any_event_until_it_ends() -> None:
+    async def scenario() -> None:
+        log = EventLog()
+        log.append("e0")
+        early, late = (asyncio.create_task(_followed(log, after)) for after in (-1, 1))
+        await asyncio.sleep(0.01)
+        for event in ("e1", "e2", "e3"):
+            log.append(event)
+            await asyncio.sleep(0)
+        log.end()
+        assert await early == ["e0", "e1", "e2", "e3"] and await late == ["e2", "e3"]
+        assert await _followed(log, 2) == ["e3"] and await _followed(log, 3) == []  # ended
+    asyncio.run(scenario())
+
+
+def test_a_quiet_log_says_so_while_it_waits() -> None:
+    async def scenario() -> None:
+        log = EventLog()
+        follower = asyncio.create_task(_followed(log, -1, quiet_s=0.02))
+        await asyncio.sleep(0.07)
+        log.append("e0")
+        log.end()
+        events = await follower
+        assert events[-1] == "e0" and set(events[:-1]) == {None} and len(events) >= 3
+    asyncio.run(scenario())
+
+
+def test_logs_are_found_by_tenant_and_the_oldest_ended_ones_forgotten() -> None:
+    async def scenario() -> None:
+        background = BackgroundResponses()
+        logs = [EventLog() for _ in range(KEPT_LOGS + 2)]
+        for index, log in enumerate(logs[:-1]):
+            background.start("alpha", f"resp_{index}", asyncio.sleep(0), log)
+            log.end()
+        assert background.log("alpha", "resp_0") is logs[0]
+        assert background.log("beta", "resp_0") is None  # another tenant's is not found
+        running = logs[-1]  # not ended: never forgotten
+        background.start("alpha", "resp_last", asyncio.sleep(0), running)
+        assert background.log("alpha", "resp_0") is None  # one too many ended: the oldest
+        assert background.log("alpha", "resp_1") is logs[1]
+        assert background.log("alpha", "resp_last") is running
+        background.forget("alpha", "resp_1")  # deleted
+        assert background.log("alpha", "resp_1") is None
+        await asyncio.sleep(0)
     asyncio.run(scenario())

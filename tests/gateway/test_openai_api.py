@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from gateway.errors import APIError
+from gateway.openai_api import stream_resumed_after
 from gateway.state import server_version
 from tests.gateway.served_app import (
     MAX_MODEL_LEN,
@@ -135,7 +137,6 @@ def test_a_valid_response_request_passes_every_check(client: TestClient) -> None
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].message.content[0]"),
     ({"input": "Hi", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0]"),
-    ({"input": "Hi", "background": True, "stream": True}, "background"),
     ({"instructions": "no input"}, "input"),
 ])
 def test_a_response_request_it_cannot_serve_is_a_400(
@@ -147,11 +148,32 @@ def test_a_response_request_it_cannot_serve_is_a_400(
 
 def test_an_unknown_response_id_is_a_404_wherever_it_is_named(client: TestClient) -> None:
     for reply in (client.get("/v1/responses/resp_none"),
+                  client.get("/v1/responses/resp_none?stream=true&starting_after=2"),
                   client.delete("/v1/responses/resp_none"),
                   client.post("/v1/responses", json={"model": MODEL, "input": "Hi",
                                                      "previous_response_id": "resp_none"})):
         assert reply.status_code == 404, reply.text
         assert error_of(reply)["message"] == "Response with id 'resp_none' not found."
+
+
+@pytest.mark.parametrize(("query", "after"), [
+    ({}, None), ({"stream": "false"}, None), ({"stream": "true"}, -1),
+    ({"stream": "True", "starting_after": "7"}, 7), ({"stream": "true", "starting_after": "0"}, 0),
+])
+def test_a_stream_is_resumed_after_the_sequence_number_asked_for(
+        query: dict[str, str], after: int | None) -> None:
+    assert stream_resumed_after(query) == after
+
+
+@pytest.mark.parametrize(("query", "param"), [
+    ({"stream": "yes"}, "stream"), ({"starting_after": "3"}, "starting_after"),
+    ({"stream": "true", "starting_after": "-1"}, "starting_after"),
+    ({"stream": "true", "starting_after": "x"}, "starting_after"),
+])
+def test_a_resumed_stream_asked_for_wrongly_is_a_400(query: dict[str, str], param: str) -> None:
+    with pytest.raises(APIError) as raised:
+        stream_resumed_after(query)
+    assert raised.value.status == 400 and raised.value.param == param
 
 
 def test_a_background_response_where_none_are_kept_is_a_400(real_model_dir: Path) -> None:

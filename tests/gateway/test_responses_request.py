@@ -107,7 +107,6 @@ def test_text_format_is_the_response_format(text: dict[str, Any]) -> None:
     ({"input": []}, "must not be empty"),
     ({"input": ""}, "must not be empty"),
     ({"background": True, "store": False}, "background needs store true"),
-    ({"background": True, "stream": True}, "not streamed here"),
     ({"n": 2}, "n must be 1"),
     ({"response_format": {"type": "json_object"}}, "text.format"),
     ({"conversation": "conv_1"}, "not supported"),
