@@ -3,9 +3,9 @@
     python -m bench fidelity [--variant dense --variant quant --variant int8] [--max-tokens 32]
 
 transformers' own greedy `generate` answers 20 chat questions (from the GGUF file itself, where
-`--model` is one); our runner then reads each
-answer teacher-forced (its prompt prefilled, then one decode step per answer token, as a decode
-worker computes them) and picks its own greedy token at every position. An answer is equal
+`--model` is one); our runner then reads each answer teacher-forced (its prompt prefilled, then
+one decode step per answer token, as a decode worker computes them) and picks its own greedy
+token at every position. An answer is equal
 when every pick is transformers' token. Where one differs, the first such position tells how
 near a tie it was: transformers' logit of its own token minus its logit of ours (the gap a
 rounding difference had to cross). Variants (all in `--dtype`): `dense` (every product dense,
@@ -80,12 +80,14 @@ def reference_answers(folder: Path, dtype: torch.dtype, max_tokens: int,
                       questions: Sequence[str] = QUESTIONS,
                       gguf: Path | None = None) -> list[Answer]:
     """transformers' answers, from the model folder, or from the GGUF file `gguf` it was
-    prepared from (the folder then holds no dense copy of the quantized matrices)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
+    prepared from (the folder then holds no dense copy of the quantized matrices), with the
+    folder's config (which has the rope scaling transformers leaves out of a Llama 3 GGUF)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     source = {"pretrained_model_name_or_path": folder} if gguf is None else \
-        {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
+        {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name,
+         "config": AutoConfig.from_pretrained(folder)}
     model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).eval()
     answers = []
     with torch.inference_mode():

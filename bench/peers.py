@@ -568,7 +568,7 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     if out.is_dir():  # a folder named: the results go into it
         out = out / "peers.json"
     run = PeersRun(tuple(dict.fromkeys(args.peer)), launches, plan, settings, cpus, peers_dir,
-                   args.ready_timeout, out, args.gguf)
+                   args.ready_timeout, out, args.gguf and args.gguf.resolve())
     return lambda: run_peers(run)
 
 
@@ -583,8 +583,9 @@ def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int,
                            peers_dir / "models" / model.name)
         return vllm_server(venv, folder, model.name, free_port(), cpus)
     binary = install_llamacpp(peers_dir, peer)
-    served = (gguf, gguf.stem) if gguf is not None else (packaged_gguf(model.name), model.name)
-    return llamacpp_server(binary, *served, free_port(), cpus, slots, peer=peer,
+    path, name = (gguf, gguf.stem) if gguf is not None else (packaged_gguf(model.name),
+                                                               model.name)
+    return llamacpp_server(binary, path, name, free_port(), cpus, slots, peer=peer,
                            flags=cpu_flags())
 
 

@@ -8,18 +8,18 @@ aborts a foreground one.
 One made with `stream: true` too logs its events (`EventLog`): the reply that created it
 follows the log, and so may any later GET /v1/responses/{id}?stream=true&starting_after=N
 of its tenant, from any event on, while it runs and after it has ended (the last
-`KEPT_LOGS` ended ones are kept).
+`KEPT_LOGS` ended ones of each tenant are kept).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 Key = tuple[str, str]  # (owner, response id)
-KEPT_LOGS = 64  # the event logs of ended background streams kept for a later GET
+KEPT_LOGS = 64  # the event logs of a tenant's ended background streams kept for a later GET
 
 
 class EventLog:
@@ -69,20 +69,26 @@ class BackgroundResponses:
         return len(self._running)
 
     def start(self, owner: str, response_id: str, work: Coroutine[Any, Any, None],
-              log: EventLog | None = None) -> None:
-        """Run `work`; `log`: the events it logs, found by `log` from now on."""
+              log: EventLog | None = None,
+              settle: Callable[[asyncio.Task[None]], None] | None = None) -> None:
+        """Run `work`; `log`: the events it logs, found by `log` from now on; `settle`: called
+        with the task as it ends, however it ends (even cancelled before it began, when no
+        line of `work` ran)."""
         key = (owner, response_id)
         assert key not in self._running, "a response id is made once"
         task = asyncio.create_task(work, name=f"background {response_id}")
         self._running[key] = task
         task.add_done_callback(lambda _: self._running.pop(key, None))
+        if settle is not None:
+            task.add_done_callback(settle)
         if log is not None:
             self.add_log(owner, response_id, log)
 
     def add_log(self, owner: str, response_id: str, log: EventLog) -> None:
-        """`log` found by `log` from now on (the oldest ended ones beyond `KEPT_LOGS` go)."""
+        """`log` found by `log` from now on (the tenant's oldest ended ones beyond `KEPT_LOGS`
+        go: one tenant's streams never push out another's)."""
         self._logs[(owner, response_id)] = log
-        ended = [key for key, kept in self._logs.items() if kept.ended]
+        ended = [key for key, kept in self._logs.items() if kept.ended and key[0] == owner]
         for key in ended[:max(0, len(ended) - KEPT_LOGS)]:
             del self._logs[key]
 

@@ -63,6 +63,12 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
 
 
+def whole_number(text: str) -> int | None:
+    """`text` as an integer from 0 in plain ASCII digits (not "²", which str.isdigit takes
+    and int refuses), or None."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """400: the request is malformed or asks for something unsupported."""
     return APIError(400, message, "invalid_request_error", param, code)

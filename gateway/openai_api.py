@@ -26,6 +26,7 @@ from gateway.errors import (
     payload_too_large,
     rate_limited,
     service_unavailable,
+    whole_number,
 )
 from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
@@ -321,11 +322,12 @@ class OpenAIRoutes:
             announced = reply.announce()
             if not stream:
                 self.state.background.start(served.response.owner, reply.id,
-                                            reply.in_background())
+                                            reply.in_background(), settle=reply.settle)
                 return JSONResponse(announced, headers=echoed)
             log = EventLog()
             self.state.background.start(served.response.owner, reply.id,
-                                        reply.streamed_in_background(log), log)
+                                        reply.streamed_in_background(log), log,
+                                        functools.partial(reply.settle, log=log))
             return self._following(log, -1, echoed)
         if stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
@@ -442,10 +444,13 @@ def stream_resumed_after(query: Mapping[str, str]) -> int | None:
         if after is not None:
             raise bad_request("starting_after needs stream true", param="starting_after")
         return None
-    if after is not None and not after.isdigit():
+    if after is None:
+        return -1
+    number = whole_number(after)
+    if number is None:
         raise bad_request("starting_after must be a sequence number (an integer from 0)",
                           param="starting_after")
-    return -1 if after is None else int(after)
+    return number
 
 
 def _response_not_found(response_id: str, param: str | None = None) -> APIError:

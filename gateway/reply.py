@@ -124,6 +124,7 @@ class Reply:
         self.created = int(time.time())
         self.model = model or state.model_name
         self.pumps: list[asyncio.Task[None]] = []  # one per choice, while deltas are read
+        self.closed = False
         self.outcome = "aborted"  # of a stream, as it ends: ok, error or aborted
         # One per choice when its output may hold tool calls (gateway/tools.py).
         self.tool_streams = [tools.stream() for _ in generations] if tools else []
@@ -268,6 +269,11 @@ class Reply:
         return {"timing": self.generations[index].handle.timing.breakdown()}
 
     def _close(self, outcome: str) -> None:
+        """The request ends, once: its generations closed (aborted on the workers if still
+        running), its outcome counted, its span ended."""
+        if self.closed:
+            return
+        self.closed = True
         for task in self.pumps:
             task.cancel()
         for generation in self.generations:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import bad_request
+from gateway.errors import bad_request, whole_number
 
 TENANT_BYTES = 64 * 2**20  # what one tenant's kept responses may weigh, as JSON
 
@@ -81,8 +81,8 @@ def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> d
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order must be 'asc' or 'desc'", param="order")
-    limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    limit = whole_number(query.get("limit", "20"))
+    if limit is None or not 1 <= limit <= 100:
         raise bad_request("limit must be an integer from 1 to 100", param="limit")
     ordered = items if order == "asc" else items[::-1]
     after = query.get("after")
@@ -91,6 +91,6 @@ def input_items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> d
         if after not in ids:
             raise bad_request(f"no input item has the id '{after}'", param="after")
         ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:int(limit)]
+    page = ordered[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page)}

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +32,7 @@ from gateway.tools import ToolPlan
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+logger = logging.getLogger(__name__)
 Event = dict[str, Any]  # one Responses stream event, before its sequence number
 Status = Literal["completed", "incomplete"]
 
@@ -162,6 +164,7 @@ class ResponsesReply(Reply):
         self.items = OutputItems()
         self.finish_reason: str | None = None
         self.sequence = itertools.count()
+        self.kept_status: str | None = None  # the status last kept in the store
 
     @property
     def route(self) -> str:
@@ -273,6 +276,22 @@ class ResponsesReply(Reply):
             log.end()
             self._close(self.outcome)
 
+    def settle(self, task: asyncio.Task[None], log: EventLog | None = None) -> None:
+        """A background task's end, however it came. Its work settles everything itself,
+        unless it was cancelled before its first step (its body never ran) or an error of
+        ours ended it: then the response is kept cancelled or failed here, its log ended, and
+        its request closed."""
+        error = None if task.cancelled() else task.exception()
+        if self.kept_status in ("queued", "in_progress"):
+            if error is None:
+                self._keep(self._response("cancelled"))
+            else:
+                logger.error("background response %s failed", self.id, exc_info=error)
+                self._failed("the server failed while making this response")
+        if log is not None and not log.ended:
+            log.end()
+        self._close("aborted" if error is None else "error")
+
     def _failed(self, message: str) -> dict[str, Any]:
         """The response failed, as its error says: kept so if it runs in the background (a
         foreground client is told by its reply)."""
@@ -285,6 +304,7 @@ class ResponsesReply(Reply):
         context = self.context
         if context.store is None:
             return
+        self.kept_status = response["status"]
         conversation = [*context.conversation, self.items.as_message()]
         context.store.keep(StoredResponse(context.owner, copy.deepcopy(response), conversation,
                                           context.input_items))

@@ -75,14 +75,15 @@ def prepare_gguf(path: Path, target: Path) -> None:
     heads = _heads(reader, architecture)
     dense, quant, bits = {}, {}, {}
     for tensor in tqdm(tensors.values(), desc=f"reading {path.name}", unit="tensor"):
-        name, blocks = hf_name(tensor.name), quant_blocks_of(tensor.data, tensor.tensor_type)
-        data = _dense(tensor) if blocks is None else blocks[0]
+        name, converted = hf_name(tensor.name), quant_blocks_of(tensor.data,
+                                                                tensor.tensor_type)
+        data = _dense(tensor) if converted is None else converted[0]
         if architecture == "llama":
             data = _unpermuted(data, tensor.name, heads)
-        if blocks is None:
+        if converted is None:
             dense[name] = data
         else:
-            quant[name], bits[name] = data, str(blocks[1])
+            quant[name], bits[name] = data, str(converted[1])
     save_file(dense, staging / WEIGHTS_FILE, metadata={"format": "pt"})
     save_file(quant, staging / QUANT_FILE, metadata={"format": "pt", **bits})
     kinds = Counter(conversion(tensor.tensor_type) for tensor in tensors.values()
@@ -130,10 +131,11 @@ def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool,
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.tie_word_embeddings = tied
     config.dtype = "float32"
-    if rope_factors is not None:
-        theta = config.rope_parameters["rope_theta"]
-        config.rope_parameters = {"rope_theta": theta,
-                                  **llama3_scaling(rope_factors, theta, config.head_dim)}
+    theta = config.rope_parameters["rope_theta"]
+    scaling = None if rope_factors is None else llama3_scaling(rope_factors, theta,
+                                                               config.head_dim)
+    if scaling is not None:
+        config.rope_parameters = {"rope_theta": theta, **scaling}
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
 

@@ -10,9 +10,11 @@
 - Q5_0 and IQ4_NL become Q8_0 exactly: each of their 32-value blocks is its fp16 `d` times
   integers of int8's range (`q - 16`; a table's entries);
 - every other quantized type (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ types) is dequantized
-  and quantized again to Q8_0, rounded as llama.cpp rounds: each value moves by at most half a
-  step of its new block, 1/254 of the block's largest value (Q6_K, for one, cannot be held
-  exactly: its two 16-value halves of a 32-value block have scales of their own);
+  and quantized again to Q8_0 (a block's step its largest value over 127, in fp16): each value
+  moves by at most half a step, 1/254 of the block's largest value, plus what the step's
+  rounding to fp16 costs at the clamp (2^-11 of that value; for a block under about 1e-3,
+  whose step is subnormal, up to 4e-6). Q6_K, for one, cannot be held exactly: the two
+  16-value halves of a 32-value block have scales of their own;
 - F32, F16 and BF16 matrices are left dense.
 """
 
@@ -100,6 +102,12 @@ def _scaled_integers_as_q8_0(data: np.ndarray, kind: Kind) -> np.ndarray:
                           axis=1).reshape(data.shape[0], -1)
 
 
-def _as_q8_0(data: np.ndarray, kind: Kind) -> np.ndarray:
-    values = np.ascontiguousarray(dequantize(data, kind), dtype=np.float32)
-    return quantize(torch.from_numpy(values), 8).packed.numpy()
+def _as_q8_0(data: np.ndarray, kind: Kind, rows_at_once: int = 4096) -> np.ndarray:
+    """Dequantized and quantized again a few rows at a time: a whole large matrix in fp32
+    would cost four bytes a value at once."""
+    parts = []
+    for start in range(0, data.shape[0], rows_at_once):
+        values = dequantize(data[start:start + rows_at_once], kind)
+        parts.append(quantize(torch.from_numpy(np.ascontiguousarray(values, np.float32)),
+                              8).packed.numpy())
+    return np.concatenate(parts)

@@ -29,10 +29,16 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
-    """The "llama3" parameters whose frequencies are the plain ones over `divisors`: 1 for high
-    frequencies, `factor` for low ones, and between, `1 / ((1 - s) / factor + s)` for an `s`
-    linear in `original length / wavelength`, whose line gives the two band edges."""
+def llama3_scaling(divisors: np.ndarray, theta: float,
+                   head_dim: int) -> dict[str, Any] | None:
+    """The "llama3" parameters whose frequencies are the plain ones over `divisors` (None where
+    every divisor is 1): 1 for high frequencies, `factor` for low ones, and between,
+    `1 / ((1 - s) / factor + s)` for an `s` linear in `original length / wavelength`, whose
+    line gives the two band edges."""
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(f"{divisors.shape[0]} rope divisors for {head_dim // 2} frequencies")
+    if np.all(divisors == 1):
+        return None
     plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     factor = float(divisors.max())
     between = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))

@@ -44,6 +44,26 @@ def test_cancel_ends_the_task_before_it_returns() -> None:
     asyncio.run(scenario())
 
 
+def test_settle_sees_every_end_even_of_a_task_cancelled_before_it_began() -> None:
+    """A task cancelled before its first step never runs a line of its work (no `finally`
+    either): only `settle` can end what it left."""
+    async def scenario() -> None:
+        background = BackgroundResponses()
+        settled: list[asyncio.Task[None]] = []
+        ended: list[str] = []
+        background.start("alpha", "resp_1", _until(asyncio.Event(), ended, "resp_1"),
+                         settle=settled.append)
+        assert await background.cancel("alpha", "resp_1")  # at once: it never began
+        assert ended == [] and len(settled) == 1 and settled[0].cancelled()
+
+        async def broken() -> None:
+            raise RuntimeError("a bug of ours")
+        background.start("alpha", "resp_2", broken(), settle=settled.append)
+        await asyncio.sleep(0.01)
+        assert len(settled) == 2 and isinstance(settled[1].exception(), RuntimeError)
+    asyncio.run(scenario())
+
+
 def test_shutdown_cancels_every_task() -> None:
     async def scenario() -> None:
         background = BackgroundResponses()
@@ -78,13 +98,13 @@ def test_a_log_is_followed_from_after_any_event_until_it_ends() -> None:
 
 def test_a_quiet_log_says_so_while_it_waits() -> None:
     async def scenario() -> None:
-        log = EventLog()
-        follower = asyncio.create_task(_followed(log, -1, quiet_s=0.02))
-        await asyncio.sleep(0.07)
-        log.append("e0")
-        log.end()
-        events = await follower
-        assert events[-1] == "e0" and set(events[:-1]) == {None} and len(events) >= 3
+        log, seen = EventLog(), []
+        async for event in log.follow(-1, quiet_s=0.01):
+            seen.append(event)
+            if len(seen) == 3:  # three quiet spells, then an event and the end
+                log.append("e0")
+                log.end()
+        assert seen == [None, None, None, "e0"]
     asyncio.run(scenario())
 
 
@@ -104,5 +124,10 @@ def test_logs_are_found_by_tenant_and_the_oldest_ended_ones_forgotten() -> None:
         assert background.log("alpha", "resp_last") is running
         background.forget("alpha", "resp_1")  # deleted
         assert background.log("alpha", "resp_1") is None
+        for name in ("resp_b1", "resp_b2"):  # another tenant's, ended: push none out
+            others = EventLog()
+            others.end()
+            background.add_log("beta", name, others)
+        assert background.log("alpha", "resp_2") is logs[2]
         await asyncio.sleep(0)
     asyncio.run(scenario())

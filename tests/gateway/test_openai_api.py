@@ -169,6 +169,7 @@ def test_a_stream_is_resumed_after_the_sequence_number_asked_for(
     ({"stream": "yes"}, "stream"), ({"starting_after": "3"}, "starting_after"),
     ({"stream": "true", "starting_after": "-1"}, "starting_after"),
     ({"stream": "true", "starting_after": "x"}, "starting_after"),
+    ({"stream": "true", "starting_after": "²"}, "starting_after"),  # a digit int() refuses
 ])
 def test_a_resumed_stream_asked_for_wrongly_is_a_400(query: dict[str, str], param: str) -> None:
     with pytest.raises(APIError) as raised:

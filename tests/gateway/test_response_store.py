@@ -81,7 +81,7 @@ def test_input_items_come_a_page_at_a_time(query: dict[str, str], ids: list[int]
 
 @pytest.mark.parametrize(("query", "param"), [
     ({"order": "up"}, "order"), ({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
-    ({"limit": "x"}, "limit"), ({"after": "msg_9"}, "after")])
+    ({"limit": "x"}, "limit"), ({"limit": "²"}, "limit"), ({"after": "msg_9"}, "after")])
 def test_a_bad_page_query_is_a_400_naming_it(query: dict[str, str], param: str) -> None:
     with pytest.raises(APIError) as caught:
         input_items_page(ITEMS, query)

@@ -23,9 +23,14 @@ from engine.weights.load import load_weights
 from engine.weights.quant_blocks import dequantize, load_quant_blocks
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
 
+# Llama 3's rope scaling, its blend band holding two of the tiny model's frequencies
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}
+
 
 @pytest.fixture(scope="module", params=[("llama", "q4_1"), ("qwen2", "q4_1"),
-                                        ("llama", "q4_k_m"), ("qwen2", "every")],
+                                        ("llama", "q4_k_m"), ("llama", "every"),
+                                        ("qwen2", "every")],
                 ids="-".join)
 def random_gguf(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
@@ -144,9 +149,7 @@ def test_a_llama_3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
     """llama.cpp writes Llama 3's rope scaling as a divisor per frequency, which transformers
     reading the file leaves out: the prepared config has it back, and the logits are those of
     transformers given that config."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 8.0,  # two of the tiny model's frequencies between
-               "original_max_position_embeddings": 8192}
+    scaling = LLAMA3_ROPE
     gguf = tmp_path / "llama-3.gguf"
     write_random_gguf(gguf, SHAPES["tiny"], seed=4, scale=0.2, llama3_rope=scaling)
     folder = model_folder(str(gguf), tmp_path / "models")

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Kind
 from gguf.quants import Q4_K, dequantize
 
 from bench.gguf import quant_row_bytes, random_blocks
-from engine.weights.gguf_blocks import conversion, quant_blocks_of
+from engine.weights.gguf_blocks import _as_q8_0, conversion, quant_blocks_of
 from engine.weights.quant_blocks import QUANT_BLOCK, QuantMatrix
 from engine.weights.quant_blocks import dequantize as dequantize_ours
 
@@ -79,6 +79,12 @@ def test_other_types_are_quantized_again_as_q8_0_within_half_a_step(kind: Kind) 
     # half a step of 1/127 of the largest value, its step rounded to fp16
     bound = largest / 254 + largest * FP16_ROUNDING
     assert (np.abs(ours - theirs).reshape(-1, QUANT_BLOCK) <= bound).all()
+
+
+def test_a_matrix_is_quantized_again_a_few_rows_at_a_time_as_it_is_whole() -> None:
+    data = blocks(Kind.Q6_K)
+    assert np.array_equal(_as_q8_0(data, Kind.Q6_K, rows_at_once=3),
+                          _as_q8_0(data, Kind.Q6_K))
 
 
 @pytest.mark.parametrize("kind", [Kind.F32, Kind.F16, Kind.BF16])
