@@ -28,10 +28,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}
 
 
-@pytest.fixture(scope="module", params=[("llama", "q4_1"), ("qwen2", "q4_1"),
-                                        ("llama", "q4_k_m"), ("llama", "every"),
-                                        ("qwen2", "every")],
-                ids="-".join)
+@pytest.fixture(scope="module")
 def random_gguf(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     """A random small GGUF of a family (transformers reads these two) in a mix of quant
@@ -64,8 +61,17 @@ def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
             json.loads((real_model_dir / name).read_text())
 
 
+# (family, quant types), then the weights multiplied: both ways for our own formats; converted
+# ones over their blocks (a dense copy of them is made as for any other)
+GGUF_CASES = [(("llama", "q4_1"), "quant"), (("llama", "q4_1"), "dense"),
+              (("qwen2", "q4_1"), "quant"), (("qwen2", "q4_1"), "dense"),
+              (("llama", "q4_k_m"), "quant"), (("llama", "every"), "quant"),
+              (("qwen2", "every"), "quant")]
+
+
 @pytest.mark.kernels
-@pytest.mark.parametrize("weights", ["quant", "dense"])
+@pytest.mark.parametrize(("random_gguf", "weights"), GGUF_CASES, indirect=["random_gguf"],
+                         ids=["-".join((*case, weights)) for case, weights in GGUF_CASES])
 def test_a_random_gguf_gives_the_logits_transformers_computes(
         random_gguf: tuple[Path, Path, str], weights: str) -> None:
     """From the file itself where its types are ours (Q4_1, Q8_0); from the values of the
