@@ -5,12 +5,12 @@
 transformers' own greedy `generate` answers 20 chat questions (from the GGUF file itself, where
 `--model` is one); our runner then reads each answer teacher-forced (its prompt prefilled, then
 one decode step per answer token, as a decode worker computes them) and picks its own greedy
-token at every position. An answer is equal
-when every pick is transformers' token. Where one differs, the first such position tells how
-near a tie it was: transformers' logit of its own token minus its logit of ours (the gap a
-rounding difference had to cross). Variants (all in `--dtype`): `dense` (every product dense,
-`model.quant_rows: 0`), `quant` (decode steps over the quant blocks, `model.quant_inputs:
-exact`) and `int8` (the same with inputs quantized to 8 bits, `model.quant_inputs: int8`).
+token at every position. An answer is equal when every pick is transformers' token. Where one
+differs, the first such position tells how near a tie it was: transformers' logit of its own
+token minus its logit of ours (the gap a rounding difference had to cross). Variants (all in
+`--dtype`): `dense` (every product dense, `model.quant_rows: 0`), `quant` (decode steps over the
+quant blocks, `model.quant_inputs: exact`) and `int8` (the same with inputs quantized to 8
+bits, `model.quant_inputs: int8`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from engine.weights.quant_blocks import QUANT_BLOCK, quantize
 Kind = GGMLQuantizationType
 DENSE_KINDS = frozenset({Kind.F32, Kind.F16, Kind.BF16, Kind.F64})
 KEPT = {Kind.Q4_1: 4, Kind.Q8_0: 8}  # our formats: bits per value
-_Q4_0_BYTES, _Q4_K_BYTES = 18, 144
 _Q4_K_SCALES = slice(4, 16)  # after fp16 d and dmin: 12 bytes of 6-bit scales and mins
 # 32 values a block, each its first two bytes (fp16 d) times an integer of int8's range
 _SCALED_INTEGERS = frozenset({Kind.Q5_0, Kind.IQ4_NL})
@@ -66,7 +65,7 @@ def conversion(kind: Kind) -> str:
 
 
 def _q4_0_as_q4_1(data: np.ndarray) -> np.ndarray:
-    blocks = data.reshape(-1, _Q4_0_BYTES)
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[Kind.Q4_0][1])
     d = blocks[:, 0:2].view(np.float16)
     m = (d.astype(np.float32) * -8).astype(np.float16)
     return np.concatenate([blocks[:, 0:2], m.view(np.uint8), blocks[:, 2:]],
@@ -74,7 +73,7 @@ def _q4_0_as_q4_1(data: np.ndarray) -> np.ndarray:
 
 
 def _q4_k_as_q4_1(data: np.ndarray) -> np.ndarray:
-    blocks = data.reshape(-1, _Q4_K_BYTES)
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[Kind.Q4_K][1])
     count = blocks.shape[0]
     d = blocks[:, 0:2].view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
