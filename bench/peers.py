@@ -67,7 +67,8 @@ from bench.serve import Plan, Target, measure
 from bench.stats import Slo
 from bench.workloads import Workload, build
 from core.config import Config
-from engine.kernels.isa import cpu_flags
+from core.cpus import format_cpus, parse_cpus
+from engine.kernels.isa import cpu_flags, cpu_name
 from engine.locate import resolve_model
 from engine.weights.files import QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER
 from engine.weights.folder import packaged_gguf
@@ -275,34 +276,20 @@ class PeerServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-def parse_cpus(text: str) -> tuple[int, ...]:
-    """"0-1,3" -> (0, 1, 3)."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.strip().partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"not a CPU list: {text!r}")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return tuple(sorted(cpus))
-
-
-def cpu_list(cpus: Sequence[int]) -> str:
-    """(0, 1, 3) -> "0-1,3"."""
-    ranges: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if ranges and cpu == ranges[-1][1] + 1:
-            ranges[-1][1] = cpu
-        else:
-            ranges.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+def cpus_arg(text: str) -> tuple[int, ...]:
+    """--cpus: "0-1,3" -> (0, 1, 3); ValueError for a malformed or empty list."""
+    cpus = tuple(sorted(parse_cpus(text)))
+    if not cpus:
+        raise ValueError(f"not a CPU list: {text!r}")
+    return cpus
 
 
 def vllm_server(venv: Path, folder: Path, model: str, port: int,
-                cpus: Sequence[int]) -> PeerServer:
+                cpus: Sequence[int], avx2: bool = False) -> PeerServer:
     """vLLM's OpenAI server of the HF `folder` in float32, pinned to `cpus`: with taskset,
     its OpenMP threads one to each CPU (VLLM_CPU_OMP_THREADS_BIND). With torch capped at AVX2
     (ATEN_CPU_CAPABILITY=avx2), vLLM's own kernels are its AVX2 build (bench/vllm_avx2)."""
-    listed = cpu_list(cpus)
+    listed = format_cpus(cpus)
     # vLLM's API server as a module: the `vllm` command asks for the version of a package
     # named vllm, which this one (vllm-cpu) is not.
     command = ("taskset", "-c", listed, str(venv / "bin/python"), "-m",
@@ -310,7 +297,7 @@ def vllm_server(venv: Path, folder: Path, model: str, port: int,
                "--served-model-name", model, "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(port))
     env = {"VLLM_CPU_OMP_THREADS_BIND": listed, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":  # its own kernels at AVX2 too
+    if avx2:  # torch capped at AVX2 (ATEN_CPU_CAPABILITY): its own kernels at AVX2 too
         env["PYTHONPATH"] = str(VLLM_AVX2)
     return PeerServer("vllm", PEER_LABELS["vllm"], VLLM_PACKAGE.split("==")[1], command, env,
                       port, str(folder))
@@ -326,7 +313,7 @@ def llamacpp_server(binary: Path, gguf: Path, model: str, port: int, cpus: Seque
     in ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36's sources, 2026-12-05)."""
     threads = str(len(cpus))
     unpacked = ("--no-repack",) if peer == "llamacpp" and "amx_int8" in flags else ()
-    command = ("taskset", "-c", cpu_list(cpus), str(binary), "-m", str(gguf), "--alias", model,
+    command = ("taskset", "-c", format_cpus(cpus), str(binary), "-m", str(gguf), "--alias", model,
                "--host", "127.0.0.1", "--port", str(port), "-t", threads, "-tb", threads,
                "-np", str(slots), "-c", str(slots * slot_tokens), "--cont-batching", "--jinja",
                *unpacked)
@@ -417,7 +404,8 @@ def read_kernel_isa(url: str) -> list[dict[str, str]]:
         response = httpx.get(url + "/metrics", timeout=10)
         response.raise_for_status()
         return kernel_isa(response.text)
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"[peers] kernel ISA of {url} not read: {exc}", file=sys.stderr)
         return []
 
 
@@ -447,13 +435,7 @@ def measure_ours(target: Target, plan: Plan, ready_timeout_s: float
 
 def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
     """This CPU's model name and flags."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        lines = []
-    model = next((line.split(":", 1)[1].strip() for line in lines
-                  if line.startswith("model name")), "unknown")
-    return CpuInfo(model, tuple(sorted(cpu_flags(cpuinfo))))
+    return CpuInfo(cpu_name(cpuinfo) or "unknown", tuple(sorted(cpu_flags(cpuinfo))))
 
 
 def _concurrencies(text: str) -> tuple[int, ...]:
@@ -477,7 +459,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     targets.add_argument("--launch", action="append", default=[], metavar='"[LABEL=]FLAGS"',
                          help='ours, started with scripts/launch.sh FLAGS, e.g. "p1d1=--prefill '
                               '1 --decode 1" (repeatable)')
-    targets.add_argument("--cpus", type=parse_cpus,
+    targets.add_argument("--cpus", type=cpus_arg,
                          help="CPUs every target runs on, e.g. 0-1 (default: every CPU this "
                               "process may use, which launch.sh divides among our workers)")
     targets.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
@@ -522,6 +504,7 @@ class PeersRun:
     ready_timeout_s: float
     out: Path
     gguf: Path | None = None  # what llama.cpp serves, where not the default model's
+    avx2_torch: bool = False  # torch capped at AVX2 (ATEN_CPU_CAPABILITY=avx2): vLLM's kernels too
 
 
 def peers_plan(args: argparse.Namespace, prompts: TokenPrompts | TextPrompts
@@ -568,12 +551,13 @@ def prepare(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], int]:
     if out.is_dir():  # a folder named: the results go into it
         out = out / "peers.json"
     run = PeersRun(tuple(dict.fromkeys(args.peer)), launches, plan, settings, cpus, peers_dir,
-                   args.ready_timeout, out, args.gguf and args.gguf.resolve())
+                   args.ready_timeout, out, args.gguf and args.gguf.resolve(),
+                   avx2_torch=os.environ.get("ATEN_CPU_CAPABILITY") == "avx2")
     return lambda: run_peers(run)
 
 
 def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int,
-                gguf: Path | None = None) -> PeerServer:
+                gguf: Path | None = None, avx2_torch: bool = False) -> PeerServer:
     """`peer` installed (once), with what it serves prepared, ready to start: the default
     model, or for llama.cpp the GGUF file `gguf`."""
     model = Config().model
@@ -581,7 +565,7 @@ def peer_server(peer: str, peers_dir: Path, cpus: Sequence[int], slots: int,
         venv = install_vllm(peers_dir)
         folder = hf_folder(resolve_model(model.name, model.cache_dir),
                            peers_dir / "models" / model.name)
-        return vllm_server(venv, folder, model.name, free_port(), cpus)
+        return vllm_server(venv, folder, model.name, free_port(), cpus, avx2_torch)
     binary = install_llamacpp(peers_dir, peer)
     path, name = (gguf, gguf.stem) if gguf is not None else (packaged_gguf(model.name),
                                                                model.name)
@@ -609,7 +593,8 @@ def run_peers(run: PeersRun) -> int:
     servers = []
     for peer in run.peers:  # every install first: none fails after a long measurement
         try:
-            servers.append(peer_server(peer, run.peers_dir, run.cpus, slots, run.gguf))
+            servers.append(peer_server(peer, run.peers_dir, run.cpus, slots, run.gguf,
+                                       run.avx2_torch))
         except (subprocess.CalledProcessError, RuntimeError, OSError) as error:
             failure(PEER_LABELS[peer], error)
     for server in servers:
@@ -630,7 +615,7 @@ def run_peers(run: PeersRun) -> int:
             continue
         measured.append(ours)
     results = PeersResults(dataclasses.replace(run.settings, targets=tuple(measured)),
-                           cpu_info(), cpu_list(run.cpus), peers, isa, failed)
+                           cpu_info(), format_cpus(run.cpus), peers, isa, failed)
     markdown = peers_markdown(results)
     write_json(peers_json(results), run.out)
     run.out.with_suffix(".md").write_text(markdown + "\n")

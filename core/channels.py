@@ -90,7 +90,7 @@ class ControlClient:
     def send(self, message: Message) -> None:
         self.socket.send(encode(message))
 
-    def drain(self) -> list[Message]:
+    def take_waiting(self) -> list[Message]:
         """Every message waiting now, without blocking."""
         messages: list[Message] = []
         while True:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -23,7 +23,7 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
-def format_cpus(cpus: list[int]) -> str:
+def format_cpus(cpus: Iterable[int]) -> str:
     """The spec naming `cpus`, ranges joined: [0, 1, 2, 5] -> "0-2,5"."""
     runs: list[list[int]] = []
     for cpu in sorted(cpus):

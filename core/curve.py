@@ -157,7 +157,7 @@ class RejectedPeers:
         self.handshaking: dict[int, None] = {}  # connections accepted, no result yet, by age
         self.count = 0
 
-    def drain(self) -> int:
+    def take_waiting(self) -> int:
         """Take the events waiting now (blocking sockets only); the count so far."""
         while True:
             try:

@@ -155,7 +155,7 @@ class Worker(ABC):
         while time.monotonic() < deadline and not self.stopping:
             if not self.control.socket.poll(200):
                 continue
-            for message in self.control.drain():  # what came right behind the verdict too
+            for message in self.control.take_waiting():  # what came right behind the verdict too
                 if self.registered or not isinstance(message, RegisterReply):
                     self._on_control(message)
                 elif not message.accepted:
@@ -238,7 +238,7 @@ class Worker(ABC):
 
     def take_control(self) -> None:
         """Handle every control message waiting now, without blocking."""
-        for message in self.control.drain():
+        for message in self.control.take_waiting():
             self._on_control(message)
 
     def _on_control(self, message: Message) -> None:

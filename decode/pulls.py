@@ -20,7 +20,9 @@ _PACE_WEIGHT = 0.2
 
 
 @dataclass
-class Pull:
+class PendingPull:
+    """A cached prefix asked of another worker, its KV not yet here."""
+
     choices: list[DecodeSequence]  # the request's choices, the first to get the prefix
     asked_at: float
 
@@ -42,17 +44,17 @@ class Pace:
 
 @dataclass
 class Pulls:
-    pending: dict[RequestKey, Pull] = field(default_factory=dict)
+    pending: dict[RequestKey, PendingPull] = field(default_factory=dict)
     totals: PullTotals = field(default_factory=PullTotals)
     pace: Pace = field(default_factory=Pace)
 
     def start(self, choices: list[DecodeSequence], now: float) -> None:
-        self.pending[choices[0].key] = Pull(choices, now)
+        self.pending[choices[0].key] = PendingPull(choices, now)
 
-    def take(self, key: RequestKey) -> Pull | None:
+    def take(self, key: RequestKey) -> PendingPull | None:
         return self.pending.pop(key, None)
 
-    def received(self, pull: Pull, tokens: int, nbytes: int, now: float) -> None:
+    def received(self, pull: PendingPull, tokens: int, nbytes: int, now: float) -> None:
         """The prefix came whole: count it, and the prefill time it saved as measured here
         (none, rather than a loss, for a pull slower than computing: a counter never falls)."""
         seconds = now - pull.asked_at

@@ -21,9 +21,17 @@ from core.channels import ControlServer
 from core.config import ROLES
 from core.curve import keys_for
 from gateway import auth
+from gateway.anthropic_api import AnthropicRoutes
 from gateway.cluster import cluster_route
 from gateway.dispatch import Dispatcher
-from gateway.errors import APIError, error_response, method_not_allowed, not_found, server_error
+from gateway.errors import (
+    APIError,
+    error_response,
+    method_not_allowed,
+    not_found,
+    server_error,
+    speaks_anthropic,
+)
 from gateway.openai_api import OpenAIRoutes
 from gateway.page import page_routes
 from gateway.state import GatewayState, server_version
@@ -36,6 +44,7 @@ def build_app(state: GatewayState) -> Starlette:
     keys = auth.load_keys(state.config.auth)
     auth.log_auth_state(state.config.gateway.host, keys)
     routes, service = OpenAIRoutes(state), ServiceRoutes(state)
+    anthropic = AnthropicRoutes(routes)
     return Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -47,6 +56,8 @@ def build_app(state: GatewayState) -> Starlette:
                   methods=["POST"]),
             Route("/v1/responses/{response_id}/input_items", routes.response_input_items,
                   methods=["GET"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
@@ -155,20 +166,27 @@ def _report_stopped(task: asyncio.Task[None]) -> None:
                      exc_info=task.exception())
 
 
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    """`err` in the shape of the route's API: OpenAI's, or Anthropic's on its routes."""
+    return error_response(err, speaks_anthropic(request.url.path))
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return _error_response(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
-        response = error_response(method_not_allowed(f"{request.method} is not allowed here"))
+        response = _error_response(request,
+                                   method_not_allowed(f"{request.method} is not allowed here"))
         response.headers.update(exc.headers or {})  # Allow: the methods that are
         return response
     if exc.status_code == 404:
-        return error_response(not_found(f"no route {request.url.path[:200]}"))
-    return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+        return _error_response(request, not_found(f"no route {request.url.path[:200]}"))
+    return _error_response(request, APIError(exc.status_code, str(exc.detail),
+                                             "invalid_request_error"))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -177,4 +195,4 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(server_error())
+    return _error_response(request, server_error())

@@ -1,12 +1,16 @@
-"""OpenAI-shaped API errors: one exception type and its HTTP response.
+"""API errors: one exception type and its HTTP response.
 
 Every error the gateway reports to a client is an `APIError`; `error_response` turns it into
-`{"error": {"message", "type", "param", "code"}}` with the right status code.
+OpenAI's `{"error": {"message", "type", "param", "code"}}` with the right status code, or, on
+Anthropic's routes (`speaks_anthropic`), into Anthropic's `{"type": "error", "error": {"type",
+"message"}}`.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -51,16 +55,46 @@ class APIError(Exception):
             }
         }
 
+    def to_anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error body, its type named after the status as Anthropic names it."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def __repr__(self) -> str:
         return f"APIError(status={self.status}, type={self.type!r}, message={self.message!r})"
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """The JSON response for `err`, with `Retry-After` (whole seconds) when it is set."""
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_ROUTES = "/v1/messages"  # the path of Anthropic's routes, and the prefix of the rest
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape."""
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
+
+
+def error_response(err: APIError, anthropic: bool = False) -> JSONResponse:
+    """The JSON response for `err` (in Anthropic's shape when `anthropic`), with
+    `Retry-After` (whole seconds) when it is set."""
     headers: dict[str, str] = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(0, math.ceil(err.retry_after)))
-    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
+    body = err.to_anthropic_body() if anthropic else err.to_body()
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
+    """An error of the chat request another API's request became, naming the field of that
+    request it came from (`params`: chat's top-level field -> its own). Indices are dropped:
+    a message's index in chat is not one in the request (system text, merged turns shift
+    it)."""
+    chat_field = re.split(r"[.\[]", error.param or "")[0]
+    param = params.get(chat_field)
+    if param is None or error.param is None:
+        return error
+    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
 
 
 def whole_number(text: str) -> int | None:

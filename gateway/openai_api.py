@@ -32,20 +32,18 @@ from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
 from gateway.logprobs import TokenPieces
+from gateway.messages_reply import MessagesReply
+from gateway.prompts import bad_words_token_ids, check_context, render_chat_prompt, tokenize_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
     GenerationParams,
     TemplateOptions,
     TokenizeRequest,
-    bad_words_token_ids,
-    check_context,
     generation_params,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
-    render_chat_prompt,
-    tokenize_prompt,
 )
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, CompletionFormat, Format, Reply
 from gateway.response_store import StoredResponse, input_items_page
@@ -70,6 +68,7 @@ class Served:
     arrived: float
     tools: ToolPlan | None = None
     response: ResponseContext | None = None  # answered as a Response (/v1/responses)
+    anthropic: bool = False  # answered as an Anthropic Message (/v1/messages)
 
 
 class OpenAIRoutes:
@@ -83,25 +82,25 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         # Off the loop: a response_format's schema is checked with xgrammar, slow the first time.
-        body = await asyncio.to_thread(parse_chat_request, await self._read_body(request))
+        body = await asyncio.to_thread(parse_chat_request, await self.read_body(request))
         self.ignored.check(body)
-        model = self._served_model(body.model)
-        prompt_ids, params, tools = await self._chat_prompt(body)
-        return await self._serve(request, ChatFormat(), [prompt_ids], params,
+        model = self.served_model(body.model)
+        prompt_ids, params, tools = await self.chat_prompt(body)
+        return await self.serve(request, ChatFormat(), [prompt_ids], params,
                                  Served(model, arrived, tools))
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: a chat request spelled another way (responses_request.py),
         answered as a Response (responses_reply.py)."""
         arrived = time.monotonic()
-        body = await asyncio.to_thread(parse_responses_request, await self._read_body(request))
+        body = await asyncio.to_thread(parse_responses_request, await self.read_body(request))
         self.ignored.check(body)
-        model = self._served_model(body.model)
+        model = self.served_model(body.model)
         owner = cache_salt(request)
         earlier = [] if body.previous_response_id is None else self._stored_response(
             body.previous_response_id, owner, "previous_response_id").conversation
         chat = await asyncio.to_thread(body.chat_request, earlier)
-        prompt_ids, params, tools = await self._chat_prompt(chat)
+        prompt_ids, params, tools = await self.chat_prompt(chat)
         store = self.state.responses if body.store is not False and (
             self.state.responses.capacity) else None
         if body.background and store is None:
@@ -110,7 +109,7 @@ class OpenAIRoutes:
                               param="background")
         context = ResponseContext(body, [*earlier, *body.input_messages()], body.input_items(),
                                   owner, store, params.temperature, params.top_p)
-        return await self._serve(request, ChatFormat(), [prompt_ids], params,
+        return await self.serve(request, ChatFormat(), [prompt_ids], params,
                                  Served(model, arrived, tools, context))
 
     async def response(self, request: Request) -> Response:
@@ -163,7 +162,7 @@ class OpenAIRoutes:
             raise _response_not_found(response_id, param)
         return stored
 
-    async def _chat_prompt(self, body: ChatCompletionRequest
+    async def chat_prompt(self, body: ChatCompletionRequest
                            ) -> tuple[list[int], GenerationParams, ToolPlan | None]:
         """A chat request's prompt token ids, generation parameters and tool plan."""
         gateway = self.state.config.gateway
@@ -178,19 +177,19 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
-        body = await asyncio.to_thread(parse_completion_request, await self._read_body(request))
+        body = await asyncio.to_thread(parse_completion_request, await self.read_body(request))
         self.ignored.check(body)
-        model = self._served_model(body.model)
+        model = self.served_model(body.model)
         prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
         params = generation_params(body, self.state.generation_defaults)
-        return await self._serve(request, CompletionFormat(), prompts, params,
+        return await self.serve(request, CompletionFormat(), prompts, params,
                                  Served(model, arrived))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `POST /tokenize`: a prompt's or messages' token ids."""
-        body = parse_tokenize_request(await self._read_body(request))
+        body = parse_tokenize_request(await self.read_body(request))
         self.ignored.check(body)
-        self._served_model(body.model)
+        self.served_model(body.model)
         tokens = await self._tokenize(_tokenize_body, body)
         reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.state.max_model_len,
                                  "tokens": tokens}
@@ -200,9 +199,9 @@ class OpenAIRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's `POST /detokenize`: the text of token ids."""
-        body = parse_detokenize_request(await self._read_body(request))
+        body = parse_detokenize_request(await self.read_body(request))
         self.ignored.check(body)
-        self._served_model(body.model)
+        self.served_model(body.model)
         vocab = len(self.state.tokenizer)
         if any(token >= vocab for token in body.tokens):
             raise bad_request(f"tokens must be below {vocab}", param="tokens")
@@ -226,7 +225,7 @@ class OpenAIRoutes:
         name = request.path_params["model"]
         if not name:
             return await self.models(request)
-        self._served_model(name)
+        self.served_model(name)
         return JSONResponse(self._model_card(name))
 
     def _model_card(self, name: str) -> dict[str, object]:
@@ -237,7 +236,7 @@ class OpenAIRoutes:
                 "owned_by": "raging", "root": self.state.model_name,
                 "max_model_len": self.state.max_model_len, "generation_defaults": defaults}
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""
         limit = self.state.config.gateway.max_body_bytes
         declared = request.headers.get("content-length", "")
@@ -252,7 +251,7 @@ class OpenAIRoutes:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _served_model(self, model: str | None) -> str:
+    def served_model(self, model: str | None) -> str:
         """The served name a request gave, or the first one where it gave none (as vLLM and
         llama.cpp do); a 404 for a name this server does not serve."""
         names = self.state.served_names
@@ -275,7 +274,7 @@ class OpenAIRoutes:
             raise rate_limited(f"{queued} prompt tokens are already waiting for prefill; "
                                "retry shortly", retry_after=1.0)
 
-    async def _serve(self, request: Request, fmt: Format, prompts: list[list[int]],
+    async def serve(self, request: Request, fmt: Format, prompts: list[list[int]],
                      params: GenerationParams, served: Served) -> Response:
         await self.state.dispatcher.until_decode_serves()
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
@@ -301,16 +300,23 @@ class OpenAIRoutes:
                                   self._echo(params, handle.task.prompt_ids))
                        for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
-        reply: Reply
-        if served.response is not None:
-            reply = ResponsesReply(served.response, generations, self.state, logprobs,
-                                   model=served.model, timing=timing, span=span,
-                                   tools=served.tools)
-        else:
-            reply = Reply(fmt, generations, self.state, params.include_usage, logprobs,
-                          params.n, model=served.model, continuous_usage=params.continuous_usage,
-                          timing=timing, span=span, tools=served.tools)
+        reply = self._reply(fmt, generations, params, served, timing, span)
         return await self._respond(request, reply, served, bool(params.stream))
+
+    def _reply(self, fmt: Format, generations: list[Generation], params: GenerationParams,
+               served: Served, timing: bool, span: Span | None) -> Reply:
+        """The reply in the shape of the request's API."""
+        if served.response is not None:
+            return ResponsesReply(served.response, generations, self.state,
+                                  params.logprobs is not None, model=served.model,
+                                  timing=timing, span=span, tools=served.tools)
+        if served.anthropic:
+            return MessagesReply(generations, self.state, model=served.model, timing=timing,
+                                 span=span, tools=served.tools)
+        return Reply(fmt, generations, self.state, params.include_usage,
+                     params.logprobs is not None, params.n, model=served.model,
+                     continuous_usage=params.continuous_usage, timing=timing, span=span,
+                     tools=served.tools)
 
     async def _respond(self, request: Request, reply: Reply, served: Served,
                        stream: bool) -> Response:

@@ -7,9 +7,8 @@ Duplicate keys are refused; fields outside the schema are kept aside for gateway
 (ignored, or refused in strict mode); every field the official OpenAI client sends is known:
 used, accepted and ignored (hints with no effect here), or refused as "not supported yet" unless
 it asks for nothing (null, empty, the default). vLLM's cheap extensions (min_p, bad_words,
-allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented. Prompts are
-turned into token ids with `render_chat_prompt` or `tokenize_prompt`, and `check_context` fits
-prompt and completion into the model's context.
+allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented. Prompts
+become token ids in gateway/prompts.py.
 """
 
 from __future__ import annotations
@@ -17,11 +16,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from jinja2 import TemplateError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -37,11 +35,11 @@ from pydantic_core import PydanticCustomError
 
 from core.config import GenerationDefaults
 from core.messages import JSON_OBJECT, MAX_LOGPROBS
-from gateway.errors import APIError, bad_request
-from gateway.tools import ToolPlan, template_uses_tools, tool_plan, with_tools
+from gateway.errors import APIError, bad_request, with_param_renamed
+from gateway.tools import tool_plan
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
@@ -89,6 +87,13 @@ def none_only(value: object, info: ValidationInfo) -> object:
     """For a feature that is missing: only null (asking for nothing) is accepted."""
     if value is not None:
         raise _unsupported(str(info.field_name))
+    return value
+
+
+def one_choice(value: int | None) -> int | None:
+    """For an API whose reply has one output: `n` may only be 1."""
+    if value not in (None, 1):
+        raise invalid_value("n must be 1: this API's reply has one output")
     return value
 
 
@@ -333,6 +338,11 @@ class SamplingRequest(RequestModel):
     priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     raging: RagingOptions | None = None
+
+    def sampling_fields(self, *left_out: str) -> dict[str, Any]:
+        """The sampling fields the request set, but those `left_out`, as chat takes them."""
+        return {name: getattr(self, name) for name in SamplingRequest.model_fields
+                if name in self.model_fields_set and name not in left_out}
 
     @field_validator("logit_bias")
     @classmethod
@@ -727,6 +737,19 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
         param = "functions" if plan.legacy else "tools"
         raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "
                           f"schema: {problem}", param=param)
+def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
+    """The chat request another API's request became, from its `fields`; a 400 as chat would
+    give it, naming that request's own field (`params`: chat's top-level field -> its own)."""
+    try:
+        request = ChatCompletionRequest.model_validate(fields)
+        check_tool_request(request)
+    except ValidationError as exc:
+        raise with_param_renamed(validation_error(exc), params) from None
+    except APIError as exc:
+        raise with_param_renamed(exc, params) from None
+    return request
+
+
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
     """Parse a /tokenize body; any invalid body raises a 400 `APIError`."""
     return parse_body(TokenizeRequest, body)
@@ -807,100 +830,3 @@ class TemplateOptions:
     def of(cls, req: ChatCompletionRequest) -> TemplateOptions:
         return cls(req.add_generation_prompt is not False, bool(req.continue_final_message),
                    req.chat_template_kwargs)
-
-
-def render_chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
-    *, tools: ToolPlan | None = None, options: TemplateOptions = TemplateOptions(),
-) -> list[int]:
-    """Token ids of `messages` under the model's chat template, by default ending in the
-    assistant cue; offered `tools`, earlier calls and tool results as gateway/tools.py renders
-    them."""
-    conversation, shown = with_tools([_template_message(message) for message in messages],
-                                     messages, tools, _uses_tools(tokenizer))
-    template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
-        None if shown is None else list(shown))
-    try:
-        encoded = tokenizer.apply_chat_template(
-            conversation, tools=template_tools, add_generation_prompt=options.add_generation_prompt,
-            tokenize=True, continue_final_message=options.continue_final_message,
-            **(options.kwargs or {}),
-        )
-    except (TemplateError, ValueError) as exc:  # ValueError: a final message to continue
-        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
-    return _token_ids(encoded)
-
-
-def _uses_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and template_uses_tools(template)
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    # Chat templates predate OpenAI's "developer" role; it means "system" to them.
-    role = "system" if message.role == "developer" else message.role
-    entry: dict[str, Any] = {"role": role, "content": message.text}
-    if message.name is not None:
-        entry["name"] = message.name
-    return entry
-
-
-def _token_ids(encoded: object) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); 4.x a list.
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
-    if not isinstance(ids, list):
-        raise TypeError(f"unexpected chat template output {type(ids).__name__}")
-    return [int(token) for token in ids]
-
-
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
-    """Token ids of a completion prompt; given ids are checked against the vocabulary."""
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    vocab_size = len(tokenizer)
-    if any(not 0 <= token < vocab_size for token in prompt):
-        raise bad_request(
-            f"prompt token ids must be in the range [0, {vocab_size})", param="prompt"
-        )
-    return list(prompt)
-
-
-def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase,
-                        words: Sequence[str]) -> list[list[int]]:
-    """vLLM's tokenization of `bad_words`: each word as it is, and with a leading space (how
-    it reads mid-text) where that makes other tokens of the same count."""
-    banned: list[list[int]] = []
-    for word in words:
-        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        banned.append(plain)
-        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
-            banned.append(spaced)
-    return [ids for ids in banned if ids]
-
-
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
-                  default_max_tokens: int | None = None) -> int:
-    """The effective max_tokens for a prompt, or a 400 when it cannot fit the context; a
-    request with no max_tokens gets `default_max_tokens` or what the context leaves, the less."""
-    if prompt_len <= 0:
-        raise bad_request("The prompt is empty: it must contain at least one token.")
-    if prompt_len >= max_model_len:  # the prompt is at fault, whatever max_tokens says
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, "
-            f"your prompt is {prompt_len} tokens, which leaves no room for the completion. "
-            "Please reduce the length of the prompt.",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        return min(max_model_len - prompt_len, default_max_tokens or max_model_len)
-    if prompt_len + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} in the completion). Please reduce the length of the prompt "
-            "or completion.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens

@@ -131,7 +131,7 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
-class Pull:
+class PullPlan:
     """The KV of a prompt's first `tokens` tokens, to be pulled from `source`'s prefix cache by
     the decode worker prefilling the rest; it costs about as long as computing `cost_tokens`
     prompt tokens there."""
@@ -150,7 +150,7 @@ class Route:
     prefill: WorkerInfo
     decode: WorkerInfo
     path: RoutePath
-    pull: Pull | None = None
+    pull: PullPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -464,7 +464,7 @@ class Registry:
         return {worker_id for worker_id, n in cached.items() if n == longest > 0}
 
     def _cached_decode(self, chain: Chains, local: bool, avoid: set[str]
-                       ) -> tuple[WorkerInfo, Pull | None] | None:
+                       ) -> tuple[WorkerInfo, PullPlan | None] | None:
         """The decode worker that should prefill the prompt from a cached prefix, its own or
         one it pulls, with that pull; None when none holds or can pull any, or (unless the
         prompt is to be prefilled on a decode worker anyway, `local`) a prefill worker would
@@ -480,7 +480,7 @@ class Registry:
                    if not w.unreachable and self._room_for(len(chain.prompt))(w)]
         serving = [w for w in serving if w.worker_id not in avoid] or serving
         source = self._pull_source(chain)
-        best: tuple[tuple[float, int, int, str], WorkerInfo, Pull | None] | None = None
+        best: tuple[tuple[float, int, int, str], WorkerInfo, PullPlan | None] | None = None
         for worker in serving:
             pull = self._pull(source, worker, chain)
             cached = pull.tokens if pull is not None else chain.cached(worker)
@@ -505,7 +505,7 @@ class Registry:
         return max(holders, key=lambda w: (chain.cached(w), -len(w.active)), default=None)
 
     def _pull(self, source: WorkerInfo | None, target: WorkerInfo, chain: Chains
-              ) -> Pull | None:
+              ) -> PullPlan | None:
         """What `target` would pull of `source`'s cached prefix: None when it holds nearly as
         much itself, or pulling it would take longer than computing what it lacks (pulling:
         the bytes at the source's send rate, or the target's pulls' mean time if longer)."""
@@ -521,7 +521,7 @@ class Registry:
                       _pull_latency(target))
         if seconds >= missing * s_per_token and self.pulling.mode == "auto":
             return None
-        return Pull(source, tokens, seconds / s_per_token)
+        return PullPlan(source, tokens, seconds / s_per_token)
 
     def _send_rate(self, worker: WorkerInfo) -> float:
         """Bytes per second the worker's KV sends have taken, else the assumed rate."""

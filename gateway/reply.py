@@ -175,7 +175,7 @@ class Reply:
                 yield KEEPALIVE_EVENT
             elif delta.finish_reason == "error":
                 self.outcome = "error"
-                yield f"data: {json.dumps(_stream_error(delta.error))}\n\n"
+                yield f"data: {json.dumps(self.error_body(delta.error))}\n\n"
                 yield "data: [DONE]\n\n"  # as vLLM ends a failed stream: clients stop here
                 return
             else:
@@ -202,7 +202,7 @@ class Reply:
             wholes = collector.result()
             if isinstance(wholes, str):
                 outcome = "error"
-                return JSONResponse(_stream_error(wholes), status_code=503)
+                return JSONResponse(self.error_body(wholes), status_code=503)
             outcome = "ok"
             body = self._whole_body(wholes)
             if self.timing:
@@ -212,6 +212,10 @@ class Reply:
             watcher.cancel()
             collector.cancel()
             self._close(outcome)
+
+    def error_body(self, message: str) -> dict[str, Any]:
+        """The body of a whole response that failed while it was made."""
+        return APIError(503, message, "server_error", code="generation_failed").to_body()
 
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choices = [self._whole_choice(i, w) for i, w in enumerate(wholes)]
@@ -327,10 +331,6 @@ class Reply:
         if raging is not None:
             chunk["raging"] = raging
         return f"data: {json.dumps(chunk)}\n\n"
-
-
-def _stream_error(message: str) -> dict[str, Any]:
-    return APIError(503, message, "server_error", code="generation_failed").to_body()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

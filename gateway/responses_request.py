@@ -12,7 +12,6 @@ search, ...), images and files and the Conversations API are refused with a 400 
 
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -27,19 +26,18 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import APIError, bad_request
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     FunctionDefinition,
     RequestModel,
     SamplingRequest,
-    check_tool_request,
+    chat_request_of,
     invalid_value,
     none_only,
+    one_choice,
     parse_body,
     part_text,
-    validation_error,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
@@ -237,12 +235,7 @@ class ResponsesRequest(SamplingRequest):
             raise invalid_value("a background response is kept: background needs store true")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_output(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise invalid_value("a response has one output: n must be 1")
-        return value
+    _one_output = field_validator("n")(one_choice)
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -264,9 +257,7 @@ class ResponsesRequest(SamplingRequest):
     def chat_request(self, earlier: list[ChatMessageFields]) -> ChatCompletionRequest:
         """The chat request this one means, after the `earlier` conversation (the messages of
         the response it continues); a 400 for messages chat would refuse."""
-        fields: dict[str, Any] = {
-            name: getattr(self, name) for name in SamplingRequest.model_fields
-            if name in self.model_fields_set and name not in ("max_tokens", "response_format")}
+        fields = self.sampling_fields("max_tokens", "response_format")
         fields.update(
             messages=[*self._system(), *earlier, *self.input_messages()],
             max_completion_tokens=self.max_output_tokens or self.max_tokens,
@@ -279,14 +270,7 @@ class ResponsesRequest(SamplingRequest):
             parallel_tool_calls=self.parallel_tool_calls)
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self.text.format.chat_format()
-        try:
-            request = ChatCompletionRequest.model_validate(fields)
-            check_tool_request(request)
-        except ValidationError as exc:
-            raise _in_responses_terms(validation_error(exc)) from None
-        except APIError as exc:
-            raise _in_responses_terms(exc) from None
-        return request
+        return chat_request_of(fields, _FIELDS_OF_CHAT)
 
     def _system(self) -> list[ChatMessageFields]:
         return [] if self.instructions is None else [
@@ -336,16 +320,6 @@ def _add_call(messages: list[ChatMessageFields], item: FunctionCallItem) -> None
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-
-
-def _in_responses_terms(error: APIError) -> APIError:
-    """A chat request's 400, naming the field of this request it came from (a message's
-    index is not an item's: instructions, earlier turns and merged calls shift it)."""
-    chat_field = re.split(r"[.\[]", error.param or "")[0]
-    param = _FIELDS_OF_CHAT.get(chat_field)
-    if param is None or error.param is None:
-        return error
-    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
 
 
 def _chat_tool_choice(choice: Any) -> Any:

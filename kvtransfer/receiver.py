@@ -67,7 +67,7 @@ class KVReceiver:
     @property
     def rejected_peers(self) -> int:
         """Peers turned away for failing CURVE authentication, since the start."""
-        return self.curve.rejected.drain() if self.curve is not None else 0
+        return self.curve.rejected.take_waiting() if self.curve is not None else 0
 
     def drain(self, handle: Callable[[KVItem], None]) -> int:
         """Hand every chunk and notice waiting now to `handle`, in arrival order, without

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -26,6 +27,8 @@ from kvtransfer.wire import (
     checksum,
     dtype_name,
 )
+
+log = logging.getLogger(__name__)
 
 _MAX_PEERS = 64
 _SNDHWM = 64  # messages (a layer's chunk each) that may wait for a slow receiver
@@ -253,7 +256,8 @@ class StagedKVSender(KVSender, ABC):
             while socket.poll(0, zmq.POLLIN):
                 try:
                     release = RELEASE_CODEC.decode(socket.recv())
-                except MalformedMessage:
+                except MalformedMessage as exc:  # its region waits for its lease instead
+                    log.warning("dropped a malformed KV release: %s", exc)
                     continue
                 if release.segment == self.segment:
                     self.ring.release(release.ticket)

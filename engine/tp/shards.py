@@ -87,7 +87,9 @@ class Shard:
         return matrix
 
     def _share(self, tensor: torch.Tensor, dim: int, total: int) -> torch.Tensor:
-        assert tensor.shape[dim] == total, f"{tuple(tensor.shape)} along {dim} is not {total}"
+        if tensor.shape[dim] != total:  # the weights file disagrees with the model's config
+            raise ValueError(f"a weight of shape {tuple(tensor.shape)} has {tensor.shape[dim]} "
+                             f"along dimension {dim}, where the config gives {total}")
         share = total // self.size
         return tensor.narrow(dim, self.rank * share, share)
 

@@ -44,7 +44,9 @@ class ModelSpec:
     sliding_window: int | None = None  # a query sees only this many latest keys (Mistral)
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V cache one token takes across all layers."""

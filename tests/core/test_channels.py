@@ -35,13 +35,13 @@ async def recv(server: ControlServer) -> tuple[str, Message]:
     return await asyncio.wait_for(server.recv(), WAIT_S)
 
 
-async def drain_until(client: ControlClient, count: int) -> list[Message]:
+async def taken_until(client: ControlClient, count: int) -> list[Message]:
     """Poll the blocking client from the event loop until `count` messages arrived."""
     messages: list[Message] = []
     deadline = time.monotonic() + WAIT_S
     while len(messages) < count:
         assert time.monotonic() < deadline, f"only {messages} arrived"
-        messages += client.drain()
+        messages += client.take_waiting()
         await asyncio.sleep(0.005)
     return messages
 
@@ -49,7 +49,7 @@ async def drain_until(client: ControlClient, count: int) -> list[Message]:
 async def settle(client: ControlClient) -> list[Message]:
     """Whatever else arrives within a short while (expected: nothing)."""
     await asyncio.sleep(0.1)
-    return client.drain()
+    return client.take_waiting()
 
 
 def run_with_server(
@@ -86,8 +86,8 @@ def test_messages_flow_both_ways_by_worker_id(
         server.send("w2", Abort("for-w2", 1))
         server.send("w1", Abort("for-w1", 0))
         server.send("w1", RegisterReply(True, ""))
-        assert await drain_until(clients["w1"], 2) == [Abort("for-w1", 0), RegisterReply(True, "")]
-        assert await drain_until(clients["w2"], 1) == [Abort("for-w2", 1)]
+        assert await taken_until(clients["w1"], 2) == [Abort("for-w1", 0), RegisterReply(True, "")]
+        assert await taken_until(clients["w2"], 1) == [Abort("for-w2", 1)]
         assert await settle(clients["w1"]) == [] and await settle(clients["w2"]) == []
         assert server.dropped == 0 and all(c.dropped == 0 for c in clients.values())
 
@@ -103,14 +103,23 @@ def test_many_messages_keep_their_order(tmp_path: Path, sync_context: zmq.Contex
         assert [m.queued_tokens for _, m in got] == list(range(200))  # type: ignore[union-attr]
         for i in range(200):
             server.send("w1", Abort("r", i))
-        assert [m.epoch for m in await drain_until(client, 200)] == list(range(200))  # type: ignore[union-attr]
+        assert [m.epoch for m in await taken_until(client, 200)] == list(range(200))  # type: ignore[union-attr]
 
     run_with_server(tmp_path, body)
 
 
-def test_sending_to_an_unknown_worker_is_dropped_quietly(tmp_path: Path) -> None:
+def test_sending_to_an_unknown_worker_is_dropped_quietly(
+    tmp_path: Path, sync_context: zmq.Context
+) -> None:
     async def body(server: ControlServer) -> None:
-        server.send("nobody", Abort("r", 0))
+        client = ControlClient(sync_context, address(tmp_path), "w1")
+        client.send(heartbeat("w1"))
+        assert (await recv(server))[0] == "w1"
+        server.send("nobody", Abort("r", 0))  # neither raises nor reaches anyone
+        server.send("w1", Abort("r", 1))
+        assert [m.epoch for m in await taken_until(client, 1)] == [1]  # type: ignore[union-attr]
+        assert server.dropped == 0
+        client.close()
 
     run_with_server(tmp_path, body)
 
@@ -165,7 +174,7 @@ def test_client_drops_and_counts_malformed_frames(
         await raw.send_multipart([b"w1", encode(Abort("r", 0)), encode(Abort("r", 1))])
         await raw.send_multipart([b"w1", b"\x93\x07\xa1r"])  # a field short
         server.send("w1", Abort("good", 3))
-        assert await drain_until(client, 1) == [Abort("good", 3)]
+        assert await taken_until(client, 1) == [Abort("good", 3)]
         assert client.dropped == 5
         assert await settle(client) == []
 
@@ -182,7 +191,7 @@ def test_a_restarted_worker_takes_over_its_id(tmp_path: Path, sync_context: zmq.
         new.send(heartbeat("w1", 2))
         assert await recv(server) == ("w1", heartbeat("w1", 2))
         server.send("w1", Abort("r", 0))
-        assert await drain_until(new, 1) == [Abort("r", 0)]
+        assert await taken_until(new, 1) == [Abort("r", 0)]
 
     run_with_server(tmp_path, body)
 
@@ -204,7 +213,7 @@ def test_with_curve_the_clusters_workers_talk_both_ways(
         client.send(heartbeat("w1"))
         assert await recv(server) == ("w1", heartbeat("w1"))
         server.send("w1", Abort("r", 0))
-        assert await drain_until(client, 1) == [Abort("r", 0)]
+        assert await taken_until(client, 1) == [Abort("r", 0)]
         await asyncio.sleep(0.1)
         assert server.rejected_peers == 0
 

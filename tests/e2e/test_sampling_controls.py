@@ -24,7 +24,8 @@ from transformers import (
 
 from engine.weights.tokenizer import decode_text
 from gateway.logprobs import TokenPieces
-from gateway.protocol import ChatMessage, render_chat_prompt
+from gateway.prompts import render_chat_prompt
+from gateway.protocol import ChatMessage
 from tests.e2e.cluster import Cluster, greedy_reference, launch, sse_events
 
 pytestmark = pytest.mark.e2e

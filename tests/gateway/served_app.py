@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from core.config import load_config
 from gateway.app import build_app
-from gateway.errors import MAX_MESSAGE_CHARS
+from gateway.errors import MAX_MESSAGE_CHARS, speaks_anthropic
 from gateway.metrics import Metrics
 from gateway.registry import Registry
 from gateway.state import GatewayState
@@ -76,9 +76,23 @@ def error_of(response: Reply) -> dict[str, Any]:
     return error
 
 
-def is_no_worker(response: Reply) -> bool:
-    """Whether this is the documented 503 for a request that passed every check."""
-    return response.status_code == 503 and error_of(response)["message"] == NO_WORKER
+def anthropic_error_of(response: Reply) -> dict[str, Any]:
+    """The Anthropic error object of a non-2xx reply (Anthropic's routes), checked for shape."""
+    body = response.json()
+    assert isinstance(body, dict), body
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert set(error) == {"type", "message"}, error
+    assert isinstance(error["type"], str), error
+    assert isinstance(error["message"], str), error
+    assert 0 < len(error["message"]) <= MAX_MESSAGE_CHARS, error
+    return error
+
+
+def is_no_worker(response: Reply, route: str = "") -> bool:
+    """Whether this is the documented 503 for a request to `route` that passed every check."""
+    error = anthropic_error_of(response) if speaks_anthropic(route) else error_of(response)
+    return response.status_code == 503 and error["message"] == NO_WORKER
 
 
 def assert_still_serving(client: TestClient, route: str) -> None:

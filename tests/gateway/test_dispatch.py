@@ -104,7 +104,7 @@ class FakeWorker:
     async def expect(self, count: int) -> list[Message]:
         """The next `count` messages from the gateway."""
         def arrived() -> bool:
-            self.inbox += self.client.drain()
+            self.inbox += self.client.take_waiting()
             return len(self.inbox) >= count
 
         await until(arrived, f"{count} messages for {self.worker_id}")
@@ -120,7 +120,7 @@ class FakeWorker:
         self.send(Heartbeat(self.worker_id, _FLUSH_INSTANCE, 0, 0, 0, 0))
 
         def marked() -> bool:
-            self.inbox += self.client.drain()
+            self.inbox += self.client.take_waiting()
             return any(isinstance(m, RegisterAgain) for m in self.inbox)
 
         await until(marked, f"the flush marker for {self.worker_id}")
@@ -131,7 +131,7 @@ class FakeWorker:
     async def quiet(self) -> list[Message]:
         """Anything else that arrives within a short while (expected: nothing)."""
         await asyncio.sleep(0.1)
-        self.inbox += self.client.drain()
+        self.inbox += self.client.take_waiting()
         got, self.inbox = self.inbox, []
         return got
 

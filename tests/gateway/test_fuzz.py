@@ -1,10 +1,11 @@
 """Fuzzing the request validation of the real app with hypothesis.
 
 Bodies come from four strategies: (a) our request models' JSON schema, (b) arbitrary JSON values,
-(c) raw bytes, (d) valid bodies with one field, at any depth, replaced, added or removed. They are
-posted to the in-process gateway with a real registry holding no workers (see served_app), so
-whatever passes validation ends in the dispatcher's 503 "no worker available". The reply must
-never be a 500 nor a 2xx, every reply is OpenAI error JSON, and a 503 must be that one.
+(c) raw bytes, (d) valid bodies with one field, at any depth, replaced, added or removed; (b) to
+(d) go to Anthropic's /v1/messages too. They are posted to the in-process gateway with a real
+registry holding no workers (see served_app), so whatever passes validation ends in the
+dispatcher's 503 "no worker available". The reply must never be a 500 nor a 2xx, every reply is
+error JSON in the route's API's shape (OpenAI's, or Anthropic's), and a 503 must be that one.
 
 `--fuzz-examples N` sets the examples per test; runs are derandomized for CI stability. Each test
 prints how its replies were spread over status codes (`-s` shows it).
@@ -25,10 +26,12 @@ from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.messages_request import MessagesRequest
 from gateway.protocol import TEXT_PART_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.gateway.served_app import (
     MODEL,
     ROUTES,
+    anthropic_error_of,
     error_of,
     is_no_worker,
     serve_without_workers,
@@ -36,12 +39,14 @@ from tests.gateway.served_app import (
 )
 
 CHAT, TEXT = ROUTES
+MESSAGES = "/v1/messages"
 Body = tuple[str, bytes]  # (route, raw body)
 KeyPath = tuple[str | int, ...]  # keys and indices from the top of a JSON value
 
 FIELD_NAMES = sorted(
     set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     | set(ChatMessage.model_fields) | TEXT_PART_FIELDS | {"include_usage"}
+    | set(MessagesRequest.model_fields) | {"tool_use_id", "input", "input_schema", "name"}
 )
 VALID_BODIES: dict[str, list[dict[str, Any]]] = {
     CHAT: [
@@ -72,6 +77,25 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
         valid_body(TEXT),
         valid_body(TEXT, prompt=[1, 2, 3], max_tokens=4, stop="\n", ignore_eos=True, seed=-1,
                    logit_bias={}, echo=False, best_of=1, presence_penalty=1.0, user="u"),
+    ],
+    MESSAGES: [
+        {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+        {"model": MODEL, "max_tokens": 8, "system": [{"type": "text", "text": "be brief"}],
+         "messages": [
+             {"role": "user", "content": [{"type": "text", "text": "weather?",
+                                           "cache_control": {"type": "ephemeral"}}]},
+             {"role": "assistant", "content": [
+                 {"type": "thinking", "thinking": "t", "signature": "s"},
+                 {"type": "tool_use", "id": "toolu_1", "name": "weather",
+                  "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                           "content": [{"type": "text", "text": "sunny"}]}]},
+             {"role": "assistant", "content": "It is"}],
+         "tools": [{"name": "weather", "description": "the weather", "input_schema": {
+             "type": "object", "properties": {"city": {"type": "string"}}}}],
+         "tool_choice": {"type": "auto"}, "stop_sequences": ["x"], "stream": True,
+         "temperature": 0.5, "top_k": 5, "metadata": {"user_id": "u"},
+         "output_config": {"effort": "low"}},
     ],
 }
 
@@ -195,13 +219,13 @@ def schema_bodies(draw: st.DrawFn) -> Body:
 def json_bodies(draw: st.DrawFn) -> Body:
     """(b) Any JSON value, objects keyed mostly by our field names."""
     value = draw(JSON_VALUES | st.dictionaries(JSON_KEYS, JSON_VALUES, max_size=8))
-    return draw(st.sampled_from(ROUTES)), encode(value, draw(st.booleans()))
+    return draw(st.sampled_from(list(VALID_BODIES))), encode(value, draw(st.booleans()))
 
 
 @st.composite
 def byte_bodies(draw: st.DrawFn) -> Body:
     """(c) Raw bytes: random ones, or a valid body with bytes inserted, replaced or cut."""
-    route = draw(st.sampled_from(ROUTES))
+    route = draw(st.sampled_from(list(VALID_BODIES)))
     if draw(st.booleans()):
         return route, draw(st.binary(max_size=512))
     raw = json.dumps(draw(st.sampled_from(VALID_BODIES[route]))).encode()
@@ -233,7 +257,7 @@ def _replace(value: Any, path: KeyPath, edit: Callable[[Any, str | int], None]) 
 def mutated_bodies(draw: st.DrawFn) -> Body:
     """(d) A valid body with one field, at any depth, set to any JSON value or removed, or a new
     field (likely one of ours, at the wrong level) added to one of its objects."""
-    route = draw(st.sampled_from(ROUTES))
+    route = draw(st.sampled_from(list(VALID_BODIES)))
     body = draw(st.sampled_from(VALID_BODIES[route]))
     paths = list(_paths(body))
     action = draw(st.sampled_from(["set", "set", "set", "delete", "add"]))
@@ -272,12 +296,15 @@ def client(real_model_dir: Path) -> Iterator[TestClient]:
 
 
 def check_reply(client: TestClient, route: str, body: bytes) -> int:
-    """Post one body: any reply but a 4xx OpenAI error or the no-worker 503 is a failure.
-    Returns the status code."""
+    """Post one body: any reply but a 4xx error in the route's shape or the no-worker 503 is a
+    failure. Returns the status code."""
     response = client.post(route, content=body, headers={"content-type": "application/json"})
     assert response.status_code != 500, response.text
-    assert 400 <= response.status_code < 500 or is_no_worker(response), response.text
-    error_of(response)
+    assert 400 <= response.status_code < 500 or is_no_worker(response, route), response.text
+    if route == MESSAGES:
+        anthropic_error_of(response)
+    else:
+        error_of(response)
     return response.status_code
 
 
@@ -300,7 +327,7 @@ def fuzz(client: TestClient, bodies: st.SearchStrategy[Body], examples: int) -> 
 def test_valid_bodies_reach_dispatch(client: TestClient) -> None:
     for route, bodies in VALID_BODIES.items():
         for body in bodies:
-            assert is_no_worker(client.post(route, json=body))
+            assert is_no_worker(client.post(route, json=body), route)
 
 
 def test_fuzz_schema_bodies(client: TestClient, fuzz_examples: int) -> None:

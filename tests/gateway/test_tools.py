@@ -15,7 +15,8 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from engine.weights.tokenizer import decode_text
 from gateway.errors import APIError
-from gateway.protocol import parse_chat_request, render_chat_prompt
+from gateway.prompts import render_chat_prompt
+from gateway.protocol import parse_chat_request
 from gateway.tool_parsers import HermesParser, NamedParser, RequiredParser
 from gateway.tools import (
     FALLBACK_PROMPT,

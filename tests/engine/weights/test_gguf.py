@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +29,27 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}
 
 
+RandomGguf = tuple[Path, Path, str]  # the file, its prepared folder, its mix
+
+
 @pytest.fixture(scope="module")
-def random_gguf(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+def random_ggufs(tmp_path_factory: pytest.TempPathFactory
+                 ) -> Callable[[str, str], RandomGguf]:
     """A random small GGUF of a family (transformers reads these two) in a mix of quant
-    types (bench.gguf.MIXES), its folder and the mix."""
-    family, mix = request.param
-    folder = tmp_path_factory.mktemp("gguf")
-    path = folder / f"random-{family}.gguf"
-    shape = SHAPES["tiny" if mix == "q4_1" else "small"]  # K-quants: rows of 256 values
-    write_random_gguf(path, shape, seed=3, scale=0.2,  # logits far apart
-                      architecture=family, mix=mix)
-    return path, model_folder(str(path), folder / "models"), mix
+    types (bench.gguf.MIXES), made once per module (preparing one takes seconds)."""
+    made: dict[tuple[str, str], RandomGguf] = {}
+
+    def random_gguf(family: str, mix: str) -> RandomGguf:
+        if (family, mix) not in made:
+            folder = tmp_path_factory.mktemp("gguf")
+            path = folder / f"random-{family}.gguf"
+            shape = SHAPES["tiny" if mix == "q4_1" else "small"]  # K-quants: rows of 256
+            write_random_gguf(path, shape, seed=3, scale=0.2,  # logits far apart
+                              architecture=family, mix=mix)
+            made[family, mix] = path, model_folder(str(path), folder / "models"), mix
+        return made[family, mix]
+
+    return random_gguf
 
 
 def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
@@ -70,14 +80,15 @@ GGUF_CASES = [(("llama", "q4_1"), "quant"), (("llama", "q4_1"), "dense"),
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize(("random_gguf", "weights"), GGUF_CASES, indirect=["random_gguf"],
+@pytest.mark.parametrize(("case", "weights"), GGUF_CASES,
                          ids=["-".join((*case, weights)) for case, weights in GGUF_CASES])
 def test_a_random_gguf_gives_the_logits_transformers_computes(
-        random_gguf: tuple[Path, Path, str], weights: str) -> None:
+        random_ggufs: Callable[[str, str], RandomGguf], case: tuple[str, str],
+        weights: str) -> None:
     """From the file itself where its types are ours (Q4_1, Q8_0); from the values of the
     blocks they were converted to otherwise (engine.weights.gguf_blocks), each within 1 % of
     the largest value transformers read."""
-    gguf, folder, mix = random_gguf
+    gguf, folder, mix = random_ggufs(*case)
     runner = ModelRunner(folder, 16, 16, weights=weights)  # type: ignore[arg-type]
     family = gguf.stem.removeprefix("random-")
     assert json.loads((folder / "config.json").read_text())["model_type"] == family

@@ -1,0 +1,300 @@
+"""The body of POST /v1/messages (Anthropic's Messages API), and what it means as a chat request.
+
+A Messages request is a chat request spelled another way: `system` is the system message, each
+message's content a string or a list of blocks (text, earlier `tool_use` calls, `tool_result`
+answers, thinking, which is skipped), `tools` custom tools with an `input_schema`,
+`tool_choice` one of auto / any / tool / none, `stop_sequences` the stop strings and
+`output_config.format` a JSON schema for the output. `MessagesRequest.chat_request` turns it
+into a `ChatCompletionRequest`, so that everything downstream (template, tool calling,
+structured output, sampling) is the chat route's. A last message of the assistant's is
+continued, as Anthropic continues a prefilled reply. Images, documents, server tools and MCP
+servers are refused with a 400 that says so; vLLM's sampling extensions (seed, min_p, ...)
+apply as on chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from gateway.protocol import (
+    ChatCompletionRequest,
+    RequestModel,
+    SamplingRequest,
+    chat_request_of,
+    invalid_value,
+    none_only,
+    one_choice,
+    parse_body,
+    part_text,
+)
+
+ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
+# Chat's fields: this request's, for a 400 that chat's validation raised.
+_FIELDS_OF_CHAT = {"messages": "messages", "stop": "stop_sequences",
+                   "response_format": "output_config.format", "tool_choice": "tool_choice",
+                   "tools": "tools"}
+# Blocks this text-only model cannot read, by type: what the 400 calls them.
+_UNREADABLE_BLOCKS = {"image": "image", "document": "document", "search_result": "search result",
+                      "container_upload": "file"}
+_MAX_ID_CHARS = 256
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: str
+    cache_control: Any = None  # ignored: prefix caching is automatic (and salted per tenant)
+    citations: Any = None  # ignored
+
+
+def _joined(value: object) -> object:
+    """Text blocks as one string, joined by \\n, as chat joins text parts."""
+    if isinstance(value, list):
+        return "\n".join(part_text(index, block) for index, block in enumerate(value))
+    return value
+
+
+class ToolUseBlock(RequestModel):
+    """An earlier call of one of the tools, as a reply's content gave it."""
+
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=_MAX_ID_CHARS)
+    name: str = Field(min_length=1, max_length=64)
+    input: dict[str, Any]
+    cache_control: Any = None
+    caller: Any = None  # ignored: who made the call (programmatic tool calling)
+
+
+class ToolResultBlock(RequestModel):
+    """What an earlier call returned: text, or text blocks (joined by \\n)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=_MAX_ID_CHARS)
+    content: str = ""
+    is_error: bool | None = None  # ignored: the content says what went wrong
+    cache_control: Any = None
+
+    _join_text_blocks = field_validator("content", mode="before")(_joined)
+
+
+class ThinkingBlock(RequestModel):
+    """An earlier reply's thinking: skipped (this model shows none)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+def _block_kind(value: object) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "thinking" if kind == "redacted_thinking" else kind if isinstance(kind, str) else None
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")],
+    Discriminator(_block_kind, custom_error_type="invalid_value",
+                  custom_error_message="content blocks must be text, tool_use, tool_result or "
+                                       "thinking blocks")]
+
+
+class Message(RequestModel):
+    """One turn: the user's (text and tool results), the assistant's (text and tool calls), or
+    a system message."""
+
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentBlock]  # a string is one text block
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _readable_blocks(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if not isinstance(value, list):
+            raise invalid_value("content must be a string or a list of content blocks")
+        for index, block in enumerate(value):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind in _UNREADABLE_BLOCKS:
+                raise PydanticCustomError(
+                    "unreadable_part", "{what} input is not supported: this model reads text "
+                    "only", {"what": _UNREADABLE_BLOCKS[kind], "part": index})
+        return value
+
+    @model_validator(mode="after")
+    def _blocks_of_its_role(self) -> Message:
+        kinds = {block.type for block in self.content}
+        if "tool_use" in kinds and self.role != "assistant":
+            raise invalid_value("only the assistant's messages may hold tool_use blocks")
+        if "tool_result" in kinds and self.role != "user":
+            raise invalid_value("only the user's messages may hold tool_result blocks")
+        return self
+
+    def chat_messages(self) -> list[ChatMessageFields]:
+        """This turn as chat messages: a user turn's tool results become tool messages (before
+        its text, as Anthropic orders them), an assistant turn's calls its tool_calls."""
+        text = "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
+        if self.role == "assistant":
+            return [_assistant_message(text, self.content)]
+        results: list[ChatMessageFields] = [
+            {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.content}
+            for block in self.content if isinstance(block, ToolResultBlock)]
+        if text or not results:
+            results.append({"role": self.role, "content": text})
+        return results
+
+    @property
+    def calls_tools(self) -> bool:
+        return any(isinstance(block, ToolUseBlock) for block in self.content)
+
+
+def _assistant_message(text: str, blocks: list[Any]) -> ChatMessageFields:
+    calls = [{"id": block.id, "type": "function",
+              "function": {"name": block.name, "arguments": json.dumps(block.input)}}
+             for block in blocks if isinstance(block, ToolUseBlock)]
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+
+class CustomTool(RequestModel):
+    """One entry of `tools`: a function the model may call, its input a JSON schema."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    # Ignored: hints for Anthropic's own tool running.
+    cache_control: Any = None
+    strict: bool | None = None  # a forced call always matches the schema here
+    input_examples: Any = None
+    eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None
+    allowed_callers: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_only(cls, value: object) -> object:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            raise PydanticCustomError("unsupported", "tools of type '{kind}' are not "
+                                      "supported here: only custom tools (with an "
+                                      "input_schema)", {"kind": kind[:64]})
+        return value
+
+
+class ToolChoice(RequestModel):
+    """`tool_choice`: the model decides (auto), must call a tool (any), must call the one
+    named (tool), or calls none."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_with_tool(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise invalid_value("a tool_choice of type 'tool' names the tool, and only it")
+        return self
+
+    def chat_choice(self) -> Any:
+        """Chat's `tool_choice` for it."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
+
+
+class JsonOutputFormat(RequestModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    """`output_config`: a JSON schema the output follows (and an effort hint, ignored)."""
+
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
+
+
+class MessagesRequest(SamplingRequest):
+    """The body of POST /v1/messages (and of /v1/messages/count_tokens, which needs no
+    max_tokens)."""
+
+    messages: list[Message] = Field(min_length=1)
+    system: str | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[CustomTool] | None = None
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # the structured-output beta's name for it
+    # Accepted and ignored: bookkeeping for Anthropic's platform, or hints with no effect here.
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # this model does not think aloud
+    cache_control: Any = None  # prefix caching is automatic
+    context_management: Any = None  # nothing is cleared: the prompt stays whole
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    # Not supported: refused unless they ask for nothing.
+    mcp_servers: Any = None
+    container: Any = None
+
+    _not_here = field_validator("mcp_servers", "container")(none_only)
+    _join_system_blocks = field_validator("system", mode="before")(_joined)
+
+    _one_output = field_validator("n")(one_choice)
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_in_output_config(cls, value: object) -> object:
+        if value is not None:
+            raise invalid_value("a message's format is output_config.format, not "
+                                "response_format")
+        return value
+
+    @field_validator("mcp_servers", mode="before")
+    @classmethod
+    def _no_servers(cls, value: object) -> object:
+        return None if value == [] else value
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request this one means; a 400 for what chat would refuse."""
+        fields = self.sampling_fields("stop")
+        continued = self.messages[-1].role == "assistant" and not self.messages[-1].calls_tools
+        fields.update(
+            messages=self.chat_messages(), stop=[*(self.stop or ()), *(self.stop_sequences or ())]
+            or None, tools=[_chat_tool(tool) for tool in self.tools or ()] or None,
+            tool_choice=None if self.tool_choice is None else self.tool_choice.chat_choice(),
+            parallel_tool_calls=False if self.tool_choice is not None and (
+                self.tool_choice.disable_parallel_tool_use) else None,
+            response_format=self._response_format(),
+            continue_final_message=continued, add_generation_prompt=not continued)
+        return chat_request_of(fields, _FIELDS_OF_CHAT)
+
+    def chat_messages(self) -> list[ChatMessageFields]:
+        system = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return system + [chat for message in self.messages for chat in message.chat_messages()]
+
+    def _response_format(self) -> dict[str, Any] | None:
+        config = self.output_config
+        output = config.format if config is not None and config.format else self.output_format
+        if output is None:
+            return None
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": output.schema_}}
+
+
+def _chat_tool(tool: CustomTool) -> dict[str, Any]:
+    function = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def parse_messages_request(body: bytes) -> MessagesRequest:
+    """Parse a /v1/messages body; any invalid body raises a 400 `APIError`."""
+    return parse_body(MessagesRequest, body)
