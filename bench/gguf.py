@@ -43,10 +43,13 @@ from engine.locate import resolve_model
 from engine.weights.folder import DEFAULT_MODEL, packaged_gguf
 from engine.weights.gguf import ROPE_FACTORS
 from engine.weights.rope_scaling import llama3_frequencies
+from engine.weights.spec import SUPPORTED_MODEL_TYPES
 
 # Llama shapes, with SmolLM2's vocabulary (its tokenizer is the one written)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2},
+    # Qwen3-0.6B's layers (with --architecture qwen3: its heads of 128)
+    "0.6b": {"hidden": 1024, "intermediate": 3072, "layers": 28, "heads": 16, "kv_heads": 8},
     # the smallest whose rows split into 256-value K-quant blocks
     "small": {"hidden": 256, "intermediate": 512, "layers": 2, "heads": 4, "kv_heads": 2},
     "1b": {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8},
@@ -54,6 +57,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "7b": {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8},
 }
 WEIGHT_SCALE = 0.02  # standard deviation of the random weights
+QWEN3_HEAD_DIM = 128  # every Qwen3's (transformers reads no head width from a GGUF)
 ROPE_THETA = 10000.0
 Kind = GGMLQuantizationType
 # the quant type of each matrix of a random model: by GGUF name part, else "matrices"
@@ -81,10 +85,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                  "copy of the weights", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = parser.add_subparsers(dest="action", required=True)
-    write = actions.add_parser("write", help="a random Llama of a named shape as a GGUF")
+    write = actions.add_parser("write", help="a random model of a named shape as a GGUF")
     write.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     write.add_argument("--mix", choices=sorted(MIXES), default="q4_1",
                        help="quant types of the matrices (q4_k_m: as llama.cpp's Q4_K_M)")
+    write.add_argument("--architecture", choices=SUPPORTED_MODEL_TYPES, default="llama")
     write.add_argument("--seed", type=int, default=0)
     write.add_argument("--out", type=Path, required=True)
     write.set_defaults(prepare=lambda args, argv: lambda: _write(args))
@@ -110,7 +115,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _write(args: argparse.Namespace) -> int:
-    write_random_gguf(args.out, SHAPES[args.shape], seed=args.seed, mix=args.mix)
+    write_random_gguf(args.out, SHAPES[args.shape], seed=args.seed, mix=args.mix,
+                      architecture=args.architecture)
     print(args.out)
     return 0
 
@@ -120,15 +126,16 @@ def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str
                       llama3_rope: dict[str, Any] | None = None) -> None:
     """A Llama-family model of `shape` with random weights of deviation `scale`: its matrices
     in the quant types of `mix` (`MIXES`), its norms ones; SmolLM2's tokenizer. A "qwen2" has
-    biases on q, k and v and an output matrix of its own; a "llama" and a "mistral" share the
-    embedding. `llama3_rope`: Llama 3's rope scaling, written as llama.cpp's converter writes
-    it (a divisor per frequency, `rope_freqs.weight`)."""
+    biases on q, k and v and an output matrix of its own; a "qwen3" q and k norms (drawn
+    around one), heads of 128 as every Qwen3 has, and an output matrix; a "llama" and a
+    "mistral" share the embedding. `llama3_rope`: Llama 3's rope scaling, written as
+    llama.cpp's converter writes it (a divisor per frequency, `rope_freqs.weight`)."""
     tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
     vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(path, architecture)
-    _add_metadata(writer, shape, vocab, tokenizer)
-    tensors = list(_tensor_plan(shape, vocab, MIXES[mix], biases=architecture == "qwen2"))
-    head_dim = shape["hidden"] // shape["heads"]
+    head_dim = QWEN3_HEAD_DIM if architecture == "qwen3" else shape["hidden"] // shape["heads"]
+    _add_metadata(writer, shape, vocab, tokenizer, head_dim)
+    tensors = list(_tensor_plan(shape, vocab, MIXES[mix], architecture, head_dim))
     if llama3_rope is not None:
         tensors.append((ROPE_FACTORS, head_dim // 2, 1, None))
     for name, rows, columns, kind in tensors:
@@ -152,32 +159,36 @@ def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str
                 (plain / llama3_frequencies(plain, llama3_rope)).float().numpy())
         elif name.endswith(".bias"):  # drawn large enough to count
             writer.write_tensor_data(rng.normal(0, 0.5, rows).astype(np.float32))
+        elif name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):  # drawn as well
+            writer.write_tensor_data(rng.normal(1, 0.5, rows).astype(np.float32))
         else:
             writer.write_tensor_data(np.ones(rows, np.float32))
     writer.close()
 
 
-def _tensor_plan(shape: dict[str, int], vocab: int, mix: dict[str, Kind],
-                 biases: bool) -> Iterator[tuple[str, int, int, Kind | None]]:
+def _tensor_plan(shape: dict[str, int], vocab: int, mix: dict[str, Kind], architecture: str,
+                 head_dim: int) -> Iterator[tuple[str, int, int, Kind | None]]:
     """(GGUF name, rows, columns, quant type or None for an fp32 vector) of every tensor;
-    with `biases`, q/k/v biases and an output matrix."""
-    hidden, head_dim = shape["hidden"], shape["hidden"] // shape["heads"]
-    kv = shape["kv_heads"] * head_dim
+    a qwen2's q/k/v biases, a qwen3's q and k norms, and an output matrix for both."""
+    hidden, q, kv = shape["hidden"], shape["heads"] * head_dim, shape["kv_heads"] * head_dim
     yield "token_embd.weight", vocab, hidden, mix["token_embd"]
-    if biases:
+    if architecture in ("qwen2", "qwen3"):
         yield "output.weight", vocab, hidden, mix["output"]
     yield "output_norm.weight", hidden, 1, None
     for layer in range(shape["layers"]):
         prefix = f"blk.{layer}."
         yield prefix + "attn_norm.weight", hidden, 1, None
         yield prefix + "ffn_norm.weight", hidden, 1, None
-        for part, rows, columns in (("attn_q", hidden, hidden), ("attn_k", kv, hidden),
-                                    ("attn_v", kv, hidden), ("attn_output", hidden, hidden),
+        if architecture == "qwen3":
+            yield prefix + "attn_q_norm.weight", head_dim, 1, None
+            yield prefix + "attn_k_norm.weight", head_dim, 1, None
+        for part, rows, columns in (("attn_q", q, hidden), ("attn_k", kv, hidden),
+                                    ("attn_v", kv, hidden), ("attn_output", hidden, q),
                                     ("ffn_gate", shape["intermediate"], hidden),
                                     ("ffn_up", shape["intermediate"], hidden),
                                     ("ffn_down", hidden, shape["intermediate"])):
             yield prefix + part + ".weight", rows, columns, mix.get(part, mix["matrices"])
-            if biases and part in ("attn_q", "attn_k", "attn_v"):
+            if architecture == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
                 yield prefix + part + ".bias", rows, 1, None
 
 
@@ -225,7 +236,7 @@ def _calibration(kind: Kind) -> tuple[float, float]:
 
 
 def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
-                  tokenizer: GGUFReader) -> None:
+                  tokenizer: GGUFReader, head_dim: int) -> None:
     writer.add_name(f"random llama {shape['layers']}x{shape['hidden']}")
     writer.add_context_length(4096)
     writer.add_embedding_length(shape["hidden"])
@@ -233,7 +244,9 @@ def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
     writer.add_block_count(shape["layers"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)

@@ -178,6 +178,28 @@ def tiny_qwen2_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Qwen3 (the tiny Llama's sizes but heads of 32, wider than hidden /
+    heads; untied embeddings; q and k norms drawn away from one, where transformers starts
+    them) with the real tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**TINY_CONFIG, "tie_word_embeddings": False,
+                                            "head_dim": 32, "rope_theta": 1000000.0}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.5)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Mistral (the tiny Llama's sizes) whose sliding window of 8 keys is
     shorter than the prompts tests give it, with the real tokenizer."""

@@ -41,6 +41,7 @@ class Layer:
     gate_up: Projection
     down: Linear
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # Qwen2's
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3's, over each head
 
     def matrices(self) -> tuple[Matrices, ...]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -55,9 +56,10 @@ class Layer:
 
 
 def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], index: int,
-               layout: WeightLayout, has_bias: bool = False) -> Layer:
+               layout: WeightLayout, has_bias: bool = False, has_qk_norm: bool = False) -> Layer:
     """Layer `index` from Hugging Face-named `weights` (and the `quant` blocks of those that
-    have them), its matrices prepared by `layout`; with `has_bias`, its q/k/v biases."""
+    have them), its matrices prepared by `layout`; with `has_bias`, its q/k/v biases; with
+    `has_qk_norm`, its q and k norms."""
     prefix = f"model.layers.{index}."
 
     def get(name: str) -> torch.Tensor:
@@ -86,6 +88,8 @@ def load_layer(weights: dict[str, torch.Tensor], quant: dict[str, QuantMatrix], 
         down=linear("mlp.down_proj.weight"),
         qkv_bias=((get("self_attn.q_proj.bias"), get("self_attn.k_proj.bias"),
                    get("self_attn.v_proj.bias")) if has_bias else None),
+        qk_norm=((get("self_attn.q_norm.weight"), get("self_attn.k_norm.weight"))
+                 if has_qk_norm else None),
     )
 
 
@@ -100,7 +104,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     """Llama decoder: RMSNorm, RoPE (with scaling), GQA attention, SwiGLU MLP; Qwen2's, the
-    same with biases on q, k and v; Mistral's, the same under a sliding window."""
+    same with biases on q, k and v; Qwen3's, with each head's q and k RMS-normalized before
+    RoPE; Mistral's, the same as Llama's under a sliding window."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  layout: WeightLayout | None = None, quant: dict[str, QuantMatrix] | None = None,
@@ -124,7 +129,7 @@ class LlamaModel:
             else LM_HEAD not in quant
         head = EMBED if tied else LM_HEAD
         self.lm_head = self.layout.linear(weights.get(head), quant.get(head))
-        self.layers = [load_layer(weights, quant, i, self.layout, spec.qkv_bias)
+        self.layers = [load_layer(weights, quant, i, self.layout, spec.qkv_bias, spec.qk_norm)
                        for i in range(spec.num_layers)]
         if quant_rows is None:
             quant_rows = measure_quant_rows(self.matrices(), self.dtype) if quant else 0
@@ -187,8 +192,8 @@ class LlamaModel:
         q, k, v = layer.qkv(h)
         if layer.qkv_bias is not None:
             q, k, v = (t + bias for t, bias in zip((q, k, v), layer.qkv_bias, strict=True))
-        q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), step.cos, step.sin)
-        k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), step.cos, step.sin)
+        q, k = self._heads(layer, q, k)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         v = v.view_as(k)
         step.cache.store(index, step.plan.slots, k, v)
         if step.layer_hook is not None and not self.tensor_parallel:
@@ -201,6 +206,19 @@ class LlamaModel:
         h = rms_norm(x, layer.post_attention_norm, spec.rms_norm_eps)
         gate, up = layer.gate_up(h)
         return x + self.reduce(layer.down(F.silu(gate) * up))
+
+
+    def _heads(self, layer: Layer, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as `[N, heads, head_dim]`, each head RMS-normalized where the layer has
+        norms for them (Qwen3)."""
+        spec, num_tokens = self.spec, q.shape[0]
+        if layer.qk_norm is not None:
+            q_norm, k_norm = layer.qk_norm
+            q = rms_norm(q.reshape(-1, spec.head_dim), q_norm, spec.rms_norm_eps)
+            k = rms_norm(k.reshape(-1, spec.head_dim), k_norm, spec.rms_norm_eps)
+        return (q.view(num_tokens, spec.num_heads, spec.head_dim),
+                k.view(num_tokens, spec.num_kv_heads, spec.head_dim))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ _LAYER_PARTS = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3's
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -71,7 +72,8 @@ def prepare_gguf(path: Path, target: Path) -> None:
     rope_factors = tensors.pop(ROPE_FACTORS, None)
     _write_config_and_tokenizer(path, staging, tied="output.weight" not in tensors,
                                 rope_factors=None if rope_factors is None else
-                                np.asarray(rope_factors.data, np.float64))
+                                np.asarray(rope_factors.data, np.float64),
+                                head_dim=_head_dim(reader, architecture))
     heads = _heads(reader, architecture)
     dense, quant, bits = {}, {}, {}
     for tensor in tqdm(tensors.values(), desc=f"reading {path.name}", unit="tensor"):
@@ -118,11 +120,19 @@ def _heads(reader: GGUFReader, architecture: str) -> dict[str, int]:
     return {"attn_q": heads, "attn_k": kv_heads}
 
 
+def _head_dim(reader: GGUFReader, architecture: str) -> int | None:
+    """A head's width, where the file says it (`attention.key_length`: Qwen3's heads are
+    wider than hidden / heads)."""
+    field = reader.fields.get(f"{architecture}.attention.key_length")
+    return None if field is None else int(field.contents())
+
+
 def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool,
-                                rope_factors: np.ndarray | None) -> None:
+                                rope_factors: np.ndarray | None, head_dim: int | None) -> None:
     """config.json, generation_config.json, the tokenizer and its chat template, as
     transformers reads them from the GGUF's metadata (no tensor is read); with Llama 3's rope
-    scaling where the file has `rope_factors` (which transformers leaves out)."""
+    scaling where the file has `rope_factors`, and the `head_dim` it gives (both of which
+    transformers leaves out)."""
     # Imported here: transformers is slow to import, and only preparing needs it.
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -131,6 +141,8 @@ def _write_config_and_tokenizer(path: Path, folder: Path, tied: bool,
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.tie_word_embeddings = tied
     config.dtype = "float32"
+    if head_dim is not None:
+        config.head_dim = head_dim
     theta = config.rope_parameters["rope_theta"]
     scaling = None if rope_factors is None else llama3_scaling(rope_factors, theta,
                                                                config.head_dim)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     name: str
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # each head's q and k are RMS-normalized before RoPE (Qwen3)
     sliding_window: int | None = None  # a query sees only this many latest keys (Mistral)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ def load_spec(folder: Path) -> ModelSpec:
         eos_token_ids=_eos_token_ids(config, generation),
         name=folder.name,
         qkv_bias=config["model_type"] == "qwen2",
+        qk_norm=config["model_type"] == "qwen3",
         sliding_window=config.get("sliding_window") if config["model_type"] == "mistral" else None,
     )
 

@@ -1,7 +1,7 @@
-"""Model families beyond SmolLM's Llama end to end: tiny random Qwen2, Mistral (its sliding
-window shorter than the prompts) and Llama 3 (its RoPE scaling's original length shorter than
-the prompts), each served by a real 1P+1D cluster, its KV handed from prefill to decode,
-greedy streams equal to transformers'."""
+"""Model families beyond SmolLM's Llama end to end: tiny random Qwen2, Qwen3 (its q and k
+normalized per head), Mistral (its sliding window shorter than the prompts) and Llama 3 (its
+RoPE scaling's original length shorter than the prompts), each served by a real 1P+1D
+cluster, its KV handed from prefill to decode, greedy streams equal to transformers'."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "original_max_position_embeddings": 32}
 
 
-@pytest.fixture(params=["qwen2", "mistral", "llama3"])
+@pytest.fixture(params=["qwen2", "qwen3", "mistral", "llama3"])
 def family_dir(request: pytest.FixtureRequest) -> Path:
     if request.param == "llama3":
         make = request.getfixturevalue("make_tiny_model")

@@ -39,10 +39,11 @@ def greedy(runner: ModelRunner | TensorParallelRunner, prompts: list[list[int]],
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_two_ranks_generate_what_one_process_and_transformers_do(
-        family: str, tiny_model_dir: Path, tiny_qwen2_dir: Path) -> None:
-    folder = tiny_model_dir if family == "llama" else tiny_qwen2_dir
+        family: str, tiny_model_dir: Path, request: pytest.FixtureRequest) -> None:
+    folder = tiny_model_dir if family == "llama" else Path(
+        request.getfixturevalue(f"tiny_{family}_dir"))
     prompts = [random_prompt(n, seed=n) for n in (7, 30)]
     split = TensorParallelRunner(folder, BLOCKS, BLOCK_SIZE, torch.float32, 2)
     try:

@@ -35,7 +35,7 @@ RandomGguf = tuple[Path, Path, str]  # the file, its prepared folder, its mix
 @pytest.fixture(scope="module")
 def random_ggufs(tmp_path_factory: pytest.TempPathFactory
                  ) -> Callable[[str, str], RandomGguf]:
-    """A random small GGUF of a family (transformers reads these two) in a mix of quant
+    """A random small GGUF of a family (transformers reads these three) in a mix of quant
     types (bench.gguf.MIXES), made once per module (preparing one takes seconds)."""
     made: dict[tuple[str, str], RandomGguf] = {}
 
@@ -75,6 +75,7 @@ def test_the_packaged_gguf_read_directly_holds_what_transformers_dequantizes(
 # ones over their blocks (a dense copy of them is made as for any other)
 GGUF_CASES = [(("llama", "q4_1"), "quant"), (("llama", "q4_1"), "dense"),
               (("qwen2", "q4_1"), "quant"), (("qwen2", "q4_1"), "dense"),
+              (("qwen3", "q4_1"), "quant"),
               (("llama", "q4_k_m"), "quant"), (("llama", "every"), "quant"),
               (("qwen2", "every"), "quant")]
 
@@ -93,6 +94,7 @@ def test_a_random_gguf_gives_the_logits_transformers_computes(
     family = gguf.stem.removeprefix("random-")
     assert json.loads((folder / "config.json").read_text())["model_type"] == family
     assert runner.spec.qkv_bias == (family == "qwen2")
+    assert runner.spec.qk_norm == (family == "qwen3")
     assert all(bool(m.matrices) == (weights == "dense") for m in runner.model.matrices())
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent,
                                                      gguf_file=gguf.name,
