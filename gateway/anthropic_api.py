@@ -6,37 +6,48 @@ Errors on these routes take Anthropic's shape (gateway/errors.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.messages_reply import AnthropicAsk
 from gateway.messages_request import parse_messages_request
 from gateway.openai_api import OpenAIRoutes, Served
+from gateway.protocol import ChatCompletionRequest
 from gateway.reply import ChatFormat
 
 
 class AnthropicRoutes:
+    """Anthropic's routes, each a chat request made from the body and served by `routes`."""
+
     def __init__(self, routes: OpenAIRoutes) -> None:
         self.routes = routes
 
     async def messages(self, request: Request) -> Response:
+        """A Message, streamed or whole. `max_tokens` may ask for more than the context
+        leaves: the reply then stops at the context window (`model_context_window_exceeded`),
+        as Anthropic's do, where chat would refuse the request."""
         arrived = time.monotonic()
+        model, chat = await self._chat_request(request)
+        prompt_ids, params, tools = await self.routes.chat_prompt(chat)
+        asked = params.max_tokens
+        params = dataclasses.replace(params, max_tokens=None,
+                                     default_max_tokens=asked or params.default_max_tokens)
+        return await self.routes.serve(request, ChatFormat(), [prompt_ids], params,
+                                       Served(model, arrived, tools, message=AnthropicAsk(asked)))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's length in tokens, as /v1/messages would render it."""
+        _, chat = await self._chat_request(request)
+        prompt_ids, _, _ = await self.routes.chat_prompt(chat)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
+
+    async def _chat_request(self, request: Request) -> tuple[str, ChatCompletionRequest]:
+        """The served model the body names, and the chat request it means."""
         routes = self.routes
         body = await asyncio.to_thread(parse_messages_request, await routes.read_body(request))
         routes.ignored.check(body)
         model = routes.served_model(body.model)
-        chat = await asyncio.to_thread(body.chat_request)
-        prompt_ids, params, tools = await routes.chat_prompt(chat)
-        return await routes.serve(request, ChatFormat(), [prompt_ids], params,
-                                  Served(model, arrived, tools, anthropic=True))
-
-    async def count_tokens(self, request: Request) -> Response:
-        """The prompt's length in tokens, as /v1/messages would render it."""
-        routes = self.routes
-        body = await asyncio.to_thread(parse_messages_request, await routes.read_body(request))
-        routes.ignored.check(body)
-        routes.served_model(body.model)
-        chat = await asyncio.to_thread(body.chat_request)
-        prompt_ids, _, _ = await routes.chat_prompt(chat)
-        return JSONResponse({"input_tokens": len(prompt_ids)})
+        return model, await asyncio.to_thread(body.chat_request)

@@ -9,8 +9,6 @@ Anthropic's routes (`speaks_anthropic`), into Anthropic's `{"type": "error", "er
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -83,18 +81,6 @@ def error_response(err: APIError, anthropic: bool = False) -> JSONResponse:
         headers["Retry-After"] = str(max(0, math.ceil(err.retry_after)))
     body = err.to_anthropic_body() if anthropic else err.to_body()
     return JSONResponse(body, status_code=err.status, headers=headers)
-
-
-def with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
-    """An error of the chat request another API's request became, naming the field of that
-    request it came from (`params`: chat's top-level field -> its own). Indices are dropped:
-    a message's index in chat is not one in the request (system text, merged turns shift
-    it)."""
-    chat_field = re.split(r"[.\[]", error.param or "")[0]
-    param = params.get(chat_field)
-    if param is None or error.param is None:
-        return error
-    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
 
 
 def whole_number(text: str) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import APIError
@@ -27,6 +28,14 @@ Event = dict[str, Any]  # one Messages stream event
 PING_EVENT = 'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
 # Chat's finish_reason -> Anthropic's stop_reason ("stop" by a stop string: stop_sequence).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+@dataclass(frozen=True)
+class AnthropicAsk:
+    """What a Messages request asked beyond its chat request: `max_tokens`, which it may ask
+    past the context (the reply stops at the context window instead, as Anthropic's do)."""
+
+    max_tokens: int | None
 
 
 class ContentBlocks:
@@ -101,11 +110,15 @@ class MessagesReply(Reply):
     """A chat reply of one choice, shown as an Anthropic Message."""
 
     def __init__(self, generations: list[Generation], state: GatewayState, *, model: str,
-                 timing: bool, span: Span | None, tools: ToolPlan | None) -> None:
+                 timing: bool, span: Span | None, tools: ToolPlan | None,
+                 max_tokens: int | None) -> None:
+        """`max_tokens`: what the request asked for, where the context left less (a reply
+        stopped short of it stopped at the context window)."""
         assert len(generations) == 1, "a message has one reply"
         super().__init__(ChatFormat(), generations, state, include_usage=False, model=model,
                          timing=timing, span=span, tools=tools)
         self.id = f"msg_{generations[0].handle.request_id}"
+        self.max_tokens = max_tokens
         self.blocks = ContentBlocks()
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -148,7 +161,9 @@ class MessagesReply(Reply):
         return self._message(streamed=False)
 
     def error_body(self, message: str) -> dict[str, Any]:
-        return APIError(503, message, "server_error").to_anthropic_body()
+        """A failure while the reply was made: Anthropic's `api_error` (its overloaded_error
+        says to come back later; this is no such thing)."""
+        return APIError(500, message, "server_error").to_anthropic_body()
 
     def _choice_events(self, choice: dict[str, Any]) -> Iterator[Event]:
         """A chat delta's events: its text, then its calls' starts and arguments."""
@@ -172,18 +187,17 @@ class MessagesReply(Reply):
         by_string = reason == "stop" and isinstance(matched, str)
         self.stop_reason = "stop_sequence" if by_string else _STOP_REASONS[reason]
         self.stop_sequence = matched if by_string else None
+        allowed = self.generations[0].handle.task.max_tokens
+        if reason == "length" and self.max_tokens is not None and allowed < self.max_tokens:
+            self.stop_reason = "model_context_window_exceeded"
 
     def _message(self, streamed: bool) -> dict[str, Any]:
         """The Message: as the stream starts it (no content, no stop yet), or whole."""
-        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant",
-                                   "model": self.model,
-                   "content": [] if streamed else self.blocks.content(),
-                   "stop_reason": None if streamed else self.stop_reason,
-                   "stop_sequence": None if streamed else self.stop_sequence,
-                   "usage": self._usage_fields()}
-        if self.timing and not streamed:
-            message["raging"] = self._raging(0)
-        return message
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [] if streamed else self.blocks.content(),
+                "stop_reason": None if streamed else self.stop_reason,
+                "stop_sequence": None if streamed else self.stop_sequence,
+                "usage": self._usage_fields()}
 
     def _usage_fields(self) -> dict[str, Any]:
         """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache."""

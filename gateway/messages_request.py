@@ -74,10 +74,15 @@ class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=_MAX_ID_CHARS)
     content: str = ""
-    is_error: bool | None = None  # ignored: the content says what went wrong
+    is_error: bool | None = None
     cache_control: Any = None
 
     _join_text_blocks = field_validator("content", mode="before")(_joined)
+
+    def chat_message(self) -> ChatMessageFields:
+        """The answer as chat's tool message; a failed call's marked so."""
+        content = f"Error: {self.content}" if self.is_error else self.content
+        return {"role": "tool", "tool_call_id": self.tool_use_id, "content": content}
 
 
 class ThinkingBlock(RequestModel):
@@ -91,7 +96,9 @@ class ThinkingBlock(RequestModel):
 
 def _block_kind(value: object) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "thinking" if kind == "redacted_thinking" else kind if isinstance(kind, str) else None
+    if kind == "redacted_thinking":
+        return "thinking"
+    return kind if isinstance(kind, str) else None
 
 
 ContentBlock = Annotated[
@@ -138,19 +145,22 @@ class Message(RequestModel):
     def chat_messages(self) -> list[ChatMessageFields]:
         """This turn as chat messages: a user turn's tool results become tool messages (before
         its text, as Anthropic orders them), an assistant turn's calls its tool_calls."""
-        text = "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
         if self.role == "assistant":
-            return [_assistant_message(text, self.content)]
-        results: list[ChatMessageFields] = [
-            {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.content}
-            for block in self.content if isinstance(block, ToolResultBlock)]
-        if text or not results:
-            results.append({"role": self.role, "content": text})
+            return [_assistant_message(self.text, self.content)]
+        results = [block.chat_message() for block in self.content
+                   if isinstance(block, ToolResultBlock)]
+        if self.text or not results:
+            results.append({"role": self.role, "content": self.text})
         return results
 
     @property
-    def calls_tools(self) -> bool:
-        return any(isinstance(block, ToolUseBlock) for block in self.content)
+    def text(self) -> str:
+        return "\n".join(block.text for block in self.content if isinstance(block, TextBlock))
+
+    def ids(self, kind: type[ToolUseBlock] | type[ToolResultBlock]) -> list[str]:
+        """The ids of its calls (ToolUseBlock) or of the calls it answers (ToolResultBlock)."""
+        return [block.id if isinstance(block, ToolUseBlock) else block.tool_use_id
+                for block in self.content if isinstance(block, kind)]
 
 
 def _assistant_message(text: str, blocks: list[Any]) -> ChatMessageFields:
@@ -262,23 +272,77 @@ class MessagesRequest(SamplingRequest):
     def _no_servers(cls, value: object) -> object:
         return None if value == [] else value
 
+    @model_validator(mode="after")
+    def _one_format(self) -> MessagesRequest:
+        if self.output_format is not None and self.output_config is not None and (
+                self.output_config.format is not None):
+            raise invalid_value("give output_config.format or output_format, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _every_call_answered(self) -> MessagesRequest:
+        """As Anthropic checks: each tool_use is answered by a tool_result in the next
+        message, and each tool_result answers a tool_use of the message before it."""
+        messages = self.messages
+        for index, message in enumerate(messages):
+            asked = set(messages[index - 1].ids(ToolUseBlock)) if index else set()
+            answered = set(message.ids(ToolResultBlock))
+            if answered - asked:
+                raise invalid_value(f"messages[{index}]: tool_result blocks answer no tool_use "
+                                    f"of the message before: {', '.join(sorted(answered - asked))}")
+            if asked - answered:
+                raise invalid_value(f"messages[{index - 1}]: tool_use blocks are not answered "
+                                    "by tool_result blocks in the next message: "
+                                    f"{', '.join(sorted(asked - answered))}")
+        if messages[-1].ids(ToolUseBlock):
+            raise invalid_value("the last message calls tools: answer them with tool_result "
+                                "blocks first")
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_ends_in_text(self) -> MessagesRequest:
+        last = self.messages[-1]
+        if last.role == "assistant" and last.text != last.text.rstrip():
+            raise invalid_value("a final assistant message cannot end with whitespace")
+        return self
+
+    @property
+    def turns(self) -> list[Message]:
+        """The messages, less a final assistant message with no text (no reply begun)."""
+        last = self.messages[-1]
+        return self.messages[:-1] if last.role == "assistant" and not last.text else self.messages
+
     def chat_request(self) -> ChatCompletionRequest:
-        """The chat request this one means; a 400 for what chat would refuse."""
+        """The chat request this one means; a 400 for what chat would refuse. A final
+        assistant message is continued."""
         fields = self.sampling_fields("stop")
-        continued = self.messages[-1].role == "assistant" and not self.messages[-1].calls_tools
-        fields.update(
-            messages=self.chat_messages(), stop=[*(self.stop or ()), *(self.stop_sequences or ())]
-            or None, tools=[_chat_tool(tool) for tool in self.tools or ()] or None,
-            tool_choice=None if self.tool_choice is None else self.tool_choice.chat_choice(),
-            parallel_tool_calls=False if self.tool_choice is not None and (
-                self.tool_choice.disable_parallel_tool_use) else None,
-            response_format=self._response_format(),
-            continue_final_message=continued, add_generation_prompt=not continued)
+        continued = self.turns[-1].role == "assistant"
+        fields.update(self._tool_fields(), messages=self.chat_messages(),
+                      stop=[*(self.stop or ()), *(self.stop_sequences or ())] or None,
+                      response_format=self._response_format(),
+                      continue_final_message=continued, add_generation_prompt=not continued)
         return chat_request_of(fields, _FIELDS_OF_CHAT)
 
     def chat_messages(self) -> list[ChatMessageFields]:
+        """The turns as chat messages, consecutive plain ones of a role merged (as Anthropic
+        merges them: templates may insist that roles alternate)."""
         system = [] if self.system is None else [{"role": "system", "content": self.system}]
-        return system + [chat for message in self.messages for chat in message.chat_messages()]
+        messages: list[ChatMessageFields] = []
+        for message in system + [chat for turn in self.turns for chat in turn.chat_messages()]:
+            if messages and _plain(messages[-1]) and _plain(message) and (
+                    messages[-1]["role"] == message["role"]):
+                messages[-1] = {**message, "content": f"{messages[-1]['content']}\n"
+                                                      f"{message['content']}"}
+            else:
+                messages.append(message)
+        return messages
+
+    def _tool_fields(self) -> dict[str, Any]:
+        choice = self.tool_choice
+        return {"tools": [_chat_tool(tool) for tool in self.tools or ()] or None,
+                "tool_choice": None if choice is None else choice.chat_choice(),
+                "parallel_tool_calls": False if choice and choice.disable_parallel_tool_use
+                else None}
 
     def _response_format(self) -> dict[str, Any] | None:
         config = self.output_config
@@ -286,6 +350,12 @@ class MessagesRequest(SamplingRequest):
         if output is None:
             return None
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": output.schema_}}
+
+
+def _plain(message: ChatMessageFields) -> bool:
+    """A message of text alone: no calls, not a tool's answer."""
+    return message["role"] in ("user", "system") or (
+        message["role"] == "assistant" and "tool_calls" not in message)
 
 
 def _chat_tool(tool: CustomTool) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
 from gateway.logprobs import TokenPieces
-from gateway.messages_reply import MessagesReply
+from gateway.messages_reply import AnthropicAsk, MessagesReply
 from gateway.prompts import bad_words_token_ids, check_context, render_chat_prompt, tokenize_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -68,7 +68,7 @@ class Served:
     arrived: float
     tools: ToolPlan | None = None
     response: ResponseContext | None = None  # answered as a Response (/v1/responses)
-    anthropic: bool = False  # answered as an Anthropic Message (/v1/messages)
+    message: AnthropicAsk | None = None  # answered as an Anthropic Message (/v1/messages)
 
 
 class OpenAIRoutes:
@@ -191,7 +191,7 @@ class OpenAIRoutes:
         self.ignored.check(body)
         self.served_model(body.model)
         tokens = await self._tokenize(_tokenize_body, body)
-        reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.state.max_model_len,
+        reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.context_limit(),
                                  "tokens": tokens}
         if body.return_token_strs:
             reply["token_strs"] = self.state.tokenizer.convert_ids_to_tokens(tokens)
@@ -234,7 +234,7 @@ class OpenAIRoutes:
         del defaults["from_model"]
         return {"id": name, "object": "model", "created": self.state.started,
                 "owned_by": "raging", "root": self.state.model_name,
-                "max_model_len": self.state.max_model_len, "generation_defaults": defaults}
+                "max_model_len": self.context_limit(), "generation_defaults": defaults}
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""
@@ -263,6 +263,12 @@ class OpenAIRoutes:
                             f"{served}.", param="model", code="model_not_found")
         return model
 
+    def context_limit(self) -> int:
+        """The longest sequence a request may make: the model's context, or less where the
+        workers' KV caches hold less."""
+        capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
+        return min(self.state.max_model_len, capacity)
+
     def _admit(self, prompt_tokens: int) -> None:
         """429 at once when the queue is full, in requests or in prompt tokens waiting for
         prefill (a prompt over the token bound alone still gets in when nothing waits)."""
@@ -277,8 +283,7 @@ class OpenAIRoutes:
     async def serve(self, request: Request, fmt: Format, prompts: list[list[int]],
                      params: GenerationParams, served: Served) -> Response:
         await self.state.dispatcher.until_decode_serves()
-        capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
-        limit = min(self.state.max_model_len, capacity)
+        limit = self.context_limit()
         max_tokens = [check_context(len(ids), params.max_tokens, limit, params.default_max_tokens)
                       for ids in prompts]
         self._check_token_ids(params)
@@ -310,9 +315,10 @@ class OpenAIRoutes:
             return ResponsesReply(served.response, generations, self.state,
                                   params.logprobs is not None, model=served.model,
                                   timing=timing, span=span, tools=served.tools)
-        if served.anthropic:
+        if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
-                                 span=span, tools=served.tools)
+                                 span=span, tools=served.tools,
+                                 max_tokens=served.message.max_tokens)
         return Reply(fmt, generations, self.state, params.include_usage,
                      params.logprobs is not None, params.n, model=served.model,
                      continuous_usage=params.continuous_usage, timing=timing, span=span,

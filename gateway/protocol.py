@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -35,11 +35,8 @@ from pydantic_core import PydanticCustomError
 
 from core.config import GenerationDefaults
 from core.messages import JSON_OBJECT, MAX_LOGPROBS
-from gateway.errors import APIError, bad_request, with_param_renamed
+from gateway.errors import APIError, bad_request
 from gateway.tools import tool_plan
-
-if TYPE_CHECKING:
-    pass
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
@@ -737,6 +734,8 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
         param = "functions" if plan.legacy else "tools"
         raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "
                           f"schema: {problem}", param=param)
+
+
 def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
     """The chat request another API's request became, from its `fields`; a 400 as chat would
     give it, naming that request's own field (`params`: chat's top-level field -> its own)."""
@@ -744,10 +743,22 @@ def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCo
         request = ChatCompletionRequest.model_validate(fields)
         check_tool_request(request)
     except ValidationError as exc:
-        raise with_param_renamed(validation_error(exc), params) from None
+        raise _with_param_renamed(validation_error(exc), params) from None
     except APIError as exc:
-        raise with_param_renamed(exc, params) from None
+        raise _with_param_renamed(exc, params) from None
     return request
+
+
+def _with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
+    """An error of the chat request another API's request became, naming the field of that
+    request it came from (`params`: chat's top-level field -> its own). Indices are dropped:
+    a message's index in chat is not one in the request (system text, merged turns shift
+    it)."""
+    chat_field = re.split(r"[.\[]", error.param or "")[0]
+    param = params.get(chat_field)
+    if param is None or error.param is None:
+        return error
+    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:

@@ -136,6 +136,13 @@ def real_model_dir() -> Path:
     return resolve_model(REAL_MODEL, MODEL_CACHE_DIR)
 
 
+def with_tokenizer(folder: Path, real_model_dir: Path) -> None:
+    """The real model's tokenizer files (and chat template) copied into a model `folder`."""
+    for name in TOKENIZER_FILES:
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, folder / name)
+
+
 @pytest.fixture(scope="session")
 def make_tiny_model(
     real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -147,9 +154,7 @@ def make_tiny_model(
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
         model.save_pretrained(folder)
-        for name in TOKENIZER_FILES:
-            if (real_model_dir / name).exists():
-                shutil.copy(real_model_dir / name, folder / name)
+        with_tokenizer(folder, real_model_dir)
         return folder
 
     return make
@@ -171,9 +176,7 @@ def tiny_qwen2_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
                                layer.self_attn.v_proj):
                 projection.bias.normal_(0, 0.5)
     model.save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (real_model_dir / name).exists():
-            shutil.copy(real_model_dir / name, folder / name)
+    with_tokenizer(folder, real_model_dir)
     return folder
 
 
@@ -193,9 +196,7 @@ def tiny_qwen3_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.normal_(1, 0.5)
     model.save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (real_model_dir / name).exists():
-            shutil.copy(real_model_dir / name, folder / name)
+    with_tokenizer(folder, real_model_dir)
     return folder
 
 
@@ -208,9 +209,7 @@ def tiny_mistral_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     folder = tmp_path_factory.mktemp("tiny-mistral")
     torch.manual_seed(0)
     MistralForCausalLM(MistralConfig(**TINY_CONFIG, sliding_window=8)).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (real_model_dir / name).exists():
-            shutil.copy(real_model_dir / name, folder / name)
+    with_tokenizer(folder, real_model_dir)
     return folder
 
 

@@ -112,6 +112,21 @@ def test_max_tokens_and_stop_sequences_say_why_the_reply_stopped(
     assert "Paris" not in text_of(stopped)
 
 
+def test_max_tokens_past_the_context_stops_at_the_context_window(
+        client: anthropic.Anthropic, cluster: Cluster) -> None:
+    """As Anthropic's models do (and Claude Code asks for 32,000 tokens), where chat refuses."""
+    window = cluster.client.get("/v1/models").json()["data"][0]["max_model_len"]
+    words = " ".join(["hello"] * (window - 60))
+    counted = client.messages.count_tokens(model=cluster.model, messages=[
+        {"role": "user", "content": words}]).input_tokens
+    assert window - 100 < counted < window
+    message = client.messages.create(model=cluster.model, max_tokens=32000,
+                                     messages=[{"role": "user", "content": words}],
+                                     extra_body={**GREEDY, "ignore_eos": True})
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert counted + message.usage.output_tokens == window
+
+
 def test_a_forced_tool_use_and_its_result_round_trip(client: anthropic.Anthropic,
                                                      cluster: Cluster) -> None:
     asked: MessageParam = {"role": "user", "content": "What is the weather like in Paris?"}

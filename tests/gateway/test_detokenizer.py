@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -22,13 +21,6 @@ FRAGMENTS = [
     " 日本語", "の文章", " 中文字符", "漢字", " 한국어", " Привет", " مرحبا", " ∑∫√",
     "<|im_end|>", "<|im_start|>", " <tag>", " a|b", "\ufffd",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(
-        resolve_model("SmolLM2-135M-Instruct", "~/.cache/raging/models")
-    )
 
 
 def random_text(rng: random.Random) -> str:

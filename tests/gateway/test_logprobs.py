@@ -8,11 +8,10 @@ import math
 import random
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from core.messages import GenerationTask, Sampling, TopLogprob
-from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.generation import Delta, Generation
 from gateway.handle import Assignment, Event, RequestHandle
@@ -30,12 +29,6 @@ from gateway.metrics import Metrics
 
 TEXTS = ["Hello world", " café naïve", " 日本語の文章", " 😀👍🏽 🇫🇷", " Привет, мир", "\n\t  x",
          "<|im_end|>", " ∑∫√ a|b"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(
-        resolve_model("SmolLM2-135M-Instruct", "~/.cache/raging/models"))
 
 
 @pytest.fixture(scope="module")

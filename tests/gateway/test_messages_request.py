@@ -63,7 +63,7 @@ def test_calls_and_results_become_tool_calls_and_tool_messages() -> None:
             for c in turn.tool_calls or []] == [("toolu_a", "get_weather", {"city": "Paris"}),
                                                 ("toolu_b", "get_weather", {"city": "Rome"})]
     assert [(m.tool_call_id, m.content) for m in chat.messages[2:4]] == [
-        ("toolu_a", "18 C"), ("toolu_b", "no\ndata")]
+        ("toolu_a", "18 C"), ("toolu_b", "Error: no\ndata")]
     assert chat.messages[4].content == "Thanks!"
     [tool] = chat.tools or []
     assert tool.function.name == "get_weather"
@@ -81,10 +81,24 @@ def test_a_turn_of_tool_results_alone_adds_no_user_message() -> None:
     assert chat.add_generation_prompt
 
 
-def test_a_last_assistant_message_is_continued() -> None:
+def test_a_last_assistant_message_is_continued_unless_it_is_empty() -> None:
     chat = parse(messages=[{"role": "user", "content": "Count to three."},
                            {"role": "assistant", "content": "One,"}]).chat_request()
     assert chat.continue_final_message and not chat.add_generation_prompt
+    for empty in ("", [], [{"type": "thinking", "thinking": "hm", "signature": "s"}]):
+        chat = parse(messages=[{"role": "user", "content": "Count to three."},
+                               {"role": "assistant", "content": empty}]).chat_request()
+        assert [m.role for m in chat.messages] == ["user"] and chat.add_generation_prompt
+
+
+def test_consecutive_turns_of_a_role_are_merged() -> None:
+    chat = parse(system="Be brief.", messages=[
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "a"},
+        {"role": "user", "content": [{"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}]
+    ).chat_request()
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief.\nBe kind."), ("user", "a\nb"), ("assistant", "c\nd")]
 
 
 @pytest.mark.parametrize(("choice", "chat_choice", "parallel"), [
@@ -135,8 +149,21 @@ def test_sampling_fields_stop_sequences_and_output_format_carry_over() -> None:
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers",
      "not supported"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"output_format": {"type": "json_schema", "schema": {}},
+      "output_config": {"format": {"type": "json_schema", "schema": {}}}}, None, "not both"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Sure "}]}, None, "end with whitespace"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, None,
+     "the last message calls tools"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": "and?"}]}, None, "not answered by tool_result blocks"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, None,
+     "answer no tool_use"),
 ])
-def test_what_is_refused_says_where_and_why(fields: dict[str, Any], param: str,
+def test_what_is_refused_says_where_and_why(fields: dict[str, Any], param: str | None,
                                             words: str) -> None:
     with pytest.raises(APIError) as caught:
         parse(**fields)

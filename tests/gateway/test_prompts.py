@@ -10,7 +10,6 @@ import pytest
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.locate import resolve_model
 from engine.weights.tokenizer import decode_text
 from gateway.errors import APIError
 from gateway.prompts import (
@@ -22,13 +21,6 @@ from gateway.prompts import (
 from gateway.protocol import TemplateOptions, parse_chat_request
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(
-        resolve_model("SmolLM2-135M-Instruct", "~/.cache/raging/models")
-    )
 
 
 def chat(**fields: Any) -> bytes:

@@ -6,10 +6,8 @@ import json
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from core.config import GenerationDefaults
-from engine.locate import resolve_model
 from gateway.errors import (
     APIError,
     bad_request,
@@ -34,13 +32,6 @@ NEUTRAL = GenerationDefaults(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 LONG = "Z" * 50_000
 TOOL_F = {"type": "function", "function": {"name": "f"}}
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(
-        resolve_model("SmolLM2-135M-Instruct", "~/.cache/raging/models")
-    )
 
 
 def chat(**fields: Any) -> bytes:

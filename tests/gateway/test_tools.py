@@ -61,11 +61,6 @@ def plan(parser: str = "", **fields: Any) -> ToolPlan:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(real_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(real_model_dir)
-
-
-@pytest.fixture(scope="module")
 def native_tokenizer(real_model_dir: Path) -> PreTrainedTokenizerBase:
     made = AutoTokenizer.from_pretrained(real_model_dir)
     made.chat_template = NATIVE_TEMPLATE
