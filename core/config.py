@@ -31,6 +31,7 @@ LogFormat = Literal["text", "json"]
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = typing.get_args(Role)
 ToolCallParser = Literal["", "hermes", "llama3_json"]
+ReasoningParser = Literal["", "deepseek_r1", "qwen3"]
 KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 # How the gateway spreads new work over workers pinned to the same CPUs (gateway/packing.py).
 Routing = Literal["pack", "spread"]
@@ -196,6 +197,10 @@ class GatewayConfig:
     tool_call_parser: ToolCallParser = setting("", "how tool_choice 'auto' finds calls in the "
                                                    "output: hermes (<tool_call> JSON), "
                                                    "llama3_json; empty: none, output is text")
+    reasoning_parser: ReasoningParser = setting("", "how a chat reply's thinking is told from "
+                                                    "its answer: qwen3 (an output opening with "
+                                                    "<think>), deepseek_r1 (every output opens "
+                                                    "in thought); empty: all is the answer")
     max_parallel_tool_calls: int = setting(4, "calls a forced tool_choice ('required') may "
                                               "make at most, so that a small model that "
                                               "repeats its call ends (0: no bound)")

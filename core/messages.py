@@ -16,11 +16,26 @@ from core.config import KVBackend, Role
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token
-JSON_OBJECT = "json_object"  # GenerationTask.grammar for any JSON object (else a schema's text)
 FinishReason = Literal["stop", "length"]  # a stop or EOS token; max_tokens
 # The stages of a request on its way to its first tokens (docs/observability.md).
 Stage = Literal["gateway_queue", "prefill_wait", "prefill_compute", "kv_transfer", "first_decode"]
 STAGES: tuple[Stage, ...] = typing.get_args(Stage)
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Structured output: what the output must match. `text` is a JSON schema's (json_schema),
+    a regular expression (regex) or an EBNF grammar whose start rule is `root` (ebnf); any
+    JSON object (json_object) needs none."""
+
+    kind: GrammarKind
+    text: str = ""
+
+
+JSON_OBJECT = Grammar("json_object")
 
 
 class RequestKey(NamedTuple):
@@ -122,8 +137,7 @@ class GenerationTask:
     # Where the output starts in prompt_ids: a resumed request's prompt ends with the output
     # its client already has, which penalties and min_tokens count. None: all of it is prompt.
     output_start: int | None = None
-    # Structured output: "" for none, JSON_OBJECT, or a JSON schema's text the output must match.
-    grammar: str = ""
+    grammar: Grammar | None = None  # structured output: what the output must match
     priority: int = 0  # vLLM's: lower is scheduled sooner (before the deadline order)
     # echo with logprobs: each prompt token's logprob and the k most likely tokens there
     # (`PromptLogprobs`, from the decode worker that prefills it); None: not asked.

@@ -460,7 +460,9 @@ class DecodeWorker(Worker):
     def _queue_compiled(self) -> None:
         """Queue the sequences whose grammar has compiled since."""
         for key, (sequence, forks) in list(self.phases.compiling.items()):
-            if self.grammars.ready(sequence.request.task.grammar):
+            grammar = sequence.request.task.grammar
+            assert grammar is not None, "only a grammar waits to compile"
+            if self.grammars.ready(grammar):
                 del self.phases.compiling[key]
                 self._queue(sequence, forks)
 

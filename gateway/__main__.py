@@ -87,6 +87,7 @@ def raise_open_files_limit() -> int:
 def main() -> None:
     parser = ConfigParser("python -m gateway", "raging gateway (OpenAI-compatible HTTP server)")
     for key in ("host", "port", "expect_prefill", "expect_decode", "tool_call_parser",
+                "reasoning_parser",
                 "strict_fields", "served_model_name", "allowed_origins", "decode_routing",
                 "prefill_routing"):
         parser.config_flag(f"gateway.{key}")

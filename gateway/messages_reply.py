@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.config import ReasoningParser
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import ChatFormat, Reply, WholeChoice
@@ -49,12 +50,19 @@ class ContentBlocks:
         self.inputs: dict[int, str] = {}  # a tool_use block's index -> its input's JSON text
 
     def add_text(self, text: str) -> list[Event]:
+        return self._add("text", "text", text)
+
+    def add_thinking(self, text: str) -> list[Event]:
+        """Thinking (gateway/reasoning.py) goes to a thinking block, signed by no one."""
+        return self._add("thinking", "thinking", text)
+
+    def _add(self, kind: str, field: str, text: str) -> list[Event]:
         if not text:
             return []
-        events = [] if self._open_type() == "text" else [*self._close(), *self._start(
-            {"type": "text", "text": ""})]
-        self.blocks[-1]["text"] += text
-        return [*events, self._delta({"type": "text_delta", "text": text})]
+        events = [] if self._open_type() == kind else [*self._close(), *self._start(
+            {"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})]
+        self.blocks[-1][field] += text
+        return [*events, self._delta({"type": f"{field}_delta", field: text})]
 
     def start_call(self, call_id: str, name: str, arguments: str) -> list[Event]:
         events = [*self._close(), *self._start({"type": "tool_use", "id": call_id, "name": name,
@@ -111,12 +119,12 @@ class MessagesReply(Reply):
 
     def __init__(self, generations: list[Generation], state: GatewayState, *, model: str,
                  timing: bool, span: Span | None, tools: ToolPlan | None,
-                 max_tokens: int | None) -> None:
+                 reasoning: ReasoningParser, max_tokens: int | None) -> None:
         """`max_tokens`: what the request asked for, where the context left less (a reply
         stopped short of it stopped at the context window)."""
         assert len(generations) == 1, "a message has one reply"
         super().__init__(ChatFormat(), generations, state, include_usage=False, model=model,
-                         timing=timing, span=span, tools=tools)
+                         timing=timing, span=span, tools=tools, reasoning=reasoning)
         self.id = f"msg_{generations[0].handle.request_id}"
         self.max_tokens = max_tokens
         self.blocks = ContentBlocks()
@@ -152,6 +160,7 @@ class MessagesReply(Reply):
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choice = self._whole_choice(0, wholes[0])
         message = choice["message"]
+        self.blocks.add_thinking(message.get("reasoning_content", ""))
         self.blocks.add_text(message["content"] or "")
         for call in message.get("tool_calls", ()):
             self.blocks.start_call(call["id"], call["function"]["name"],
@@ -170,6 +179,7 @@ class MessagesReply(Reply):
         if not choice:
             return
         delta = choice["delta"]
+        yield from self.blocks.add_thinking(delta.get("reasoning_content", ""))
         yield from self.blocks.add_text(delta.get("content", ""))
         for call in delta.get("tool_calls", ()):
             function = call["function"]

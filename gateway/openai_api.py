@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core.messages import GenerationTask, Sampling, TokenBias
+from core.messages import GenerationTask, Grammar, Sampling, TokenBias
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.background import KEPT_LOGS, EventLog
@@ -172,7 +172,7 @@ class OpenAIRoutes:
         prompt_ids = await self._tokenize(render, body.messages)
         params = generation_params(body, self.state.generation_defaults)
         if tools is not None and tools.grammar:
-            params = dataclasses.replace(params, grammar=tools.grammar)
+            params = dataclasses.replace(params, grammar=Grammar("json_schema", tools.grammar))
         return prompt_ids, params, tools
 
     async def completions(self, request: Request) -> Response:
@@ -310,19 +310,23 @@ class OpenAIRoutes:
 
     def _reply(self, fmt: Format, generations: list[Generation], params: GenerationParams,
                served: Served, timing: bool, span: Span | None) -> Reply:
-        """The reply in the shape of the request's API."""
+        """The reply in the shape of the request's API; a chat reply's thinking told from its
+        answer where a reasoning parser is set."""
+        reasoning = self.state.config.gateway.reasoning_parser
         if served.response is not None:
             return ResponsesReply(served.response, generations, self.state,
                                   params.logprobs is not None, model=served.model,
-                                  timing=timing, span=span, tools=served.tools)
+                                  timing=timing, span=span, tools=served.tools,
+                                  reasoning=reasoning)
         if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
-                                 span=span, tools=served.tools,
+                                 span=span, tools=served.tools, reasoning=reasoning,
                                  max_tokens=served.message.max_tokens)
         return Reply(fmt, generations, self.state, params.include_usage,
                      params.logprobs is not None, params.n, model=served.model,
                      continuous_usage=params.continuous_usage, timing=timing, span=span,
-                     tools=served.tools)
+                     tools=served.tools,
+                     reasoning=reasoning if isinstance(fmt, ChatFormat) else "")
 
     async def _respond(self, request: Request, reply: Reply, served: Served,
                        stream: bool) -> Response:

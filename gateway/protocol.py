@@ -34,7 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from core.config import GenerationDefaults
-from core.messages import JSON_OBJECT, MAX_LOGPROBS
+from core.messages import JSON_OBJECT, MAX_LOGPROBS, Grammar, GrammarKind
 from gateway.errors import APIError, bad_request
 from gateway.tools import tool_plan
 
@@ -54,6 +54,8 @@ _UINT64_MAX = 2**64 - 1
 _INT32_MAX = 2**31 - 1
 _MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
 _MAX_SCHEMA_ERROR_CHARS = 300
+_GRAMMAR_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object",
+                  "regex": "regular expression", "ebnf": "EBNF grammar"}
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[17:40:21] /path/file.cc:94: "
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 # Content parts this text-only model cannot read, by type: what the 400 calls them.
@@ -148,33 +150,96 @@ class ResponseFormat(RequestModel):
     def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise invalid_value("json_schema is required with type 'json_schema', and only then")
-        problem = _schema_problem(self.grammar) if self.type == "json_schema" else None
+        grammar = self.grammar
+        problem = grammar_problem(grammar) if grammar is not None else None
         if problem is not None:
             raise PydanticCustomError("invalid_value", "invalid JSON schema: {problem}",
                                       {"problem": problem})
         return self
 
     @property
-    def grammar(self) -> str:
-        """What GenerationTask.grammar says for this format."""
+    def grammar(self) -> Grammar | None:
+        """What the output must match for this format (None: anything)."""
         if self.type == "text":
-            return ""
+            return None
         if self.json_schema is None or self.json_schema.schema_ is None:
             return JSON_OBJECT
-        return json.dumps(self.json_schema.schema_)
+        return Grammar("json_schema", json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regular
+    expression, a choice of strings, or an EBNF grammar (its start rule `root`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    structural_tag: Any = None
+    # Ignored: how vLLM's own backends read the grammar.
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    _not_here = field_validator("structural_tag")(none_only)
+
+    def grammars(self) -> dict[str, Grammar | None]:
+        """What each of its fields asks for, by the field's name in the request."""
+        return {"structured_outputs.json": _json_grammar(self.json_),
+                "structured_outputs.json_object": JSON_OBJECT if self.json_object else None,
+                "structured_outputs.regex": _text_grammar("regex", self.regex),
+                "structured_outputs.choice": _choice_grammar(self.choice),
+                "structured_outputs.grammar": _text_grammar("ebnf", self.grammar)}
+
+
+def _json_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
+    if schema is None:
+        return None
+    return Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _text_grammar(kind: GrammarKind, text: str | None) -> Grammar | None:
+    return None if text is None else Grammar(kind, text)
+
+
+def _choice_grammar(choices: list[str] | None) -> Grammar | None:
+    """An EBNF grammar of exactly one of `choices`."""
+    if choices is None:
+        return None
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    return Grammar("ebnf", f"root ::= {alternatives}")
+
+
+def _one_grammar(given: dict[str, Grammar | None]) -> Grammar | None:
+    """The one grammar of those `given` (by the field asking for it); a 400 naming the field
+    for two, or for one the workers cannot compile."""
+    asked = [name for name, grammar in given.items() if grammar is not None]
+    if len(asked) > 1:
+        raise bad_request(f"Ask for one structured output, not {' and '.join(asked)}.",
+                          param=asked[1])
+    if not asked:
+        return None
+    grammar = given[asked[0]]
+    assert grammar is not None
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise bad_request(f"Invalid '{asked[0]}': invalid {_GRAMMAR_NAMES[grammar.kind]}: "
+                          f"{problem}", param=asked[0])
+    return grammar
 
 
 @functools.lru_cache(maxsize=256)
-def _schema_problem(grammar: str) -> str | None:
-    """Why the workers could not compile `grammar`'s schema; None when they can."""
+def grammar_problem(grammar: Grammar) -> str | None:
+    """Why the workers could not compile `grammar`; None when they can."""
     # Imported here: xgrammar loads torch, which the gateway otherwise never needs.
-    import xgrammar
+    from engine.sampling.grammar import parsed
 
-    if grammar == JSON_OBJECT:
+    if grammar.kind == "json_object":
         return None
     try:
-        xgrammar.Grammar.from_json_schema(grammar, any_whitespace=False, strict_mode=True)
-    except RuntimeError as exc:  # xgrammar's error for a bad or unsupported schema
+        parsed(grammar)
+    except RuntimeError as exc:  # xgrammar's error for a bad or unsupported grammar
         return _XGRAMMAR_PREFIX.sub("", str(exc).strip())[:_MAX_SCHEMA_ERROR_CHARS]
     return None
 
@@ -334,12 +399,41 @@ class SamplingRequest(RequestModel):
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    guided_decoding_backend: str | None = None  # ignored: xgrammar reads every grammar here
+    guided_whitespace_pattern: str | None = None  # ignored
     raging: RagingOptions | None = None
 
     def sampling_fields(self, *left_out: str) -> dict[str, Any]:
         """The sampling fields the request set, but those `left_out`, as chat takes them."""
         return {name: getattr(self, name) for name in SamplingRequest.model_fields
                 if name in self.model_fields_set and name not in left_out}
+
+    _grammar: Grammar | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingRequest:
+        """At most one of `response_format`, `structured_outputs` and the `guided_*` fields
+        asks for structured output, and the workers can compile what it asks for."""
+        outputs = self.structured_outputs
+        self._grammar = _one_grammar({
+            "response_format": self.response_format.grammar if self.response_format else None,
+            **(outputs.grammars() if outputs is not None else {}),
+            "guided_json": _json_grammar(self.guided_json),
+            "guided_regex": _text_grammar("regex", self.guided_regex),
+            "guided_choice": _choice_grammar(self.guided_choice),
+            "guided_grammar": _text_grammar("ebnf", self.guided_grammar)})
+        return self
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """What the output must match (None: anything)."""
+        return self._grammar
 
     @field_validator("logit_bias")
     @classmethod
@@ -613,7 +707,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
-    grammar: str = ""  # structured output, as GenerationTask.grammar
+    grammar: Grammar | None = None  # structured output, as GenerationTask.grammar
     n: int = 1  # choices: the prompt is prefilled once, each choice samples on its own
     timing: bool = False  # the response carries the latency breakdown (gateway.timing)
     min_p: float = 0.0
@@ -654,7 +748,7 @@ def generation_params(req: ChatCompletionRequest | CompletionRequest,
                                   _default_penalty(temperature, defaults)),
         min_tokens=req.min_tokens or 0,
         logprobs=_logprobs(req),
-        grammar=req.response_format.grammar if req.response_format else "",
+        grammar=req.grammar,
         n=req.n or 1,
         timing=bool(req.raging and req.raging.timing),
         skip_special_tokens=req.skip_special_tokens is not False,
@@ -729,7 +823,10 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
     plan = tool_plan(request)
     if plan is None or not plan.grammar:
         return
-    problem = _schema_problem(plan.grammar)
+    if request.grammar is not None:
+        raise bad_request("Invalid 'tool_choice': a forced call cannot be combined with "
+                          "structured outputs", param="tool_choice")
+    problem = grammar_problem(Grammar("json_schema", plan.grammar))
     if problem is not None:
         param = "functions" if plan.legacy else "tools"
         raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "

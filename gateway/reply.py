@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from core.config import ReasoningParser
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.handle import Ending
 from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from gateway.reasoning import Split, ThoughtSplitter, split_whole
 from gateway.state import GatewayState
 from gateway.tools import Reason, ToolPlan, ToolStream
 
@@ -39,9 +41,12 @@ class ChatFormat:
 
     def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
                      logprobs: Logprobs = None, stop_reason: StopReason = None,
-                     calls: CallFields = None) -> dict[str, Any]:
-        """`calls`: the delta's `tool_calls` (or legacy `function_call`), if any."""
+                     calls: CallFields = None, reasoning: str = "") -> dict[str, Any]:
+        """`calls`: the delta's `tool_calls` (or legacy `function_call`), if any;
+        `reasoning`: its thinking (gateway/reasoning.py)."""
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text and not first:
             delta["content"] = text
         delta.update(calls or {})
@@ -51,8 +56,10 @@ class ChatFormat:
 
     def choice_full(self, index: int, text: str | None, reason: Reason | None,
                     logprobs: Logprobs = None, stop_reason: StopReason = None,
-                    calls: CallFields = None) -> dict[str, Any]:
+                    calls: CallFields = None, reasoning: str = "") -> dict[str, Any]:
         message = {"role": "assistant", "content": text, **(calls or {})}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         shown = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason,
                 "stop_reason": stop_reason}
@@ -66,15 +73,15 @@ class CompletionFormat:
 
     def choice_delta(self, index: int, text: str, reason: Reason | None, first: bool,
                      logprobs: Logprobs = None, stop_reason: StopReason = None,
-                     calls: CallFields = None) -> dict[str, Any]:
-        assert calls is None, "no tools on /v1/completions"
+                     calls: CallFields = None, reasoning: str = "") -> dict[str, Any]:
+        assert calls is None and not reasoning, "no tools nor thinking on /v1/completions"
         shown = None if logprobs is None else completion_logprobs(logprobs)
         return {"index": index, "text": text, "logprobs": shown, "finish_reason": reason,
                 "stop_reason": stop_reason}
 
     def choice_full(self, index: int, text: str | None, reason: Reason | None,
                     logprobs: Logprobs = None, stop_reason: StopReason = None,
-                    calls: CallFields = None) -> dict[str, Any]:
+                    calls: CallFields = None, reasoning: str = "") -> dict[str, Any]:
         assert text is not None
         return self.choice_delta(index, text, reason, first=False, logprobs=logprobs,
                                  stop_reason=stop_reason)
@@ -108,7 +115,7 @@ class Reply:
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1, *,
                  model: str | None = None, continuous_usage: bool = False,
                  timing: bool = False, span: Span | None = None,
-                 tools: ToolPlan | None = None) -> None:
+                 tools: ToolPlan | None = None, reasoning: ReasoningParser = "") -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -128,6 +135,9 @@ class Reply:
         self.outcome = "aborted"  # of a stream, as it ends: ok, error or aborted
         # One per choice when its output may hold tool calls (gateway/tools.py).
         self.tool_streams = [tools.stream() for _ in generations] if tools else []
+        # One per choice when its thinking is told from its answer (gateway/reasoning.py).
+        self.reasoning = reasoning
+        self.thoughts = [ThoughtSplitter(reasoning) for _ in generations] if reasoning else []
 
     async def _deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
         """Every choice's deltas (and KEEPALIVEs) as they come, with the choice's index."""
@@ -225,31 +235,45 @@ class Reply:
         return self.tool_streams[index] if self.tool_streams else None
 
     def _streamed_choice(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        """A delta's chunk choice; None when tool-call parsing holds all of it back."""
+        """A delta's chunk choice; None when thinking or tool-call parsing holds all of it
+        back."""
         logprobs = delta.logprobs if self.logprobs else None
+        split = self._split(index, delta)
         tools = self._tool_stream(index)
         if tools is None:
-            return self.fmt.choice_delta(index, delta.text, delta.finish_reason, False,
-                                         logprobs, delta.stop_reason)
-        output = tools.feed(delta.text)
+            return self.fmt.choice_delta(index, split.content, delta.finish_reason, False,
+                                         logprobs, delta.stop_reason, reasoning=split.reasoning)
+        output = tools.feed(split.content)
         reason: Reason | None = None
         if delta.finish_reason is not None:
             rest, reason = tools.finish(delta.finish_reason)
             output.extend(rest)
-        if not (output.content or output.calls or reason or logprobs):
+        if not (output.content or output.calls or reason or logprobs or split.reasoning):
             return None
         return self.fmt.choice_delta(index, output.content, reason, False, logprobs,
-                                     delta.stop_reason, tools.message_fields(output))
+                                     delta.stop_reason, tools.message_fields(output),
+                                     split.reasoning)
+
+    def _split(self, index: int, delta: Delta) -> Split:
+        """The delta's text as thinking and answer (all answer without a reasoning parser)."""
+        if not self.thoughts:
+            return Split(content=delta.text)
+        split = self.thoughts[index].feed(delta.text)
+        if delta.finish_reason is not None:
+            split.extend(self.thoughts[index].finish())
+        return split
 
     def _whole_choice(self, index: int, whole: WholeChoice) -> dict[str, Any]:
         logprobs = whole.logprobs if self.logprobs else None
         text = "".join(whole.parts)
+        split = split_whole(self.reasoning, text) if self.reasoning else Split(content=text)
         tools = self._tool_stream(index)
         if tools is None or whole.finish_reason is None:
-            return self.fmt.choice_full(index, text, whole.finish_reason, logprobs,
-                                        whole.stop_reason)
-        content, calls, reason = tools.whole(text, whole.finish_reason)
-        return self.fmt.choice_full(index, content, reason, logprobs, whole.stop_reason, calls)
+            return self.fmt.choice_full(index, split.content, whole.finish_reason, logprobs,
+                                        whole.stop_reason, reasoning=split.reasoning)
+        content, calls, reason = tools.whole(split.content, whole.finish_reason)
+        return self.fmt.choice_full(index, content, reason, logprobs, whole.stop_reason, calls,
+                                    split.reasoning)
 
     async def _collect(self) -> list[WholeChoice] | str:
         """Every choice, once all have ended; or the error that ended one."""

@@ -1,7 +1,8 @@
 """One /v1/responses response: a chat reply's one choice, shown as a Response object whose
 `output` holds a message item (the text) and function_call items, whole or as the Responses
 API's typed SSE events (response.created, response.output_item.added,
-response.output_text.delta, ..., response.completed).
+response.output_text.delta, ..., response.completed); a reasoning model's thinking, where a
+reasoning parser tells it apart, as a reasoning item (response.reasoning_text.delta, ...).
 
 `OutputItems` builds the items from the chat shapes the reply already makes (text, tool-call
 deltas), so tool calling, stop strings and logprobs are the chat route's; each step returns the
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from core.config import ReasoningParser
 from gateway.background import EventLog
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, Reply, WholeChoice
@@ -76,6 +78,16 @@ class OutputItems:
         return [*events, {"type": "response.output_text.delta", **self._where(), "content_index": 0,
                           "delta": text, "logprobs": logprobs}]
 
+    def add_reasoning(self, text: str) -> list[Event]:
+        """Thinking (gateway/reasoning.py) goes to a reasoning item, opened at its first."""
+        if not text:
+            return []
+        events = [] if self._open_type() == "reasoning" else [*self._close(),
+                                                               *self._open_reasoning()]
+        self.items[-1]["content"][0]["text"] += text
+        return [*events, {"type": "response.reasoning_text.delta", **self._where(),
+                          "content_index": 0, "delta": text}]
+
     def start_call(self, call_id: str, name: str, arguments: str) -> list[Event]:
         events = self._close()
         item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}",
@@ -117,6 +129,14 @@ class OutputItems:
                 {"type": "response.content_part.added", **self._where(), "content_index": 0,
                  "part": copy.deepcopy(part)}]
 
+    def _open_reasoning(self) -> list[Event]:
+        item = {"type": "reasoning", "id": f"rs_{secrets.token_hex(12)}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        self.items.append(item)
+        self.open = len(self.items) - 1
+        return [{"type": "response.output_item.added", "output_index": self.open,
+                 "item": {**item, "content": []}}]
+
     def _close(self, status: Status = "completed") -> list[Event]:
         if self.open is None:
             return []
@@ -128,6 +148,9 @@ class OutputItems:
                        "text": part["text"], "logprobs": part["logprobs"]},
                       {"type": "response.content_part.done", **where, "content_index": 0,
                        "part": copy.deepcopy(part)}]
+        elif item["type"] == "reasoning":
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
+                       "text": item["content"][0]["text"]}]
         else:
             events = [{"type": "response.function_call_arguments.done", **where,
                        "name": item["name"], "arguments": item["arguments"]}]
@@ -155,10 +178,11 @@ class ResponsesReply(Reply):
 
     def __init__(self, context: ResponseContext, generations: list[Generation],
                  state: GatewayState, logprobs: bool, *, model: str, timing: bool,
-                 span: Span | None, tools: ToolPlan | None) -> None:
+                 span: Span | None, tools: ToolPlan | None, reasoning: ReasoningParser) -> None:
         assert len(generations) == 1, "a response has one output"
         super().__init__(ChatFormat(), generations, state, include_usage=False,
-                         logprobs=logprobs, model=model, timing=timing, span=span, tools=tools)
+                         logprobs=logprobs, model=model, timing=timing, span=span, tools=tools,
+                         reasoning=reasoning)
         self.id = f"resp_{generations[0].handle.request_id}"
         self.context = context
         self.items = OutputItems()
@@ -200,6 +224,7 @@ class ResponsesReply(Reply):
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choice = self._whole_choice(0, wholes[0])
         message = choice["message"]
+        self.items.add_reasoning(message.get("reasoning_content", ""))
         self.items.add_text(message["content"] or "", _logprob_entries(choice))
         for call in message.get("tool_calls", ()):
             self.items.start_call(call["id"], call["function"]["name"],
@@ -213,6 +238,7 @@ class ResponsesReply(Reply):
         if not choice:
             return
         delta = choice["delta"]
+        yield from self.items.add_reasoning(delta.get("reasoning_content", ""))
         yield from self.items.add_text(delta.get("content", ""), _logprob_entries(choice))
         for call in delta.get("tool_calls", ()):
             function = call["function"]

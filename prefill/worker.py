@@ -130,6 +130,7 @@ class PrefillWorker(Worker):
     def _schedule_compiled(self) -> None:
         """Queue the requests whose grammar has compiled since."""
         for key, request in list(self.compiling.items()):
+            assert request.task.grammar is not None, "only a grammar waits to compile"
             if self.grammars.ready(request.task.grammar):
                 del self.compiling[key]
                 self._schedule(request)

@@ -5,6 +5,7 @@
 #                     [--api-key KEY[:TENANT]]... [--api-key-file FILE] [--set SECTION.KEY=V]...
 #                     [--otlp-endpoint URL] [--log-format text|json]
 #                     [--tool-call-parser hermes|llama3_json] [--served-model-name NAME]...
+#                     [--reasoning-parser qwen3|deepseek_r1]
 #                     [--allowed-origins ORIGIN]...  (browser pages' CORS; default: any)
 #                     [--restarts N]
 # A worker that crashes (killed, or exits with an error) is started again under its id, at most
@@ -80,6 +81,7 @@ while [[ $# -gt 0 ]]; do
     --log-format) LOG_FORMAT="$2"; shift 2 ;;  # every process's log, json: a JSON object a line
     --api-key|--api-key-file) GATEWAY_AUTH+=("$1" "$2"); shift 2 ;;
     --tool-call-parser) SETTINGS+=(--set "gateway.tool_call_parser=$2"); shift 2 ;;  # as vLLM's
+    --reasoning-parser) SETTINGS+=(--set "gateway.reasoning_parser=$2"); shift 2 ;;  # as vLLM's
     --restarts) RESTARTS="$2"; shift 2 ;;
     --served-model-name) SERVED_NAMES+=("$2"); shift 2 ;;
     --allowed-origins) ORIGINS+=("$2"); shift 2 ;;

@@ -1,5 +1,6 @@
-"""Structured output: JSON grammars (through xgrammar) that restrict the tokens a sequence may
-draw next, shared by the prefill worker (first token) and the decode worker."""
+"""Structured output: grammars (JSON schemas, any JSON object, regular expressions, EBNF;
+compiled by xgrammar) that restrict the tokens a sequence may draw next, shared by the prefill
+worker (first token) and the decode worker."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
-from core.messages import JSON_OBJECT, GenerationTask
+from core.messages import GenerationTask, Grammar
 from engine.sampling.stopping import stop_tokens
 from engine.weights.tokenizer import load_tokenizer
 
@@ -92,11 +93,11 @@ class Grammars:
         self.cache_size = cache_size
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._tables = self._thread.submit(self._build_tables)
-        self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._compiled: OrderedDict[Grammar, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._control_tokens: torch.Tensor | None = None
 
-    def prepare(self, grammar: str) -> Future[xgr.CompiledGrammar]:
-        """The compilation of a task's `grammar` text, started now unless cached."""
+    def prepare(self, grammar: Grammar) -> Future[xgr.CompiledGrammar]:
+        """The compilation of a task's `grammar`, started now unless cached."""
         future = self._compiled.get(grammar)
         if future is None:
             future = self._thread.submit(self._compile, grammar)
@@ -106,18 +107,18 @@ class Grammars:
         self._compiled.move_to_end(grammar)
         return future
 
-    def ready(self, grammar: str) -> bool:
+    def ready(self, grammar: Grammar) -> bool:
         """Whether `grammar` has compiled (or failed to); starts it when new."""
         return self.prepare(grammar).done()
 
-    def compiled(self, grammar: str) -> xgr.CompiledGrammar:
+    def compiled(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar, waiting for it if need be; GrammarError if it has none."""
         try:
             return self.prepare(grammar).result()
-        except RuntimeError as exc:  # xgrammar's error for a bad or unsupported schema
+        except RuntimeError as exc:  # xgrammar's error for a bad or unsupported grammar
             raise GrammarError(str(exc).strip()) from None
 
-    def problem(self, grammar: str) -> str | None:
+    def problem(self, grammar: Grammar) -> str | None:
         """Why a grammar that is `ready` cannot be used; None when it can."""
         try:
             self.compiled(grammar)
@@ -147,8 +148,10 @@ class Grammars:
             return None
         stops = list(stop_tokens(task, eos_token_ids) or eos_token_ids) or None
         matcher = xgr.GrammarMatcher(self.compiled(task.grammar), override_stop_tokens=stops)
-        forbidden = self.control_tokens.clone()
-        forbidden[[t for t in (stops or []) if 0 <= t < self.vocab_size]] = False
+        forbidden = None
+        if task.grammar.kind in ("json_schema", "json_object"):  # JSON holds no control byte
+            forbidden = self.control_tokens.clone()
+            forbidden[[t for t in (stops or []) if 0 <= t < self.vocab_size]] = False
         constraint = Constraint(matcher, self.vocab_size, forbidden)
         for token_id in task.prompt_ids[task.prompt_len:]:
             constraint.advance(token_id)
@@ -163,14 +166,22 @@ class Grammars:
         log.info("grammar tables ready in %.2f s", time.monotonic() - started)
         return tables
 
-    def _compile(self, grammar: str) -> xgr.CompiledGrammar:
-        # Compact separators: with free whitespace a model can loop on spaces forever.
-        schema = ANY_OBJECT_SCHEMA if grammar == JSON_OBJECT else grammar
+    def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         started = time.monotonic()
-        compiled = self._tables.result().compiler.compile_json_schema(
-            schema, any_whitespace=False, strict_mode=True)
-        log.info("grammar compiled in %.2f s", time.monotonic() - started)
+        compiled = self._tables.result().compiler.compile_grammar(parsed(grammar))
+        log.info("%s grammar compiled in %.2f s", grammar.kind, time.monotonic() - started)
         return compiled
+
+
+def parsed(grammar: Grammar) -> xgr.Grammar:
+    """`grammar` as xgrammar reads it; RuntimeError for one it cannot. JSON takes compact
+    separators: with free whitespace a model can loop on spaces forever."""
+    if grammar.kind == "regex":
+        return xgr.Grammar.from_regex(grammar.text)
+    if grammar.kind == "ebnf":
+        return xgr.Grammar.from_ebnf(grammar.text)
+    schema = ANY_OBJECT_SCHEMA if grammar.kind == "json_object" else grammar.text
+    return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
 
 
 def _control_token_ids(info: xgr.TokenizerInfo, vocab_size: int) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from core.messages import (
     FinishReason,
     FirstToken,
     GenerationTask,
+    Grammar,
     Message,
     PrefillRequest,
     PromptLogprobs,
@@ -389,9 +390,9 @@ def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker)
     assert decode_worker.incoming.dropped["duplicate request"] == 1
 
 
-def compiled(worker: DecodeWorker, grammar: str) -> None:
-    """Wait for the worker's grammar thread to be done with `grammar`."""
-    worker.grammars.prepare(grammar).exception(timeout=120)
+def compiled(worker: DecodeWorker, schema: str) -> None:
+    """Wait for the worker's grammar thread to be done with the JSON `schema`."""
+    worker.grammars.prepare(Grammar("json_schema", schema)).exception(timeout=120)
 
 
 def test_an_abort_while_its_grammar_compiles_ends_it_there(worker: Served) -> None:
@@ -410,9 +411,9 @@ def test_an_abort_while_its_grammar_compiles_ends_it_there(worker: Served) -> No
     assert failures(sent_to_gateway(decode_worker, gateway)) == []
 
 
-def grammar_task(grammar: str) -> GenerationTask:
+def grammar_task(schema: str) -> GenerationTask:
     return GenerationTask(list(range(10, 10 + PROMPT_LEN)), Sampling(temperature=1.0, seed=4),
-                          100, [], False, grammar=grammar)
+                          100, [], False, grammar=Grammar("json_schema", schema))
 
 
 def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) -> None:

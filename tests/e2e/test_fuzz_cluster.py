@@ -1,6 +1,7 @@
 """The gateway's fuzz strategies (tests/gateway/test_fuzz.py) against a whole running cluster:
 bodies that pass validation are served for real, so every reply must be a 2xx with a complete
-answer or a 4xx with OpenAI error JSON; never a 5xx, and the cluster serves on afterwards.
+answer or a 4xx with error JSON in the route's shape (OpenAI's, or Anthropic's on
+/v1/messages); never a 5xx, and the cluster serves on afterwards.
 
 `--cluster-fuzz-examples N` sets the examples per strategy (a few hundred in CI).
 """
@@ -17,11 +18,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
-from tests.gateway.served_app import MODEL, error_of
-from tests.gateway.test_fuzz import Body, byte_bodies, json_bodies, mutated_bodies, schema_bodies
+from tests.gateway.served_app import MODEL, anthropic_error_of, error_of
+from tests.gateway.test_fuzz import (
+    MESSAGES,
+    Body,
+    byte_bodies,
+    json_bodies,
+    mutated_bodies,
+    schema_bodies,
+)
 
 pytestmark = pytest.mark.e2e
 
+FINISH_REASONS = ("stop", "length", "tool_calls", "function_call")  # OpenAI's
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use",  # Anthropic's
+                "model_context_window_exceeded")
 STRATEGIES = {"schema": schema_bodies(), "json": json_bodies(), "bytes": byte_bodies(),
               "mutated": mutated_bodies()}
 
@@ -43,15 +54,20 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
     headers = {"content-type": "application/json"}
     with cluster.client.stream("POST", route, content=body, headers=headers) as response:
         raw = response.read()
+    anthropic = route == MESSAGES
     if response.status_code != 200:
         assert 400 <= response.status_code < 500, raw[:500]
-        error_of(httpx.Response(response.status_code, content=raw))
+        (anthropic_error_of if anthropic else error_of)(
+            httpx.Response(response.status_code, content=raw))
     elif response.headers["content-type"].startswith("text/event-stream"):
-        events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]", events[-3:]
+        kind = "event: " if anthropic else "data: "
+        events = [line for line in raw.decode().splitlines() if line.startswith(kind)]
+        assert events[-1] == ("event: message_stop" if anthropic else "data: [DONE]"), \
+            events[-3:]
+    elif anthropic:
+        assert json.loads(raw)["stop_reason"] in STOP_REASONS, raw[:500]
     else:
-        assert json.loads(raw)["choices"][0]["finish_reason"] in (
-            "stop", "length", "tool_calls", "function_call"), raw[:500]
+        assert json.loads(raw)["choices"][0]["finish_reason"] in FINISH_REASONS, raw[:500]
     return response.status_code
 
 

@@ -1,10 +1,12 @@
 """Structured output end to end, through the official OpenAI client, on a tiny random Llama:
 1 gateway + 1 prefill + 1 decode real processes. A random model writes nonsense, so whatever
-JSON comes back valid is the grammar's doing."""
+JSON comes back valid (or matches a regular expression, is one of a choice, follows an EBNF
+grammar) is the grammar's doing."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,3 +104,32 @@ def test_a_bad_schema_is_a_400_before_any_worker(client: OpenAI, cluster: Cluste
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "response_format"
     assert "invalid JSON schema" in error["message"]
+
+
+@pytest.mark.parametrize(("fields", "pattern"), [
+    ({"structured_outputs": {"choice": ["positive", "negative", "neutral"]}},
+     "positive|negative|neutral"),
+    ({"guided_choice": ["yes", "no"]}, "yes|no"),
+    ({"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}, r"[0-9]{3}-[0-9]{4}"),
+    ({"guided_regex": r"(ha){2,5}!"}, r"(ha){2,5}!"),
+    ({"structured_outputs": {"grammar": 'root ::= "x = " [1-9] [0-9]? ";"'}}, r"x = [1-9][0-9]?;"),
+    ({"guided_grammar": 'root ::= ("a" | "b") ("c" | "d")'}, "[ab][cd]"),
+])
+def test_vllm_s_structured_outputs_hold_for_every_sampling(
+        client: OpenAI, cluster: Cluster, fields: dict[str, Any], pattern: str) -> None:
+    """vLLM's `structured_outputs` (and its older `guided_*` fields), through extra_body."""
+    for sampling in SAMPLING:
+        reply = client.chat.completions.create(
+            model=cluster.model, messages=[{"role": "user", "content": "Classify: great!"}],
+            max_tokens=40, extra_body=fields, **sampling)
+        text = reply.choices[0].message.content or ""
+        assert re.fullmatch(pattern, text) and reply.choices[0].finish_reason == "stop", text
+
+
+def test_a_bad_regex_is_a_400_naming_its_field(client: OpenAI, cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=cluster.model, prompt="hi", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "[a-z"}})
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "structured_outputs.regex"
+    assert "invalid regular expression" in error["message"]

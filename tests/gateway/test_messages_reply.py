@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import TextBlock, ToolUseBlock
+from anthropic.types import TextBlock, ThinkingBlock, ToolUseBlock
 
 from gateway.messages_reply import ContentBlocks
 
@@ -77,3 +77,16 @@ def test_a_call_cut_off_mid_input_has_an_empty_input() -> None:
 def test_nothing_said_is_no_block() -> None:
     blocks = ContentBlocks()
     assert blocks.finish() == [] and blocks.content() == []
+
+
+def test_thinking_is_a_thinking_block_before_the_text() -> None:
+    blocks = ContentBlocks()
+    events = [*blocks.add_thinking("Two and "), *blocks.add_thinking("two."),
+              *blocks.add_text("Four."), *blocks.finish()]
+    assert events[0]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert events[1]["delta"] == {"type": "thinking_delta", "thinking": "Two and "}
+    assert blocks.content() == [{"type": "thinking", "thinking": "Two and two.", "signature": ""},
+                                {"type": "text", "text": "Four."}]
+    thinking, text = accumulated(events)
+    assert isinstance(thinking, ThinkingBlock) and thinking.thinking == "Two and two."
+    assert isinstance(text, TextBlock) and text.text == "Four."

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from core.config import GenerationDefaults
+from core.messages import JSON_OBJECT, Grammar
 from gateway.errors import (
     APIError,
     bad_request,
@@ -198,6 +199,16 @@ BAD_BODIES: list[tuple[bytes, str | None]] = [
     (chat(bad_words=["w"] * 65), "bad_words"),
     (chat(bad_words=["x" * 1001]), "bad_words"),
     (chat(priority=1.5), "priority"),
+    # structured outputs: one way of asking, and one the workers can compile
+    (chat(guided_regex="(", guided_choice=["a"]), "guided_choice"),
+    (chat(response_format={"type": "json_object"}, guided_choice=["a"]), "guided_choice"),
+    (chat(structured_outputs={"regex": "[a-z"}), "structured_outputs.regex"),
+    (chat(structured_outputs={"grammar": "root ::= missing"}), "structured_outputs.grammar"),
+    (chat(guided_json={"type": "bogus"}), "guided_json"),
+    (chat(structured_outputs={"choice": []}), "structured_outputs.choice"),
+    (chat(structured_outputs={"structural_tag": {"x": 1}}), "structured_outputs.structural_tag"),
+    (chat(guided_choice="yes"), "guided_choice"),
+    (chat(tools=[TOOL_F], tool_choice="required", guided_regex="x"), "tool_choice"),
     (chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     (chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
     (chat(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
@@ -401,13 +412,27 @@ def test_full_chat_request_converts() -> None:
         ({"presence_penalty": -2, "frequency_penalty": 2},
          {"presence_penalty": -2.0, "frequency_penalty": 2.0}),
         ({"response_format": {"type": "text"}}, {}),
-        ({"response_format": {"type": "json_object"}}, {"grammar": "json_object"}),
+        ({"response_format": {"type": "json_object"}}, {"grammar": JSON_OBJECT}),
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "s", "description": "d", "strict": True,
             "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}},
-         {"grammar": '{"type": "object", "properties": {"b": {}, "a": {}}}'}),
+         {"grammar": Grammar("json_schema",
+                             '{"type": "object", "properties": {"b": {}, "a": {}}}')}),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
-         {"grammar": "json_object"}),
+         {"grammar": JSON_OBJECT}),
+        ({"structured_outputs": {"json": {"type": "integer"}}},
+         {"grammar": Grammar("json_schema", '{"type": "integer"}')}),
+        ({"structured_outputs": {"json_object": True}}, {"grammar": JSON_OBJECT}),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, {"grammar": Grammar("regex", "[a-z]+")}),
+        ({"structured_outputs": {"choice": ["yes", 'a "b"']}},
+         {"grammar": Grammar("ebnf", 'root ::= "yes" | "a \\"b\\""')}),
+        ({"structured_outputs": {"grammar": 'root ::= "x"'}},
+         {"grammar": Grammar("ebnf", 'root ::= "x"')}),
+        ({"guided_json": '{"type": "integer"}', "guided_decoding_backend": "xgrammar"},
+         {"grammar": Grammar("json_schema", '{"type": "integer"}')}),
+        ({"guided_regex": "[0-9]+"}, {"grammar": Grammar("regex", "[0-9]+")}),
+        ({"guided_choice": ["a", "b"]}, {"grammar": Grammar("ebnf", 'root ::= "a" | "b"')}),
+        ({"guided_grammar": 'root ::= "x"'}, {"grammar": Grammar("ebnf", 'root ::= "x"')}),
         ({"min_p": 0.05}, {"min_p": 0.05}),
         ({"repeat_penalty": 1.1}, {"repetition_penalty": 1.1}),
         ({"repeat_penalty": 1.1, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
@@ -456,7 +481,7 @@ def test_completion_defaults_and_params() -> None:
         assert (generation_params(req).logprobs, generation_params(req).min_tokens) == (
             logprobs, 16)
     req = parse_completion_request(completion(response_format={"type": "json_object"}))
-    assert generation_params(req).grammar == "json_object"
+    assert generation_params(req).grammar == JSON_OBJECT
 
 
 def test_request_models_are_frozen() -> None:

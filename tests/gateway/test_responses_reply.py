@@ -113,3 +113,33 @@ def test_the_openai_clients_stream_state_takes_text_a_call_and_text_again() -> N
     assert [item.type for item in completed.response.output] == [
         "message", "function_call", "message"]
     assert completed.response.output_text == "First.Then."
+
+
+def test_thinking_is_a_reasoning_item_before_the_message() -> None:
+    """As the official client accumulates it: a reasoning item with its reasoning_text, then
+    the answer's message; the answer alone continues a later response."""
+    items = OutputItems()
+    events = [*items.add_reasoning("Two and "), *items.add_reasoning("two."),
+              *items.add_text("Four.", []), *items.finish("completed")]
+    assert kinds(events) == ["output_item.added", "reasoning_text.delta", "reasoning_text.delta",
+                             "reasoning_text.done", "output_item.done", "output_item.added",
+                             "content_part.added", "output_text.delta", "output_text.done",
+                             "content_part.done", "output_item.done"]
+    reasoning, message = items.items
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two and two."}]
+    assert reasoning["id"].startswith("rs_") and message["type"] == "message"
+    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "status": "in_progress"}
+    state: ResponseStreamState[object] = ResponseStreamState(input_tools=omit, text_format=omit)
+    lifecycle = [{"type": "response.created", "response": response}, *events,
+                 {"type": "response.completed",
+                  "response": {**response, "status": "completed", "output": items.items}}]
+    handled = [state.handle_event(construct_type_unchecked(
+        type_=ResponseStreamEvent,  # type: ignore[arg-type]  # a union, as the client passes it
+        value={**event, "sequence_number": number})) for number, event in enumerate(lifecycle)]
+    completed = handled[-1][-1]
+    assert completed.type == "response.completed"
+    assert [item.type for item in completed.response.output] == ["reasoning", "message"]
+    assert completed.response.output_text == "Four."
+    assert items.as_message() == {"role": "assistant", "content": "Four."}

@@ -23,6 +23,7 @@ from core.messages import (
     DecodeRequest,
     FirstToken,
     GenerationTask,
+    Grammar,
     Heartbeat,
     Held,
     Message,
@@ -181,7 +182,7 @@ def kv_of(receiver: KVReceiver) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver,
                 request_id: str, prompt: list[int] | None = None, salt: str = "",
-                grammar: str = "", task: GenerationTask | None = None) -> FirstToken:
+                grammar: Grammar | None = None, task: GenerationTask | None = None) -> FirstToken:
     task = task or GenerationTask(prompt or [], Sampling(temperature=0.0), 16, [], True,
                                   cache_salt=salt, grammar=grammar)
     to_worker(gateway, PrefillRequest(request_id, 0, task, "decode-0", receiver.address))
@@ -193,7 +194,7 @@ def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver
     return first
 
 
-def compiled(worker: PrefillWorker, grammar: str) -> None:
+def compiled(worker: PrefillWorker, grammar: Grammar | None) -> None:
     """Wait for the worker's grammar thread to be done with `grammar` (if any)."""
     if grammar:
         worker.grammars.prepare(grammar).exception(timeout=GRAMMAR_WAIT_S)
@@ -224,8 +225,9 @@ def test_a_cached_prefix_is_reused_and_gives_the_same_kv_and_token(setup) -> Non
     assert computed == [3, 51, 16]
 
 
-def grammar_task(grammar: str, prompt: list[int]) -> GenerationTask:
-    return GenerationTask(prompt, Sampling(temperature=0.0), 16, [], False, grammar=grammar)
+def grammar_task(schema: str, prompt: list[int]) -> GenerationTask:
+    return GenerationTask(prompt, Sampling(temperature=0.0), 16, [], False,
+                          grammar=Grammar("json_schema", schema))
 
 
 def test_a_grammar_that_does_not_compile_fails_the_request(setup) -> None:
@@ -259,7 +261,7 @@ def test_a_request_waits_for_its_grammar_held_and_abortable_off_the_loop(setup) 
     worker.handle(Abort("aborted", 0))
     blocker.set()
     for schema in schemas:
-        compiled(worker, schema)
+        compiled(worker, Grammar("json_schema", schema))
     assert worker.step()
     assert [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)] == ["waits"]
     assert worker.holding() == []

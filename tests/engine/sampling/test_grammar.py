@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from core.messages import JSON_OBJECT, GenerationTask, Sampling
+from core.messages import JSON_OBJECT, GenerationTask, Grammar, Sampling
 from engine.sampling.grammar import Constraint, GrammarError, Grammars, unpack_bitmask
 from engine.sampling.sampler import History, draw, make_generator
 from engine.weights.tokenizer import decode_text
@@ -55,7 +56,11 @@ def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def task(grammar: str, prompt: list[int] | None = None, output: Sequence[int] = (),
+def schema(value: dict[str, Any]) -> Grammar:
+    return Grammar("json_schema", json.dumps(value))
+
+
+def task(grammar: Grammar | None, prompt: list[int] | None = None, output: Sequence[int] = (),
          **fields: Any) -> GenerationTask:
     """A task with `output` already streamed (a resumed request) when given."""
     prompt = prompt or [1, 5, 6]
@@ -64,7 +69,7 @@ def task(grammar: str, prompt: list[int] | None = None, output: Sequence[int] = 
                           output_start=len(prompt), grammar=grammar, **fields)
 
 
-def constraint(grammars: Grammars, grammar: str, output: Sequence[int] = (),
+def constraint(grammars: Grammars, grammar: Grammar, output: Sequence[int] = (),
                **fields: Any) -> Constraint:
     made = grammars.constraint(task(grammar, output=output, **fields), (EOS,))
     assert made is not None
@@ -76,7 +81,7 @@ def allowed_ids(c: Constraint) -> set[int]:
 
 
 def test_no_grammar_no_constraint(grammars: Grammars) -> None:
-    assert grammars.constraint(task(""), (EOS,)) is None
+    assert grammars.constraint(task(None), (EOS,)) is None
 
 
 def test_unpack_bitmask_reads_bits_in_token_order() -> None:
@@ -102,7 +107,7 @@ def test_mask_keeps_only_tokens_that_start_an_object(
 def test_eos_only_once_the_value_is_complete(
         grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
     ids = tokenizer.encode(ONLY_TEXT)
-    c = constraint(grammars, json.dumps(ONLY))
+    c = constraint(grammars, schema(ONLY))
     for token in ids:
         assert EOS not in allowed_ids(c) and token in allowed_ids(c)
         c.advance(token)
@@ -111,14 +116,14 @@ def test_eos_only_once_the_value_is_complete(
 
 def test_a_resumed_request_starts_after_its_output(
         grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
-    c = constraint(grammars, json.dumps(ONLY), output=tokenizer.encode(ONLY_TEXT))
+    c = constraint(grammars, schema(ONLY), output=tokenizer.encode(ONLY_TEXT))
     assert allowed_ids(c) == {EOS}
 
 
 def test_stop_tokens_end_the_grammar_and_stay_after_it(
         grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
     """With ignore_eos, the grammar ends on the request's stop tokens, and only they follow."""
-    c = constraint(grammars, json.dumps(ONLY), stop_token_ids=[7], ignore_eos=True)
+    c = constraint(grammars, schema(ONLY), stop_token_ids=[7], ignore_eos=True)
     for token in tokenizer.encode(ONLY_TEXT):
         c.advance(token)
     assert allowed_ids(c) == {7}
@@ -136,26 +141,25 @@ def test_the_min_tokens_ban_yields_to_a_finished_grammar() -> None:
     assert draw(logits, [Sampling(temperature=0.0)], [make_generator(0)], [hist])[0].token_id == 4
 
 
-@pytest.mark.parametrize("schema", [{"type": "bogus"}, {"type": "string", "pattern": "[a"}])
-def test_a_bad_schema_is_a_grammar_error(grammars: Grammars, schema: dict[str, object]) -> None:
+@pytest.mark.parametrize("bad", [{"type": "bogus"}, {"type": "string", "pattern": "[a"}])
+def test_a_bad_schema_is_a_grammar_error(grammars: Grammars, bad: dict[str, object]) -> None:
     with pytest.raises(GrammarError):
-        grammars.constraint(task(json.dumps(schema)), (EOS,))
+        grammars.constraint(task(schema(bad)), (EOS,))
 
 
 def test_compiled_grammars_are_cached(grammars: Grammars) -> None:
-    text = json.dumps(SCHEMA)
-    assert grammars.compiled(text) is grammars.compiled(text)
+    assert grammars.compiled(schema(SCHEMA)) is grammars.compiled(schema(SCHEMA))
 
 
 @pytest.fixture(scope="module")
 def generate(tiny_model_dir: Path, grammars: Grammars, tokenizer: PreTrainedTokenizerBase
-             ) -> Callable[[str, str, Sampling], tuple[str, bool]]:
+             ) -> Callable[[str, Grammar, Sampling], tuple[str, bool]]:
     """The tiny random model's constrained output text for a prompt, and whether EOS ended it
     within MAX_TOKENS."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
 
     @torch.inference_mode()
-    def run(prompt: str, grammar: str, params: Sampling) -> tuple[str, bool]:
+    def run(prompt: str, grammar: Grammar, params: Sampling) -> tuple[str, bool]:
         c = constraint(grammars, grammar)
         generator, output = make_generator(params.seed), list[int]()
         out = model(torch.tensor([tokenizer.encode(prompt)]), use_cache=True)
@@ -177,16 +181,16 @@ def generate(tiny_model_dir: Path, grammars: Grammars, tokenizer: PreTrainedToke
 @pytest.mark.parametrize("params", [Sampling(temperature=0.0), Sampling(seed=1),
                                     Sampling(temperature=0.7, top_p=0.9, seed=2)])
 def test_a_random_model_writes_valid_json_under_the_schema(
-        generate: Callable[[str, str, Sampling], tuple[str, bool]], prompt: str,
+        generate: Callable[[str, Grammar, Sampling], tuple[str, bool]], prompt: str,
         params: Sampling) -> None:
     """Bounded strings, enums and arrays: the grammar alone must make it end, and valid."""
-    text, ended = generate(prompt, json.dumps(SCHEMA), params)
+    text, ended = generate(prompt, schema(SCHEMA), params)
     assert ended, text
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_a_random_model_writes_json_objects(
-        generate: Callable[[str, str, Sampling], tuple[str, bool]]) -> None:
+        generate: Callable[[str, Grammar, Sampling], tuple[str, bool]]) -> None:
     """Any object: nothing bounds a random model's strings, but what ends is an object."""
     settings = [(prompt, Sampling(temperature=0.0)) for prompt in PROMPTS]
     runs = [generate(prompt, JSON_OBJECT, params)
@@ -195,11 +199,24 @@ def test_a_random_model_writes_json_objects(
     assert all(isinstance(json.loads(text), dict) for text, ended in runs if ended)
 
 
+@pytest.mark.parametrize(("grammar", "pattern"), [
+    (Grammar("regex", r"[0-9]{3}-[a-z]{2,4}"), r"[0-9]{3}-[a-z]{2,4}"),
+    (Grammar("ebnf", 'root ::= "yes" | "no" | "maybe, then\\nno"'), r"yes|no|maybe, then\nno"),
+    (Grammar("regex", r"(line\n){2}end"), r"(line\n){2}end"),  # a control byte is allowed
+])
+def test_a_random_model_writes_what_a_regex_or_ebnf_grammar_says(
+        generate: Callable[[str, Grammar, Sampling], tuple[str, bool]], grammar: Grammar,
+        pattern: str) -> None:
+    for prompt, params in [(PROMPTS[0], Sampling(temperature=0.0)), (PROMPTS[1], Sampling(seed=5))]:
+        text, ended = generate(prompt, grammar, params)
+        assert ended and re.fullmatch(pattern, text), text
+
+
 def test_no_raw_control_character_inside_a_string(
         grammars: Grammars, tokenizer: PreTrainedTokenizerBase) -> None:
     """JSON allows none unescaped, though xgrammar's string rule lets them in (a random model
     once wrote a \\x01 into a name)."""
-    c = constraint(grammars, json.dumps(SCHEMA))
+    c = constraint(grammars, schema(SCHEMA))
     for token in tokenizer.encode('{"name": "ab'):
         c.advance(token)
     allowed = allowed_ids(c)
@@ -221,11 +238,11 @@ def tool_calls_schema(tools: int, params: int) -> dict[str, Any]:
     return {"type": "array", "minItems": 1, "items": {"anyOf": [call(i) for i in range(tools)]}}
 
 
-def test_a_grammar_compiles_off_the_callers_thread_and_is_cached_by_its_text(
+def test_a_grammar_compiles_off_the_callers_thread_and_is_cached(
         tiny_model_dir: Path) -> None:
     fresh = Grammars(tiny_model_dir, vocab_size=49152)
     try:
-        text = json.dumps(tool_calls_schema(40, 4))
+        text = schema(tool_calls_schema(40, 4))
         future = fresh.prepare(text)
         # The vocabulary tables alone take a while: the caller is back long before.
         assert not future.done() and not fresh.ready(text)
@@ -238,16 +255,16 @@ def test_a_grammar_compiles_off_the_callers_thread_and_is_cached_by_its_text(
 
 
 def test_a_bad_grammar_is_ready_with_its_problem(grammars: Grammars) -> None:
-    text = json.dumps({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
+    text = schema({"type": "object", "properties": {"a": {"type": "no-such-type"}}})
     grammars.prepare(text).exception(timeout=120)
     problem = grammars.problem(text)
     assert grammars.ready(text) and problem is not None and problem.startswith("invalid grammar")
 
 
-def test_the_cache_forgets_the_least_recently_used_text(tiny_model_dir: Path) -> None:
+def test_the_cache_forgets_the_least_recently_used_grammar(tiny_model_dir: Path) -> None:
     small = Grammars(tiny_model_dir, vocab_size=49152, cache_size=2)
     try:
-        first, second, third = (json.dumps({"enum": [name]}) for name in "abc")
+        first, second, third = (schema({"enum": [name]}) for name in "abc")
         kept = small.prepare(first)
         small.prepare(second)
         assert small.prepare(first) is kept  # used again: the most recent now
@@ -260,8 +277,8 @@ def test_the_cache_forgets_the_least_recently_used_text(tiny_model_dir: Path) ->
 def test_a_long_compile_lets_other_threads_run(grammars: Grammars) -> None:
     """xgrammar compiles in C++ with the GIL released: a thread of the worker's (its
     heartbeats) keeps running, in steps far shorter than the heartbeat interval."""
-    grammars.compiled(ONLY_TEXT)  # the tables built
-    future = grammars.prepare(json.dumps(tool_calls_schema(200, 8)))
+    grammars.compiled(schema(ONLY))  # the tables built
+    future = grammars.prepare(schema(tool_calls_schema(200, 8)))
     ticks = []
     while not future.done():
         ticks.append(time.monotonic())
@@ -273,9 +290,10 @@ def test_a_long_compile_lets_other_threads_run(grammars: Grammars) -> None:
 # A worker's grammar thread, its tables built and a grammar compiled
 GRAMMAR_THREAD = """
 from pathlib import Path
+from core.messages import JSON_OBJECT
 from engine.sampling.grammar import Grammars
 grammars = Grammars(Path({folder!r}), vocab_size=49152)
-grammars.prepare('{{"type": "object"}}').result(timeout=120)
+grammars.prepare(JSON_OBJECT).result(timeout=120)
 assert grammars.control_tokens.any()
 """
 

@@ -1,0 +1,110 @@
+"""A reasoning model's thinking, told apart from its answer (vLLM's `--reasoning-parser`).
+
+Qwen3, QwQ and DeepSeek-R1 write their thinking between `<think>` and `</think>`, then the
+answer. With `gateway.reasoning_parser` set, each chat choice's output goes through a
+`ThoughtSplitter`: what comes before `</think>` is reasoning (chat's `reasoning_content`,
+Anthropic's thinking blocks, the Responses API's reasoning items), what follows is the content
+(and tool calls). `deepseek_r1`: the output starts in thought, with or without `<think>` (its
+template opens it in the prompt); `qwen3`: only an output that starts with `<think>` holds
+thought (with `enable_thinking` false, Qwen3's template closes it in the prompt). A thought
+never closed (cut by max_tokens) is all reasoning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from core.config import ReasoningParser
+
+THINK_START, THINK_END = "<think>", "</think>"
+State = Literal["opening", "thinking", "answering"]
+
+
+@dataclass
+class Split:
+    """Some output, as reasoning and content."""
+
+    reasoning: str = ""
+    content: str = ""
+
+    def extend(self, other: Split) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+
+
+class ThoughtSplitter:
+    """One choice's output as reasoning and content, as it streams: text that may be the start
+    of a marker is held back until the next text says what it is."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        assert parser, "a splitter needs a parser"
+        self.unmarked: State = "thinking" if parser == "deepseek_r1" else "answering"
+        self.state: State = "opening"
+        self.buffer = ""
+        self.after_thought = False  # the newlines right after `</think>` are dropped
+
+    def feed(self, text: str) -> Split:
+        self.buffer += text
+        split = Split()
+        while self.buffer and self._step(split):
+            pass
+        return split
+
+    def finish(self) -> Split:
+        """The rest: held-back text is what the state makes it."""
+        text, self.buffer = self.buffer, ""
+        if self.state == "opening":
+            self.state = self.unmarked
+        return Split(reasoning=text) if self.state == "thinking" else Split(content=text)
+
+    def _step(self, split: Split) -> bool:
+        """Move what the buffer says for sure into `split`; whether to look again."""
+        if self.state == "opening":
+            return self._open()
+        if self.state == "thinking":
+            return self._think(split)
+        if self.after_thought:
+            self.buffer = self.buffer.lstrip("\n")
+            self.after_thought = not self.buffer
+        split.content += self.buffer
+        self.buffer = ""
+        return False
+
+    def _open(self) -> bool:
+        start = self.buffer.lstrip()
+        if start.startswith(THINK_START):
+            self.state, self.buffer = "thinking", start[len(THINK_START):]
+            return True
+        if THINK_START.startswith(start):  # may yet be the marker
+            return False
+        self.state = self.unmarked
+        return True
+
+    def _think(self, split: Split) -> bool:
+        end = self.buffer.find(THINK_END)
+        if end >= 0:
+            split.reasoning += self.buffer[:end]
+            self.buffer = self.buffer[end + len(THINK_END):]
+            self.state, self.after_thought = "answering", True
+            return True
+        kept = _marker_prefix(self.buffer, THINK_END)
+        split.reasoning += self.buffer[:len(self.buffer) - kept]
+        self.buffer = self.buffer[len(self.buffer) - kept:]
+        return False
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def split_whole(parser: ReasoningParser, text: str) -> Split:
+    """A whole output as reasoning and content."""
+    splitter = ThoughtSplitter(parser)
+    split = splitter.feed(text)
+    split.extend(splitter.finish())
+    return split

@@ -1,0 +1,88 @@
+"""A reasoning model's thinking told from its answer (`--reasoning-parser qwen3`) on every API,
+end to end: a tiny random Llama made to think by a regular expression (`guided_regex`), so that
+every output opens with `<think>`, closes it, and answers; whole and streamed, through the
+official openai and anthropic clients. 1 gateway + 1 prefill + 1 decode."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+from anthropic.types import MessageParam, TextBlock, ThinkingBlock
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
+
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
+
+pytestmark = pytest.mark.e2e
+
+THOUGHT = "[a-z]{3,8}"
+ANSWER = "yes|no"
+FORCED: dict[str, Any] = {"guided_regex": f"<think>\n{THOUGHT}\n</think>\n\n({ANSWER})",
+                          "temperature": 1.0, "seed": 5}
+ASKED: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Is it raining?"}]
+ASKED_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "Is it raining?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "reasoning_parser": "qwen3"}}
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as made:
+        yield made
+
+
+def thought_and_answer(reasoning: str, answer: str) -> tuple[str, str]:
+    """Checked for the forced shape: the thinking between the markers, the answer after."""
+    assert re.fullmatch(f"\n{THOUGHT}\n", reasoning), reasoning
+    assert re.fullmatch(ANSWER, answer), answer
+    return reasoning, answer
+
+
+def test_chat_gives_reasoning_content_whole_and_streamed(client: OpenAI,
+                                                         cluster: Cluster) -> None:
+    reply = client.chat.completions.create(model=cluster.model, messages=ASKED,
+                                           max_tokens=40, extra_body=FORCED)
+    message = reply.choices[0].message
+    whole = thought_and_answer(getattr(message, "reasoning_content", ""), message.content or "")
+    stream = client.chat.completions.create(model=cluster.model, messages=ASKED,
+                                            max_tokens=40, extra_body=FORCED, stream=True)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    streamed = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                "".join(d.content or "" for d in deltas))
+    assert streamed == whole  # the same seed: the same draws
+
+
+def test_messages_give_a_thinking_block(cluster: Cluster) -> None:
+    with anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0) as made:
+        message = made.messages.create(model=cluster.model, max_tokens=40,
+                                       messages=ASKED_ANTHROPIC, extra_body=FORCED)
+        with made.messages.stream(model=cluster.model, max_tokens=40, messages=ASKED_ANTHROPIC,
+                                  extra_body=FORCED) as stream:
+            final = stream.get_final_message()
+    shown = []
+    for reply in (message, final):
+        thinking, text = reply.content
+        assert isinstance(thinking, ThinkingBlock) and isinstance(text, TextBlock)
+        shown.append(thought_and_answer(thinking.thinking, text.text))
+    assert shown[0] == shown[1]  # the same seed: the same draws
+
+
+def test_responses_give_a_reasoning_item(client: OpenAI, cluster: Cluster) -> None:
+    response = client.responses.create(model=cluster.model, input="Is it raining?",
+                                       max_output_tokens=40, extra_body=FORCED)
+    reasoning, message = response.output
+    assert isinstance(reasoning, ResponseReasoningItem)
+    assert isinstance(message, ResponseOutputMessage)
+    assert reasoning.content is not None
+    thought_and_answer(reasoning.content[0].text, response.output_text)
