@@ -92,12 +92,9 @@ def test_text_after_a_call_is_another_message_with_an_id_of_its_own() -> None:
     assert items.as_message()["content"] == "First.Then."
 
 
-def test_the_openai_clients_stream_state_takes_text_a_call_and_text_again() -> None:
-    """The official client's accumulator (what `client.responses.stream` runs) reads these
-    events to the same items; with one id for both messages it raised."""
-    items = OutputItems()
-    events = [*items.add_text("First.", []), *items.start_call("call_1", "f", '{"a": 1}'),
-              *items.add_text("Then.", []), *items.finish("completed")]
+def completed_by_the_client(items: OutputItems, events: list[dict[str, Any]]) -> Any:
+    """The response.completed event the official client's accumulator (what
+    `client.responses.stream` runs) makes of `events` between created and completed."""
     response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
                 "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                 "status": "in_progress"}
@@ -110,6 +107,16 @@ def test_the_openai_clients_stream_state_takes_text_a_call_and_text_again() -> N
         value={**event, "sequence_number": number})) for number, event in enumerate(lifecycle)]
     completed = handled[-1][-1]
     assert completed.type == "response.completed"
+    return completed
+
+
+def test_the_openai_clients_stream_state_takes_text_a_call_and_text_again() -> None:
+    """The official client's accumulator (what `client.responses.stream` runs) reads these
+    events to the same items; with one id for both messages it raised."""
+    items = OutputItems()
+    events = [*items.add_text("First.", []), *items.start_call("call_1", "f", '{"a": 1}'),
+              *items.add_text("Then.", []), *items.finish("completed")]
+    completed = completed_by_the_client(items, events)
     assert [item.type for item in completed.response.output] == [
         "message", "function_call", "message"]
     assert completed.response.output_text == "First.Then."
@@ -128,18 +135,7 @@ def test_thinking_is_a_reasoning_item_before_the_message() -> None:
     reasoning, message = items.items
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two and two."}]
     assert reasoning["id"].startswith("rs_") and message["type"] == "message"
-    response = {"id": "resp_1", "object": "response", "created_at": 0, "model": "m",
-                "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "status": "in_progress"}
-    state: ResponseStreamState[object] = ResponseStreamState(input_tools=omit, text_format=omit)
-    lifecycle = [{"type": "response.created", "response": response}, *events,
-                 {"type": "response.completed",
-                  "response": {**response, "status": "completed", "output": items.items}}]
-    handled = [state.handle_event(construct_type_unchecked(
-        type_=ResponseStreamEvent,  # type: ignore[arg-type]  # a union, as the client passes it
-        value={**event, "sequence_number": number})) for number, event in enumerate(lifecycle)]
-    completed = handled[-1][-1]
-    assert completed.type == "response.completed"
+    completed = completed_by_the_client(items, events)
     assert [item.type for item in completed.response.output] == ["reasoning", "message"]
     assert completed.response.output_text == "Four."
     assert items.as_message() == {"role": "assistant", "content": "Four."}
