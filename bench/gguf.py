@@ -237,7 +237,7 @@ def _calibration(kind: Kind) -> tuple[float, float]:
 
 def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
                   tokenizer: GGUFReader, head_dim: int) -> None:
-    writer.add_name(f"random llama {shape['layers']}x{shape['hidden']}")
+    writer.add_name(f"random {writer.arch} {shape['layers']}x{shape['hidden']}")
     writer.add_context_length(4096)
     writer.add_embedding_length(shape["hidden"])
     writer.add_feed_forward_length(shape["intermediate"])

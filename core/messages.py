@@ -22,14 +22,14 @@ Stage = Literal["gateway_queue", "prefill_wait", "prefill_compute", "kv_transfer
 STAGES: tuple[Stage, ...] = typing.get_args(Stage)
 
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "lark"]
 
 
 @dataclass(frozen=True)
 class Grammar:
     """Structured output: what the output must match. `text` is a JSON schema's (json_schema),
-    a regular expression (regex) or an EBNF grammar whose start rule is `root` (ebnf); any
-    JSON object (json_object) needs none."""
+    a regular expression (regex), an EBNF grammar whose start rule is `root` (ebnf) or a Lark
+    one whose start rule is `start` (lark); any JSON object (json_object) needs none."""
 
     kind: GrammarKind
     text: str = ""

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.config import ReasoningParser
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import ChatFormat, Reply, WholeChoice
@@ -34,9 +33,11 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 @dataclass(frozen=True)
 class AnthropicAsk:
     """What a Messages request asked beyond its chat request: `max_tokens`, which it may ask
-    past the context (the reply stops at the context window instead, as Anthropic's do)."""
+    past the context (the reply stops at the context window instead, as Anthropic's do), and
+    whether it turned `thinking` on (only then are thinking blocks shown)."""
 
     max_tokens: int | None
+    thinking: bool = False
 
 
 class ContentBlocks:
@@ -50,19 +51,21 @@ class ContentBlocks:
         self.inputs: dict[int, str] = {}  # a tool_use block's index -> its input's JSON text
 
     def add_text(self, text: str) -> list[Event]:
-        return self._add("text", "text", text)
+        return self._add("text", text)
 
     def add_thinking(self, text: str) -> list[Event]:
         """Thinking (gateway/reasoning.py) goes to a thinking block, signed by no one."""
-        return self._add("thinking", "thinking", text)
+        return self._add("thinking", text)
 
-    def _add(self, kind: str, field: str, text: str) -> list[Event]:
+    def _add(self, kind: str, text: str) -> list[Event]:
+        """`text` added to the open block of `kind` (a text block's `text`, a thinking
+        block's `thinking`), or to a new one."""
         if not text:
             return []
         events = [] if self._open_type() == kind else [*self._close(), *self._start(
-            {"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})]
-        self.blocks[-1][field] += text
-        return [*events, self._delta({"type": f"{field}_delta", field: text})]
+            {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})]
+        self.blocks[-1][kind] += text
+        return [*events, self._delta({"type": f"{kind}_delta", kind: text})]
 
     def start_call(self, call_id: str, name: str, arguments: str) -> list[Event]:
         events = [*self._close(), *self._start({"type": "tool_use", "id": call_id, "name": name,
@@ -119,14 +122,12 @@ class MessagesReply(Reply):
 
     def __init__(self, generations: list[Generation], state: GatewayState, *, model: str,
                  timing: bool, span: Span | None, tools: ToolPlan | None,
-                 reasoning: ReasoningParser, max_tokens: int | None) -> None:
-        """`max_tokens`: what the request asked for, where the context left less (a reply
-        stopped short of it stopped at the context window)."""
+                 in_thought: bool | None, ask: AnthropicAsk) -> None:
         assert len(generations) == 1, "a message has one reply"
         super().__init__(ChatFormat(), generations, state, include_usage=False, model=model,
-                         timing=timing, span=span, tools=tools, reasoning=reasoning)
+                         timing=timing, span=span, tools=tools, in_thought=in_thought)
         self.id = f"msg_{generations[0].handle.request_id}"
-        self.max_tokens = max_tokens
+        self.ask = ask
         self.blocks = ContentBlocks()
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -160,7 +161,8 @@ class MessagesReply(Reply):
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choice = self._whole_choice(0, wholes[0])
         message = choice["message"]
-        self.blocks.add_thinking(message.get("reasoning_content", ""))
+        if self.ask.thinking:
+            self.blocks.add_thinking(message.get("reasoning", ""))
         self.blocks.add_text(message["content"] or "")
         for call in message.get("tool_calls", ()):
             self.blocks.start_call(call["id"], call["function"]["name"],
@@ -179,7 +181,8 @@ class MessagesReply(Reply):
         if not choice:
             return
         delta = choice["delta"]
-        yield from self.blocks.add_thinking(delta.get("reasoning_content", ""))
+        if self.ask.thinking:
+            yield from self.blocks.add_thinking(delta.get("reasoning", ""))
         yield from self.blocks.add_text(delta.get("content", ""))
         for call in delta.get("tool_calls", ()):
             function = call["function"]
@@ -198,7 +201,8 @@ class MessagesReply(Reply):
         self.stop_reason = "stop_sequence" if by_string else _STOP_REASONS[reason]
         self.stop_sequence = matched if by_string else None
         allowed = self.generations[0].handle.task.max_tokens
-        if reason == "length" and self.max_tokens is not None and allowed < self.max_tokens:
+        asked = self.ask.max_tokens  # a reply stopped short of it stopped at the window
+        if reason == "length" and asked is not None and allowed < asked:
             self.stop_reason = "model_context_window_exceeded"
 
     def _message(self, streamed: bool) -> dict[str, Any]:

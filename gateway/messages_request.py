@@ -2,7 +2,8 @@
 
 A Messages request is a chat request spelled another way: `system` is the system message, each
 message's content a string or a list of blocks (text, earlier `tool_use` calls, `tool_result`
-answers, thinking, which is skipped), `tools` custom tools with an `input_schema`,
+answers, thinking, which goes back to the template as the turn's reasoning), `tools` custom
+tools with an `input_schema`,
 `tool_choice` one of auto / any / tool / none, `stop_sequences` the stop strings and
 `output_config.format` a JSON schema for the output. `MessagesRequest.chat_request` turns it
 into a `ChatCompletionRequest`, so that everything downstream (template, tool calling,
@@ -86,7 +87,8 @@ class ToolResultBlock(RequestModel):
 
 
 class ThinkingBlock(RequestModel):
-    """An earlier reply's thinking: skipped (this model shows none)."""
+    """An earlier reply's thinking: the turn's reasoning, for a template that shows it again
+(Qwen3's, within a chain of tool calls); a redacted one is skipped."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
@@ -167,9 +169,14 @@ def _assistant_message(text: str, blocks: list[Any]) -> ChatMessageFields:
     calls = [{"id": block.id, "type": "function",
               "function": {"name": block.name, "arguments": json.dumps(block.input)}}
              for block in blocks if isinstance(block, ToolUseBlock)]
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+    message: ChatMessageFields = {"role": "assistant", "content": text}
+    if calls:
+        message.update(content=text or None, tool_calls=calls)
+    thought = "".join(block.thinking or "" for block in blocks
+                      if isinstance(block, ThinkingBlock))
+    if thought:
+        message["reasoning_content"] = thought
+    return message
 
 
 class CustomTool(RequestModel):
@@ -244,7 +251,7 @@ class MessagesRequest(SamplingRequest):
     output_format: JsonOutputFormat | None = None  # the structured-output beta's name for it
     # Accepted and ignored: bookkeeping for Anthropic's platform, or hints with no effect here.
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # this model does not think aloud
+    thinking: dict[str, Any] | None = None  # {"type": "enabled" | "adaptive" | "disabled"}
     cache_control: Any = None  # prefix caching is automatic
     context_management: Any = None  # nothing is cleared: the prompt stays whole
     service_tier: str | None = None
@@ -307,6 +314,12 @@ class MessagesRequest(SamplingRequest):
         return self
 
     @property
+    def thinks(self) -> bool:
+        """Whether the request turned thinking on (its blocks are shown only then)."""
+        return self.thinking is not None and self.thinking.get("type") in ("enabled",
+                                                                            "adaptive")
+
+    @property
     def turns(self) -> list[Message]:
         """The messages, less a final assistant message with no text (no reply begun)."""
         last = self.messages[-1]
@@ -321,6 +334,8 @@ class MessagesRequest(SamplingRequest):
                       stop=[*(self.stop or ()), *(self.stop_sequences or ())] or None,
                       response_format=self._response_format(),
                       continue_final_message=continued, add_generation_prompt=not continued)
+        if self.thinking is not None:  # as Qwen3's template reads it; others ignore it
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinks}
         return chat_request_of(fields, _FIELDS_OF_CHAT)
 
     def chat_messages(self) -> list[ChatMessageFields]:

@@ -45,6 +45,7 @@ from gateway.protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from gateway.reasoning import opens_in_thought
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, CompletionFormat, Format, Reply
 from gateway.response_store import StoredResponse, input_items_page
 from gateway.responses_reply import ResponseContext, ResponsesReply
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 _Result = TypeVar("_Result")
+_PROMPT_END_TOKENS = 8  # the prompt's last tokens, read for a `<think>` left open
 
 
 @dataclass(frozen=True)
@@ -312,21 +314,31 @@ class OpenAIRoutes:
                served: Served, timing: bool, span: Span | None) -> Reply:
         """The reply in the shape of the request's API; a chat reply's thinking told from its
         answer where a reasoning parser is set."""
-        reasoning = self.state.config.gateway.reasoning_parser
+        in_thought = self._in_thought(generations[0].handle.task.prompt_ids, params) if (
+            isinstance(fmt, ChatFormat)) else None
         if served.response is not None:
             return ResponsesReply(served.response, generations, self.state,
                                   params.logprobs is not None, model=served.model,
                                   timing=timing, span=span, tools=served.tools,
-                                  reasoning=reasoning)
+                                  in_thought=in_thought)
         if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
-                                 span=span, tools=served.tools, reasoning=reasoning,
-                                 max_tokens=served.message.max_tokens)
+                                 span=span, tools=served.tools, in_thought=in_thought,
+                                 ask=served.message)
         return Reply(fmt, generations, self.state, params.include_usage,
                      params.logprobs is not None, params.n, model=served.model,
                      continuous_usage=params.continuous_usage, timing=timing, span=span,
-                     tools=served.tools,
-                     reasoning=reasoning if isinstance(fmt, ChatFormat) else "")
+                     tools=served.tools, in_thought=in_thought)
+
+    def _in_thought(self, prompt_ids: list[int], params: GenerationParams) -> bool | None:
+        """Whether the output opens in thought (gateway/reasoning.py); None without a
+        reasoning parser."""
+        parser = self.state.config.gateway.reasoning_parser
+        if not parser:
+            return None
+        end = decode_text(self.state.tokenizer, prompt_ids[-_PROMPT_END_TOKENS:],
+                          skip_special_tokens=False)
+        return opens_in_thought(parser, end, constrained=params.grammar is not None)
 
     async def _respond(self, request: Request, reply: Reply, served: Served,
                        stream: bool) -> Response:

@@ -53,6 +53,9 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": role, "content": message.text}
     if message.name is not None:
         entry["name"] = message.name
+    thought = message.reasoning_content or message.reasoning
+    if thought:  # as Qwen3's template reads it (others ignore it)
+        entry["reasoning_content"] = thought
     return entry
 
 

@@ -55,8 +55,9 @@ _INT32_MAX = 2**31 - 1
 _MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
 _MAX_SCHEMA_ERROR_CHARS = 300
 _GRAMMAR_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object",
-                  "regex": "regular expression", "ebnf": "EBNF grammar"}
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # "[17:40:21] /path/file.cc:94: "
+                  "regex": "regular expression", "ebnf": "EBNF grammar", "lark": "Lark grammar"}
+# "[17:40:21] /path/file.cc:94: " and "Check failed: (error.empty()) is false: "
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: (Check failed: .*? is false: )?")
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
 # Content parts this text-only model cannot read, by type: what the 400 calls them.
 UNREADABLE_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
@@ -167,11 +168,19 @@ class ResponseFormat(RequestModel):
         return Grammar("json_schema", json.dumps(self.json_schema.schema_))
 
 
+def _schema(value: object) -> object:
+    """A JSON schema as vLLM takes it: an object, or its text. Not a union type: pydantic would
+    name the union's members in the error location."""
+    if value is None or isinstance(value, dict | str):
+        return value
+    raise invalid_value("must be a JSON schema: an object, or its text")
+
+
 class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regular
     expression, a choice of strings, or an EBNF grammar (its start rule `root`)."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: Any = Field(default=None, alias="json")  # a schema, or its text (see _schema)
     json_object: bool | None = None
     regex: str | None = Field(default=None, min_length=1)
     choice: list[str] | None = Field(default=None, min_length=1)
@@ -183,6 +192,7 @@ class StructuredOutputs(RequestModel):
     whitespace_pattern: str | None = None
 
     _not_here = field_validator("structural_tag")(none_only)
+    _a_schema = field_validator("json_")(_schema)
 
     def grammars(self) -> dict[str, Grammar | None]:
         """What each of its fields asks for, by the field's name in the request."""
@@ -190,7 +200,7 @@ class StructuredOutputs(RequestModel):
                 "structured_outputs.json_object": JSON_OBJECT if self.json_object else None,
                 "structured_outputs.regex": _text_grammar("regex", self.regex),
                 "structured_outputs.choice": _choice_grammar(self.choice),
-                "structured_outputs.grammar": _text_grammar("ebnf", self.grammar)}
+                "structured_outputs.grammar": _rules(self.grammar)}
 
 
 def _json_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
@@ -201,6 +211,14 @@ def _json_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
 
 def _text_grammar(kind: GrammarKind, text: str | None) -> Grammar | None:
     return None if text is None else Grammar(kind, text)
+
+
+def _rules(text: str | None) -> Grammar | None:
+    """A grammar's rules: EBNF (`root ::= ...`), or Lark's (`start: ...`), as vLLM tells them
+    apart."""
+    if text is None:
+        return None
+    return Grammar("ebnf" if "::=" in text else "lark", text)
 
 
 def _choice_grammar(choices: list[str] | None) -> Grammar | None:
@@ -294,6 +312,10 @@ class ChatMessage(RequestModel):
     role: Role
     name: str | None = None
     refusal: str | None = None  # ignored: an earlier assistant refusal, already in `content`
+    # An earlier assistant turn's thinking (gateway/reasoning.py), for a template that shows it
+    # again; `reasoning` is vLLM's name for it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_call_id: str | None = Field(default=None, max_length=256)
     tool_calls: list[ToolCall] | None = None
     function_call: FunctionCall | None = None
@@ -401,7 +423,7 @@ class SamplingRequest(RequestModel):
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     # vLLM's older names for structured_outputs' fields.
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: Any = None  # a JSON schema, or its text (see _schema)
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)
@@ -415,6 +437,7 @@ class SamplingRequest(RequestModel):
                 if name in self.model_fields_set and name not in left_out}
 
     _grammar: Grammar | None = PrivateAttr(default=None)
+    _a_schema = field_validator("guided_json")(_schema)
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> SamplingRequest:
@@ -427,7 +450,7 @@ class SamplingRequest(RequestModel):
             "guided_json": _json_grammar(self.guided_json),
             "guided_regex": _text_grammar("regex", self.guided_regex),
             "guided_choice": _choice_grammar(self.guided_choice),
-            "guided_grammar": _text_grammar("ebnf", self.guided_grammar)})
+            "guided_grammar": _rules(self.guided_grammar)})
         return self
 
     @property

@@ -2,12 +2,13 @@
 
 Qwen3, QwQ and DeepSeek-R1 write their thinking between `<think>` and `</think>`, then the
 answer. With `gateway.reasoning_parser` set, each chat choice's output goes through a
-`ThoughtSplitter`: what comes before `</think>` is reasoning (chat's `reasoning_content`,
-Anthropic's thinking blocks, the Responses API's reasoning items), what follows is the content
-(and tool calls). `deepseek_r1`: the output starts in thought, with or without `<think>` (its
-template opens it in the prompt); `qwen3`: only an output that starts with `<think>` holds
-thought (with `enable_thinking` false, Qwen3's template closes it in the prompt). A thought
-never closed (cut by max_tokens) is all reasoning.
+`ThoughtSplitter`: what comes before `</think>` is reasoning (chat's `reasoning` and
+`reasoning_content`, Anthropic's thinking blocks, the Responses API's reasoning items), what
+follows is the content (and tool calls). An output opens in thought (`opens_in_thought`) when
+the prompt left `<think>` open (Qwen3's thinking models and DeepSeek-R1's templates end with
+it) or, with `deepseek_r1`, always; any output also does that starts with `<think>`. Under a
+grammar only the latter: what a grammar makes is the answer. A thought never closed (cut by
+max_tokens) is all reasoning.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class ThoughtSplitter:
     """One choice's output as reasoning and content, as it streams: text that may be the start
     of a marker is held back until the next text says what it is."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
-        assert parser, "a splitter needs a parser"
-        self.unmarked: State = "thinking" if parser == "deepseek_r1" else "answering"
+    def __init__(self, in_thought: bool) -> None:
+        """`in_thought`: the output opens in thought without a `<think>` of its own."""
+        self.unmarked: State = "thinking" if in_thought else "answering"
         self.state: State = "opening"
         self.buffer = ""
         self.after_thought = False  # the newlines right after `</think>` are dropped
@@ -102,9 +103,19 @@ def _marker_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def split_whole(parser: ReasoningParser, text: str) -> Split:
+def opens_in_thought(parser: ReasoningParser, prompt_end: str, constrained: bool) -> bool:
+    """Whether an output opens in thought, where `parser` is set: the prompt (whose text
+    ends in `prompt_end`) left `<think>` open, or the parser says every output does; never
+    under a grammar (`constrained`)."""
+    assert parser, "only a reasoning parser splits thought from answer"
+    if constrained:
+        return False
+    return parser == "deepseek_r1" or prompt_end.rstrip().endswith(THINK_START)
+
+
+def split_whole(in_thought: bool, text: str) -> Split:
     """A whole output as reasoning and content."""
-    splitter = ThoughtSplitter(parser)
+    splitter = ThoughtSplitter(in_thought)
     split = splitter.feed(text)
     split.extend(splitter.finish())
     return split

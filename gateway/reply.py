@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from core.config import ReasoningParser
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.handle import Ending
@@ -45,8 +44,8 @@ class ChatFormat:
         """`calls`: the delta's `tool_calls` (or legacy `function_call`), if any;
         `reasoning`: its thinking (gateway/reasoning.py)."""
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        if reasoning:  # under vLLM's name and under DeepSeek's, SGLang's and llama.cpp's
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if text and not first:
             delta["content"] = text
         delta.update(calls or {})
@@ -59,7 +58,7 @@ class ChatFormat:
                     calls: CallFields = None, reasoning: str = "") -> dict[str, Any]:
         message = {"role": "assistant", "content": text, **(calls or {})}
         if reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         shown = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "message": message, "logprobs": shown, "finish_reason": reason,
                 "stop_reason": stop_reason}
@@ -115,7 +114,7 @@ class Reply:
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1, *,
                  model: str | None = None, continuous_usage: bool = False,
                  timing: bool = False, span: Span | None = None,
-                 tools: ToolPlan | None = None, reasoning: ReasoningParser = "") -> None:
+                 tools: ToolPlan | None = None, in_thought: bool | None = None) -> None:
         assert generations and len(generations) % choices_per_prompt == 0
         prefix = "chatcmpl" if isinstance(fmt, ChatFormat) else "cmpl"
         self.id = f"{prefix}-{generations[0].handle.request_id}"
@@ -135,9 +134,11 @@ class Reply:
         self.outcome = "aborted"  # of a stream, as it ends: ok, error or aborted
         # One per choice when its output may hold tool calls (gateway/tools.py).
         self.tool_streams = [tools.stream() for _ in generations] if tools else []
-        # One per choice when its thinking is told from its answer (gateway/reasoning.py).
-        self.reasoning = reasoning
-        self.thoughts = [ThoughtSplitter(reasoning) for _ in generations] if reasoning else []
+        # One per choice when its thinking is told from its answer (gateway/reasoning.py);
+        # `in_thought`: whether an output opens in thought (None: no reasoning parser).
+        self.in_thought = in_thought
+        self.thoughts = [] if in_thought is None else [ThoughtSplitter(in_thought)
+                                                        for _ in generations]
 
     async def _deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
         """Every choice's deltas (and KEEPALIVEs) as they come, with the choice's index."""
@@ -241,6 +242,9 @@ class Reply:
         split = self._split(index, delta)
         tools = self._tool_stream(index)
         if tools is None:
+            if self.thoughts and not (split.content or split.reasoning or delta.finish_reason
+                                      or logprobs):
+                return None  # a marker's start, held back
             return self.fmt.choice_delta(index, split.content, delta.finish_reason, False,
                                          logprobs, delta.stop_reason, reasoning=split.reasoning)
         output = tools.feed(split.content)
@@ -266,7 +270,8 @@ class Reply:
     def _whole_choice(self, index: int, whole: WholeChoice) -> dict[str, Any]:
         logprobs = whole.logprobs if self.logprobs else None
         text = "".join(whole.parts)
-        split = split_whole(self.reasoning, text) if self.reasoning else Split(content=text)
+        split = Split(content=text) if self.in_thought is None else split_whole(
+            self.in_thought, text)
         tools = self._tool_stream(index)
         if tools is None or whole.finish_reason is None:
             return self.fmt.choice_full(index, split.content, whole.finish_reason, logprobs,

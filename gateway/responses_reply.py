@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from core.config import ReasoningParser
 from gateway.background import EventLog
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, Reply, WholeChoice
@@ -178,11 +177,11 @@ class ResponsesReply(Reply):
 
     def __init__(self, context: ResponseContext, generations: list[Generation],
                  state: GatewayState, logprobs: bool, *, model: str, timing: bool,
-                 span: Span | None, tools: ToolPlan | None, reasoning: ReasoningParser) -> None:
+                 span: Span | None, tools: ToolPlan | None, in_thought: bool | None) -> None:
         assert len(generations) == 1, "a response has one output"
         super().__init__(ChatFormat(), generations, state, include_usage=False,
                          logprobs=logprobs, model=model, timing=timing, span=span, tools=tools,
-                         reasoning=reasoning)
+                         in_thought=in_thought)
         self.id = f"resp_{generations[0].handle.request_id}"
         self.context = context
         self.items = OutputItems()
@@ -224,7 +223,7 @@ class ResponsesReply(Reply):
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choice = self._whole_choice(0, wholes[0])
         message = choice["message"]
-        self.items.add_reasoning(message.get("reasoning_content", ""))
+        self.items.add_reasoning(message.get("reasoning", ""))
         self.items.add_text(message["content"] or "", _logprob_entries(choice))
         for call in message.get("tool_calls", ()):
             self.items.start_call(call["id"], call["function"]["name"],
@@ -237,9 +236,11 @@ class ResponsesReply(Reply):
         """A chat delta's events: its text, then its calls' starts and arguments."""
         if not choice:
             return
-        delta = choice["delta"]
-        yield from self.items.add_reasoning(delta.get("reasoning_content", ""))
-        yield from self.items.add_text(delta.get("content", ""), _logprob_entries(choice))
+        delta, logprobs = choice["delta"], _logprob_entries(choice)
+        yield from self.items.add_reasoning(delta.get("reasoning", ""))
+        if "reasoning" in delta and not delta.get("content"):
+            logprobs = []  # the thinking's: no output_text shows them
+        yield from self.items.add_text(delta.get("content", ""), logprobs)
         for call in delta.get("tool_calls", ()):
             function = call["function"]
             if "id" in call:

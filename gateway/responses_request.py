@@ -95,7 +95,8 @@ class FunctionCallOutputItem(RequestModel):
 
 
 class ReasoningItem(RequestModel):
-    """An earlier response's reasoning: skipped (this model shows none)."""
+    """An earlier response's reasoning: skipped (the conversation goes on from its messages
+    and calls)."""
 
     type: Literal["reasoning"]
     id: str | None = None

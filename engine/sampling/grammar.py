@@ -79,8 +79,8 @@ class _Tables:
 class Grammars:
     """A worker's grammar compiler, off its loop: one thread of its own builds the vocabulary
     tables as soon as it is made, then compiles each grammar `prepare` is given (cached by
-    text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both run in C++
-    for the most part; the loop (and its heartbeats) go on meanwhile.
+    kind and text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both
+    run in C++ for the most part; the loop (and its heartbeats) go on meanwhile.
 
     That thread never runs a torch op: one that fills a vocabulary-sized tensor runs in
     parallel, and an OpenMP team in a second live thread makes libgomp stop spinning for the
@@ -180,6 +180,8 @@ def parsed(grammar: Grammar) -> xgr.Grammar:
         return xgr.Grammar.from_regex(grammar.text)
     if grammar.kind == "ebnf":
         return xgr.Grammar.from_ebnf(grammar.text)
+    if grammar.kind == "lark":
+        return xgr.Grammar.from_lark(grammar.text)
     schema = ANY_OBJECT_SCHEMA if grammar.kind == "json_object" else grammar.text
     return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
 

@@ -74,7 +74,7 @@ def load_spec(folder: Path) -> ModelSpec:
         num_layers=config["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        head_dim=config.get("head_dim") or _default_head_dim(config),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -87,6 +87,13 @@ def load_spec(folder: Path) -> ModelSpec:
         qk_norm=config["model_type"] == "qwen3",
         sliding_window=config.get("sliding_window") if config["model_type"] == "mistral" else None,
     )
+
+
+def _default_head_dim(config: dict[str, Any]) -> int:
+    """A head's width where the config leaves it out: transformers' default (Qwen3's 128)."""
+    if config["model_type"] == "qwen3":
+        return 128
+    return int(config["hidden_size"] // config["num_attention_heads"])
 
 
 def kv_fingerprint(spec: ModelSpec, dtype: str) -> str:

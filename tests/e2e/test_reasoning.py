@@ -12,7 +12,7 @@ from typing import Any
 
 import anthropic
 import pytest
-from anthropic.types import MessageParam, TextBlock, ThinkingBlock
+from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ThinkingConfigParam
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
@@ -55,6 +55,7 @@ def test_chat_gives_reasoning_content_whole_and_streamed(client: OpenAI,
                                            max_tokens=40, extra_body=FORCED)
     message = reply.choices[0].message
     whole = thought_and_answer(getattr(message, "reasoning_content", ""), message.content or "")
+    assert getattr(message, "reasoning", "") == whole[0]  # vLLM's name for it too
     stream = client.chat.completions.create(model=cluster.model, messages=ASKED,
                                             max_tokens=40, extra_body=FORCED, stream=True)
     deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
@@ -63,18 +64,23 @@ def test_chat_gives_reasoning_content_whole_and_streamed(client: OpenAI,
     assert streamed == whole  # the same seed: the same draws
 
 
-def test_messages_give_a_thinking_block(cluster: Cluster) -> None:
+def test_messages_give_a_thinking_block_where_thinking_is_on(cluster: Cluster) -> None:
+    thinking: ThinkingConfigParam = {"type": "enabled", "budget_tokens": 1024}
     with anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0) as made:
-        message = made.messages.create(model=cluster.model, max_tokens=40,
+        message = made.messages.create(model=cluster.model, max_tokens=40, thinking=thinking,
                                        messages=ASKED_ANTHROPIC, extra_body=FORCED)
         with made.messages.stream(model=cluster.model, max_tokens=40, messages=ASKED_ANTHROPIC,
-                                  extra_body=FORCED) as stream:
+                                  thinking=thinking, extra_body=FORCED) as stream:
             final = stream.get_final_message()
-    shown = []
+        plain = made.messages.create(model=cluster.model, max_tokens=40,
+                                     messages=ASKED_ANTHROPIC, extra_body=FORCED)
+    [answer] = plain.content  # thinking off: the answer alone, as Anthropic's
+    assert isinstance(answer, TextBlock) and re.fullmatch(ANSWER, answer.text)
+    shown: list[tuple[str, str]] = []
     for reply in (message, final):
-        thinking, text = reply.content
-        assert isinstance(thinking, ThinkingBlock) and isinstance(text, TextBlock)
-        shown.append(thought_and_answer(thinking.thinking, text.text))
+        thought, text = reply.content
+        assert isinstance(thought, ThinkingBlock) and isinstance(text, TextBlock)
+        shown.append(thought_and_answer(thought.thinking, text.text))
     assert shown[0] == shown[1]  # the same seed: the same draws
 
 

@@ -433,6 +433,8 @@ def test_full_chat_request_converts() -> None:
         ({"guided_regex": "[0-9]+"}, {"grammar": Grammar("regex", "[0-9]+")}),
         ({"guided_choice": ["a", "b"]}, {"grammar": Grammar("ebnf", 'root ::= "a" | "b"')}),
         ({"guided_grammar": 'root ::= "x"'}, {"grammar": Grammar("ebnf", 'root ::= "x"')}),
+        ({"structured_outputs": {"grammar": 'start: "x" | "y"'}},  # Lark's, as vLLM takes it
+         {"grammar": Grammar("lark", 'start: "x" | "y"')}),
         ({"min_p": 0.05}, {"min_p": 0.05}),
         ({"repeat_penalty": 1.1}, {"repetition_penalty": 1.1}),
         ({"repeat_penalty": 1.1, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),

@@ -4,34 +4,35 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.reasoning import ReasoningParser, Split, ThoughtSplitter, split_whole
+from gateway.reasoning import Split, ThoughtSplitter, opens_in_thought, split_whole
 
-CASES: list[tuple[ReasoningParser, str, Split]] = [
-    ("qwen3", "<think>\nTwo and two.\n</think>\n\nFour.", Split("\nTwo and two.\n", "Four.")),
-    ("qwen3", "Four.", Split("", "Four.")),  # thinking off: no marker
-    ("qwen3", "  <think>a</think>b", Split("a", "b")),
-    ("qwen3", "<thinking is fun", Split("", "<thinking is fun")),
-    ("qwen3", "<think>cut off by max_tokens", Split("cut off by max_tokens", "")),
-    ("deepseek_r1", "Two and two.\n</think>\n\nFour.", Split("Two and two.\n", "Four.")),
-    ("deepseek_r1", "<think>x</think>y", Split("x", "y")),
-    ("deepseek_r1", "no end", Split("no end", "")),
-    ("deepseek_r1", "a</thi", Split("a</thi", "")),
-    ("qwen3", "<think>a</think>b</think>c", Split("a", "b</think>c")),
-    ("qwen3", "", Split("", "")),
+# (whether the output opens in thought, the output, how it splits)
+CASES: list[tuple[bool, str, Split]] = [
+    (False, "<think>\nTwo and two.\n</think>\n\nFour.", Split("\nTwo and two.\n", "Four.")),
+    (False, "Four.", Split("", "Four.")),  # thinking off: no marker
+    (False, "  <think>a</think>b", Split("a", "b")),
+    (False, "<thinking is fun", Split("", "<thinking is fun")),
+    (False, "<think>cut off by max_tokens", Split("cut off by max_tokens", "")),
+    (True, "Two and two.\n</think>\n\nFour.", Split("Two and two.\n", "Four.")),
+    (True, "<think>x</think>y", Split("x", "y")),
+    (True, "no end", Split("no end", "")),
+    (True, "a</thi", Split("a</thi", "")),
+    (False, "<think>a</think>b</think>c", Split("a", "b</think>c")),
+    (False, "", Split("", "")),
 ]
 
 
-@pytest.mark.parametrize(("parser", "text", "expected"), CASES)
-def test_a_whole_output_splits_at_the_end_of_thought(parser: ReasoningParser, text: str,
+@pytest.mark.parametrize(("in_thought", "text", "expected"), CASES)
+def test_a_whole_output_splits_at_the_end_of_thought(in_thought: bool, text: str,
                                                      expected: Split) -> None:
-    assert split_whole(parser, text) == expected
+    assert split_whole(in_thought, text) == expected
 
 
-@pytest.mark.parametrize(("parser", "text", "expected"), CASES)
+@pytest.mark.parametrize(("in_thought", "text", "expected"), CASES)
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
-def test_streamed_pieces_add_up_to_the_whole(parser: ReasoningParser, text: str,
+def test_streamed_pieces_add_up_to_the_whole(in_thought: bool, text: str,
                                              expected: Split, size: int) -> None:
-    splitter, total = ThoughtSplitter(parser), Split()
+    splitter, total = ThoughtSplitter(in_thought), Split()
     for start in range(0, len(text), size):
         piece = splitter.feed(text[start:start + size])
         assert "<think>" not in piece.reasoning + piece.content or "</think>c" in text
@@ -41,9 +42,18 @@ def test_streamed_pieces_add_up_to_the_whole(parser: ReasoningParser, text: str,
 
 
 def test_reasoning_streams_as_it_comes_holding_back_only_a_maybe_marker() -> None:
-    splitter = ThoughtSplitter("qwen3")
+    splitter = ThoughtSplitter(in_thought=False)
     assert splitter.feed("<thi") == Split()
     assert splitter.feed("nk>Let") == Split("Let")
     assert splitter.feed(" me</th") == Split(" me")
     assert splitter.feed("ink>\n") == Split()
     assert splitter.feed("\nYes") == Split("", "Yes")
+
+
+def test_an_output_opens_in_thought_where_the_prompt_left_think_open() -> None:
+    assert opens_in_thought("qwen3", "<|im_start|>assistant\n<think>\n", constrained=False)
+    assert not opens_in_thought("qwen3", "<|im_start|>assistant\n", constrained=False)
+    assert opens_in_thought("deepseek_r1", "<|Assistant|>", constrained=False)
+    # A grammar leaves no room for thinking: what it makes is the answer.
+    assert not opens_in_thought("deepseek_r1", "<|Assistant|><think>\n", constrained=True)
+    assert split_whole(False, '{"a": 1}') == Split("", '{"a": 1}')
