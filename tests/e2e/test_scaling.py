@@ -193,8 +193,11 @@ def test_autoscale_grows_the_decode_pool_under_load_and_drains_it_after(
         assert cluster.metric("raging_pool_desired_workers", 'role="decode"') == 1
         assert cluster.metric("raging_requests_resumed_total") == 0
         log = cluster.log("autoscaler")
-    assert log.count("decode pool: started a worker") == 2
-    assert log.count("decode pool: draining a worker") == 2
+    # 1 -> 3 -> 1: two started and two drained at least; on a loaded machine a lull between
+    # streams may drain one early and start it again (scale_down_s is 2 s here), never more
+    # drained than started.
+    started = log.count("decode pool: started a worker")
+    assert started >= 2 and log.count("decode pool: draining a worker") == started
     assert done and all(r["errors"] == [] and r["done"] for _, r in done)
     assert all(r["text"] == expected[p] for p, r in done)
     print(f"autoscale: 1 -> 3 decode workers in {grow_s:.1f} s under load, "
