@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Generation
-from gateway.reply import ChatFormat, Reply, WholeChoice
+from gateway.reply import ChatFormat, Reply, WholeChoice, call_events
 from gateway.state import GatewayState
 from gateway.tools import ToolPlan
 
@@ -184,13 +184,7 @@ class MessagesReply(Reply):
         if self.ask.thinking:
             yield from self.blocks.add_thinking(delta.get("reasoning", ""))
         yield from self.blocks.add_text(delta.get("content", ""))
-        for call in delta.get("tool_calls", ()):
-            function = call["function"]
-            if "id" in call:
-                yield from self.blocks.start_call(call["id"], function["name"],
-                                                  function["arguments"])
-            else:
-                yield from self.blocks.add_arguments(function["arguments"])
+        yield from call_events(delta, self.blocks)
         self._note_stop(choice)
 
     def _note_stop(self, choice: dict[str, Any]) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -97,6 +97,25 @@ class WholeChoice:
     finish_reason: Ending | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: StopReason = None
+
+
+class CallSteps(Protocol):
+    """What a reply shown in another API's shape does with a chat delta's tool calls."""
+
+    def start_call(self, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]: ...
+
+    def add_arguments(self, arguments: str) -> list[dict[str, Any]]: ...
+
+
+def call_events(delta: dict[str, Any], steps: CallSteps) -> Iterator[dict[str, Any]]:
+    """The events of a chat delta's `tool_calls`: a call's start (its first delta carries its
+    id), then its arguments as they come."""
+    for call in delta.get("tool_calls", ()):
+        function = call["function"]
+        if "id" in call:
+            yield from steps.start_call(call["id"], function["name"], function["arguments"])
+        else:
+            yield from steps.add_arguments(function["arguments"])
 
 
 _ENDED = object()  # a choice's deltas are over

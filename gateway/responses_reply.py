@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.background import EventLog
 from gateway.generation import KEEPALIVE, Generation
-from gateway.reply import KEEPALIVE_EVENT, ChatFormat, Reply, WholeChoice
+from gateway.reply import KEEPALIVE_EVENT, ChatFormat, Reply, WholeChoice, call_events
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses_request import ChatMessageFields, ResponsesRequest
 from gateway.state import GatewayState
@@ -241,13 +241,7 @@ class ResponsesReply(Reply):
         if "reasoning" in delta and not delta.get("content"):
             logprobs = []  # the thinking's: no output_text shows them
         yield from self.items.add_text(delta.get("content", ""), logprobs)
-        for call in delta.get("tool_calls", ()):
-            function = call["function"]
-            if "id" in call:
-                yield from self.items.start_call(call["id"], function["name"],
-                                                 function["arguments"])
-            else:
-                yield from self.items.add_arguments(function["arguments"])
+        yield from call_events(delta, self.items)
         self.finish_reason = choice["finish_reason"] or self.finish_reason
 
     def _finish(self) -> Iterator[Event]:
