@@ -27,10 +27,11 @@ from gateway.protocol import (
     SamplingRequest,
     chat_request_of,
     invalid_value,
+    joined_text,
     none_only,
     one_choice,
+    only_tools_of_type,
     parse_body,
-    part_text,
 )
 
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
@@ -49,13 +50,6 @@ class TextBlock(RequestModel):
     text: str
     cache_control: Any = None  # ignored: prefix caching is automatic (and salted per tenant)
     citations: Any = None  # ignored
-
-
-def _joined(value: object) -> object:
-    """Text blocks as one string, joined by \\n, as chat joins text parts."""
-    if isinstance(value, list):
-        return "\n".join(part_text(index, block) for index, block in enumerate(value))
-    return value
 
 
 class ToolUseBlock(RequestModel):
@@ -78,7 +72,7 @@ class ToolResultBlock(RequestModel):
     is_error: bool | None = None
     cache_control: Any = None
 
-    _join_text_blocks = field_validator("content", mode="before")(_joined)
+    _join_text_blocks = field_validator("content", mode="before")(joined_text)
 
     def chat_message(self) -> ChatMessageFields:
         """The answer as chat's tool message; a failed call's marked so."""
@@ -194,15 +188,8 @@ class CustomTool(RequestModel):
     defer_loading: bool | None = None
     allowed_callers: Any = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _custom_only(cls, value: object) -> object:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind != "custom":
-            raise PydanticCustomError("unsupported", "tools of type '{kind}' are not "
-                                      "supported here: only custom tools (with an "
-                                      "input_schema)", {"kind": kind[:64]})
-        return value
+    _custom_only = model_validator(mode="before")(only_tools_of_type(
+        "custom", "custom tools (with an input_schema)"))
 
 
 class ToolChoice(RequestModel):
@@ -262,7 +249,7 @@ class MessagesRequest(SamplingRequest):
     container: Any = None
 
     _not_here = field_validator("mcp_servers", "container")(none_only)
-    _join_system_blocks = field_validator("system", mode="before")(_joined)
+    _join_system_blocks = field_validator("system", mode="before")(joined_text)
 
     _one_output = field_validator("n")(one_choice)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -346,9 +346,7 @@ class ChatMessage(RequestModel):
             if info.data.get("role") == "assistant" and calls:
                 return None
             raise invalid_value("content must be a string or a list of text parts")
-        if isinstance(value, list):
-            return "\n".join(part_text(index, part) for index, part in enumerate(value))
-        return value
+        return joined_text(value)
 
     @model_validator(mode="after")
     def _tool_fields_with_their_role(self) -> ChatMessage:
@@ -366,6 +364,27 @@ class ChatMessage(RequestModel):
 
 
 CHAT_TEXT_PARTS = {"text": "text"}  # a content part's type -> the field holding its text
+
+
+def joined_text(value: object, kinds: Mapping[str, str] = CHAT_TEXT_PARTS) -> object:
+    """Content parts (`part_text`) as one string, joined by \\n; anything else as it is, for
+    pydantic to judge."""
+    if isinstance(value, list):
+        return "\n".join(part_text(index, part, kinds) for index, part in enumerate(value))
+    return value
+
+
+def only_tools_of_type(allowed: str, what: str) -> Callable[[object], object]:
+    """A `tools` entry's before-validator refusing other types of tool (hosted ones), `what`
+    naming the ones served."""
+    def check(value: object) -> object:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != allowed:
+            raise PydanticCustomError("unsupported", "tools of type '{kind}' are not supported "
+                                      "here: only {what}", {"kind": kind[:64], "what": what})
+        return value
+
+    return check
 
 
 def part_text(index: int, part: object, kinds: Mapping[str, str] = CHAT_TEXT_PARTS) -> str:

@@ -24,7 +24,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
@@ -34,10 +33,11 @@ from gateway.protocol import (
     SamplingRequest,
     chat_request_of,
     invalid_value,
+    joined_text,
     none_only,
     one_choice,
+    only_tools_of_type,
     parse_body,
-    part_text,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
@@ -51,10 +51,7 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def _joined(value: object) -> object:
-    """Text parts as one string, joined by \\n (anything else as it is, for pydantic)."""
-    if isinstance(value, list):
-        return "\n".join(part_text(index, part, _TEXT_PARTS) for index, part in enumerate(value))
-    return value
+    return joined_text(value, _TEXT_PARTS)
 
 
 class MessageItem(RequestModel):
@@ -132,14 +129,8 @@ class FunctionTool(RequestModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # ignored: a forced call always matches the schema here
 
-    @model_validator(mode="before")
-    @classmethod
-    def _functions_only(cls, value: object) -> object:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            raise PydanticCustomError("unsupported", "tools of type '{kind}' are not "
-                                      "supported here: only 'function'", {"kind": kind[:64]})
-        return value
+    _functions_only = model_validator(mode="before")(only_tools_of_type("function",
+                                                                        "'function'"))
 
 
 class FunctionChoice(RequestModel):
