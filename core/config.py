@@ -201,6 +201,11 @@ class GatewayConfig:
                                                     "its answer: qwen3 (an output opening with "
                                                     "<think>), deepseek_r1 (every output opens "
                                                     "in thought); empty: all is the answer")
+    grammar_in_reasoning: bool = setting(False, "with a reasoning parser, a grammar "
+                                                "(structured output, a forced tool call) "
+                                                "constrains the thinking too; false: it "
+                                                "applies from the end of the thought, as "
+                                                "vLLM's structured_outputs.enable_in_reasoning")
     max_parallel_tool_calls: int = setting(4, "calls a forced tool_choice ('required') may "
                                               "make at most, so that a small model that "
                                               "repeats its call ends (0: no bound)")

@@ -38,6 +38,20 @@ class Grammar:
 JSON_OBJECT = Grammar("json_object")
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thought, which a grammar waits out (vLLM's way): the output may open
+    it with `start`, or the prompt left it `opened`; the grammar applies after `end`."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    opened: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.start and self.end):
+            raise ValueError("a thought's markers must not be empty")
+
+
 class RequestKey(NamedTuple):
     """One epoch of one request: what every process keys a request's state by. A resumed
     request runs under a new epoch, and nothing of an older one may touch it."""
@@ -138,6 +152,7 @@ class GenerationTask:
     # its client already has, which penalties and min_tokens count. None: all of it is prompt.
     output_start: int | None = None
     grammar: Grammar | None = None  # structured output: what the output must match
+    thinking: Thinking | None = None  # with a grammar: the thought it waits out, if any
     priority: int = 0  # vLLM's: lower is scheduled sooner (before the deadline order)
     # echo with logprobs: each prompt token's logprob and the k most likely tokens there
     # (`PromptLogprobs`, from the decode worker that prefills it); None: not asked.

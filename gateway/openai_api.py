@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core.messages import GenerationTask, Grammar, Sampling, TokenBias
+from core.messages import GenerationTask, Grammar, Sampling, Thinking, TokenBias
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.background import KEPT_LOGS, EventLog
@@ -45,7 +45,7 @@ from gateway.protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from gateway.reasoning import opens_in_thought
+from gateway.reasoning import opens_in_thought, thinking
 from gateway.reply import KEEPALIVE_EVENT, ChatFormat, CompletionFormat, Format, Reply
 from gateway.response_store import StoredResponse, input_items_page
 from gateway.responses_reply import ResponseContext, ResponsesReply
@@ -294,7 +294,9 @@ class OpenAIRoutes:
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         prompt_tokens = sum(len(ids) for ids in prompts)
         self._admit(prompt_tokens)
-        tasks = [generation_task(params, ids, most, cache_salt(request), bad_words)
+        in_thought = self._in_thought(prompts[0], params) if isinstance(fmt, ChatFormat) else None
+        waits = self._waited_thought(in_thought, params)
+        tasks = [generation_task(params, ids, most, cache_salt(request), bad_words, waits)
                  for ids, most in zip(prompts, max_tokens, strict=True)]
         span = self._open_span(request, served.arrived, prompt_tokens, params.n)
         handles = self._submit(tasks, params.n, served.arrived, span)
@@ -307,15 +309,14 @@ class OpenAIRoutes:
                                   self._echo(params, handle.task.prompt_ids))
                        for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
-        reply = self._reply(fmt, generations, params, served, timing, span)
+        reply = self._reply(fmt, generations, params, served, timing, span, in_thought)
         return await self._respond(request, reply, served, bool(params.stream))
 
     def _reply(self, fmt: Format, generations: list[Generation], params: GenerationParams,
-               served: Served, timing: bool, span: Span | None) -> Reply:
+               served: Served, timing: bool, span: Span | None,
+               in_thought: bool | None) -> Reply:
         """The reply in the shape of the request's API; a chat reply's thinking told from its
-        answer where a reasoning parser is set."""
-        in_thought = self._in_thought(generations[0].handle.task.prompt_ids, params) if (
-            isinstance(fmt, ChatFormat)) else None
+        answer where a reasoning parser is set (`in_thought`: whether it opens in thought)."""
         if served.response is not None:
             return ResponsesReply(served.response, generations, self.state,
                                   params.logprobs is not None, model=served.model,
@@ -332,13 +333,22 @@ class OpenAIRoutes:
 
     def _in_thought(self, prompt_ids: list[int], params: GenerationParams) -> bool | None:
         """Whether the output opens in thought (gateway/reasoning.py); None without a
-        reasoning parser."""
-        parser = self.state.config.gateway.reasoning_parser
-        if not parser:
+        reasoning parser. A grammar that constrains the thinking too leaves it none."""
+        config = self.state.config.gateway
+        if not config.reasoning_parser:
             return None
+        if params.grammar is not None and config.grammar_in_reasoning:
+            return False
         end = decode_text(self.state.tokenizer, prompt_ids[-_PROMPT_END_TOKENS:],
                           skip_special_tokens=False)
-        return opens_in_thought(parser, end, constrained=params.grammar is not None)
+        return opens_in_thought(config.reasoning_parser, end)
+
+    def _waited_thought(self, in_thought: bool | None, params: GenerationParams
+                        ) -> Thinking | None:
+        """The thought the request's grammar waits out, if it has both."""
+        if in_thought is None or params.grammar is None:
+            return None
+        return None if self.state.config.gateway.grammar_in_reasoning else thinking(in_thought)
 
     async def _respond(self, request: Request, reply: Reply, served: Served,
                        stream: bool) -> Response:
@@ -427,8 +437,10 @@ class OpenAIRoutes:
 
 
 def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens: int,
-                    salt: str, bad_words: list[list[int]] | None = None) -> GenerationTask:
-    """What the workers get for a request; `bad_words` tokenized (bad_words_token_ids)."""
+                    salt: str, bad_words: list[list[int]] | None = None,
+                    waits: Thinking | None = None) -> GenerationTask:
+    """What the workers get for a request; `bad_words` tokenized (bad_words_token_ids);
+    `waits`: the thought its grammar waits out."""
     allowed = params.allowed_token_ids
     sampling = Sampling(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -445,7 +457,7 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
         prompt_ids=prompt_ids, sampling=sampling, max_tokens=max(max_tokens, 1),
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         cache_salt=salt, min_tokens=params.min_tokens, output_start=len(prompt_ids),
-        grammar=params.grammar, priority=params.priority,
+        grammar=params.grammar, thinking=waits, priority=params.priority,
         prompt_logprobs=params.logprobs if echoed_logprobs else None,
     )
 

@@ -6,9 +6,13 @@ answer. With `gateway.reasoning_parser` set, each chat choice's output goes thro
 `reasoning_content`, Anthropic's thinking blocks, the Responses API's reasoning items), what
 follows is the content (and tool calls). An output opens in thought (`opens_in_thought`) when
 the prompt left `<think>` open (Qwen3's thinking models and DeepSeek-R1's templates end with
-it) or, with `deepseek_r1`, always; any output also does that starts with `<think>`. Under a
-grammar only the latter: what a grammar makes is the answer. A thought never closed (cut by
-max_tokens) is all reasoning.
+it) or, with `deepseek_r1`, always; any output also does that starts with `<think>`. A thought
+never closed (cut by max_tokens) is all reasoning.
+
+A grammar (structured output, a forced tool call) waits out the thought (`thinking`: the
+workers apply it from `</think>` on, engine/sampling/thought.py), unless
+`gateway.grammar_in_reasoning` has it constrain the whole output: then only an output that
+writes `<think>` itself thinks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from core.config import ReasoningParser
+from core.messages import Thinking
 
 THINK_START, THINK_END = "<think>", "</think>"
 State = Literal["opening", "thinking", "answering"]
@@ -103,14 +108,16 @@ def _marker_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def opens_in_thought(parser: ReasoningParser, prompt_end: str, constrained: bool) -> bool:
+def opens_in_thought(parser: ReasoningParser, prompt_end: str) -> bool:
     """Whether an output opens in thought, where `parser` is set: the prompt (whose text
-    ends in `prompt_end`) left `<think>` open, or the parser says every output does; never
-    under a grammar (`constrained`)."""
+    ends in `prompt_end`) left `<think>` open, or the parser says every output does."""
     assert parser, "only a reasoning parser splits thought from answer"
-    if constrained:
-        return False
     return parser == "deepseek_r1" or prompt_end.rstrip().endswith(THINK_START)
+
+
+def thinking(in_thought: bool) -> Thinking:
+    """The thought a grammar waits out, for the workers."""
+    return Thinking(THINK_START, THINK_END, opened=in_thought)
 
 
 def split_whole(in_thought: bool, text: str) -> Split:

@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from core.messages import GenerationTask, Grammar
 from engine.sampling.stopping import stop_tokens
+from engine.sampling.thought import ThoughtGate, opening
 from engine.weights.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -32,17 +33,24 @@ class Constraint:
     """One sequence's place in its grammar: which tokens may come next, advanced token by token.
 
     Stop tokens are allowed only where the grammar can end; once one is taken (kept going by
-    ignore_eos), only stop tokens remain allowed."""
+    ignore_eos), only stop tokens remain allowed. With a `gate`, the grammar waits out the
+    model's thought (engine/sampling/thought.py)."""
 
     def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int,
-                 forbidden: torch.Tensor | None = None) -> None:
+                 forbidden: torch.Tensor | None = None, gate: ThoughtGate | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.forbidden = forbidden  # bool [vocab]: never allowed inside the value
+        self.gate = gate
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def allowed(self) -> torch.Tensor:
-        """A bool mask `[vocab]` of the tokens the grammar allows next."""
+    def allowed(self) -> torch.Tensor | None:
+        """A bool mask `[vocab]` of the tokens allowed next; None while any token is."""
+        if self.gate is not None and not self.gate.answering:
+            return self.gate.allowed(self._grammar_allows)
+        return self._grammar_allows()
+
+    def _grammar_allows(self) -> torch.Tensor:
         if self.matcher.is_terminated():
             return self._only(self.matcher.stop_token_ids)
         self.matcher.fill_next_token_bitmask(self._bitmask)
@@ -51,6 +59,10 @@ class Constraint:
 
     def advance(self, token_id: int) -> None:
         """Take `token_id`; one the grammar does not allow is logged and skipped."""
+        if self.gate is not None and not self.gate.answering and self.gate.take(token_id):
+            if self.gate.answer_begun and not self.matcher.accept_string(self.gate.answer_begun):
+                log.warning("the answer after the thought does not match the request's grammar")
+            return
         if self.matcher.is_terminated():
             return
         if not self.matcher.accept_token(token_id):
@@ -74,6 +86,7 @@ class _Tables:
     tokenizer_info: xgr.TokenizerInfo
     compiler: xgr.GrammarCompiler
     control_token_ids: tuple[int, ...]
+    token_bytes: tuple[bytes, ...]  # each token's text
 
 
 class Grammars:
@@ -95,6 +108,7 @@ class Grammars:
         self._tables = self._thread.submit(self._build_tables)
         self._compiled: OrderedDict[Grammar, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._control_tokens: torch.Tensor | None = None
+        self._openers: dict[bytes, torch.Tensor] = {}
 
     def prepare(self, grammar: Grammar) -> Future[xgr.CompiledGrammar]:
         """The compilation of a task's `grammar`, started now unless cached."""
@@ -136,6 +150,15 @@ class Grammars:
             self._control_tokens = mask
         return self._control_tokens
 
+    def openers(self, marker: bytes) -> torch.Tensor:
+        """A bool mask `[vocab]` of the tokens that begin with the whole `marker`, built on the
+        caller's thread the first time."""
+        mask = self._openers.get(marker)
+        if mask is None:
+            mask = opening(self._tables.result().token_bytes, marker, self.vocab_size)
+            self._openers[marker] = mask
+        return mask
+
     def close(self) -> None:
         """Stop compiling: queued grammars are dropped, one compiling now finishes."""
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -152,7 +175,9 @@ class Grammars:
         if task.grammar.kind in ("json_schema", "json_object"):  # JSON holds no control byte
             forbidden = self.control_tokens.clone()
             forbidden[[t for t in (stops or []) if 0 <= t < self.vocab_size]] = False
-        constraint = Constraint(matcher, self.vocab_size, forbidden)
+        gate = None if task.thinking is None else ThoughtGate(
+            task.thinking, self._tables.result().token_bytes, self.openers)
+        constraint = Constraint(matcher, self.vocab_size, forbidden, gate)
         for token_id in task.prompt_ids[task.prompt_len:]:
             constraint.advance(token_id)
         return constraint
@@ -162,7 +187,9 @@ class Grammars:
         tokenizer = load_tokenizer(self.model_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        tables = _Tables(info, compiler, _control_token_ids(info, self.vocab_size))
+        token_bytes = tuple(bytes(token) for token in info.decoded_vocab)
+        tables = _Tables(info, compiler, _control_token_ids(token_bytes, self.vocab_size),
+                         token_bytes)
         log.info("grammar tables ready in %.2f s", time.monotonic() - started)
         return tables
 
@@ -186,8 +213,8 @@ def parsed(grammar: Grammar) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
 
 
-def _control_token_ids(info: xgr.TokenizerInfo, vocab_size: int) -> tuple[int, ...]:
+def _control_token_ids(token_bytes: Sequence[bytes], vocab_size: int) -> tuple[int, ...]:
     """Tokens holding a control byte (below 0x20): JSON allows none unescaped, and with
     compact separators not even as whitespace, yet xgrammar's string rule lets them in."""
-    return tuple(token_id for token_id, token in enumerate(info.decoded_vocab[:vocab_size])
+    return tuple(token_id for token_id, token in enumerate(token_bytes[:vocab_size])
                  if any(byte < 0x20 for byte in token))

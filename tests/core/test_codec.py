@@ -36,6 +36,7 @@ from core.messages import (
     SharedPrefix,
     SharePrefix,
     StageTime,
+    Thinking,
     TokenBatch,
     TokenBias,
     TokenEvent,
@@ -99,7 +100,8 @@ SAMPLES: list[Message] = [
         8, [2], False, "salt",
         min_tokens=3, output_start=2), "fp"),
     DecodeRequest("r4", 0, GenerationTask([1], Sampling(), 8, [], False,
-                                           grammar=Grammar("regex", "[a-z]+")), "fp"),
+                                           grammar=Grammar("regex", "[a-z]+"),
+                                           thinking=Thinking(opened=True)), "fp"),
     Abort("r1", 2),
     RequestFailed("r1", 0, "out of blocks: ünïcödé ✓"),
     # Stage durations and trace context (docs/observability.md).
@@ -121,7 +123,7 @@ def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
     return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None,
-            None, 0, None]
+            None, None, 0, None]
 
 
 def packed(*items: Any) -> bytes:

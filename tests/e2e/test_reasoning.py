@@ -1,10 +1,13 @@
 """A reasoning model's thinking told from its answer (`--reasoning-parser qwen3`) on every API,
-end to end: a tiny random Llama made to think by a regular expression (`guided_regex`), so that
-every output opens with `<think>`, closes it, and answers; whole and streamed, through the
-official openai and anthropic clients. 1 gateway + 1 prefill + 1 decode."""
+end to end: a tiny random Llama made to think by a regular expression (`guided_regex`, which
+`grammar_in_reasoning` applies to the thinking too), so that every output opens with `<think>`,
+closes it, and answers; whole and streamed, through the official openai and anthropic clients.
+Then, as by default, a grammar that waits out the thought and holds the answer.
+1 gateway + 1 prefill + 1 decode."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +19,7 @@ from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ThinkingConf
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
+from transformers import PreTrainedTokenizerBase
 
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
 
@@ -31,8 +35,10 @@ ASKED_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "Is it rainin
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "reasoning_parser": "qwen3"}}
-    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config) as running:
+    gateway = {**TEST_CONFIG["gateway"], "reasoning_parser": "qwen3",
+               "grammar_in_reasoning": True}
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir,
+                config={**TEST_CONFIG, "gateway": gateway}) as running:
         yield running
 
 
@@ -92,3 +98,44 @@ def test_responses_give_a_reasoning_item(client: OpenAI, cluster: Cluster) -> No
     assert isinstance(message, ResponseOutputMessage)
     assert reasoning.content is not None
     thought_and_answer(reasoning.content[0].text, response.output_text)
+
+
+@pytest.fixture(scope="module")
+def waiting(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[OpenAI]:
+    """A client of a cluster whose grammars wait out the thought (the default)."""
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "reasoning_parser": "qwen3"}}
+    with (launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config) as running,
+          OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0) as made):
+        yield made
+
+
+def test_a_grammar_waits_out_the_thought_and_holds_the_answer(
+        waiting: OpenAI, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The prompt opens the thought; the model may only write pieces of `</think>` (so that it
+    closes it by chance), yet its answer is the grammar's."""
+    pieces = tokenizer.encode("</think>")
+    assert len(pieces) == 3  # "</", "think", ">": the end marker over three tokens
+    opened: list[ChatCompletionMessageParam] = [
+        *ASKED, {"role": "assistant", "content": "<think>\n"}]
+    reply = waiting.chat.completions.create(
+        model=waiting.models.list().data[0].id, messages=opened, max_tokens=300, seed=3,
+        temperature=1.0, extra_body={"continue_final_message": True,
+                                     "add_generation_prompt": False,
+                                     "allowed_token_ids": pieces, "guided_regex": ANSWER})
+    message = reply.choices[0].message
+    assert re.fullmatch("[</think>]+", getattr(message, "reasoning_content", "")), message
+    assert re.fullmatch(ANSWER, message.content or ""), message
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_model_that_does_not_think_is_held_from_its_first_token(waiting: OpenAI) -> None:
+    reply = waiting.chat.completions.create(
+        model=waiting.models.list().data[0].id, messages=ASKED, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+            "required": ["answer"]}}})
+    message = reply.choices[0].message
+    assert not getattr(message, "reasoning_content", None), message
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(message.content or "")["answer"] in ("yes", "no")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from core.messages import Sampling
+from core.messages import JSON_OBJECT, Sampling, Thinking
 from gateway.openai_api import generation_task
 from gateway.protocol import GenerationParams
 
@@ -21,6 +21,13 @@ def test_every_control_reaches_the_task() -> None:
         [10, 11, 12], 20, [4, 5], True)
     assert (task.cache_salt, task.min_tokens, task.prompt_len, task.output_before) == (
         "salt", 2, 3, 0)
+    assert task.thinking is None
+
+
+def test_the_thought_a_grammar_waits_out_reaches_the_task() -> None:
+    waits = Thinking(opened=True)
+    params = GenerationParams(grammar=JSON_OBJECT)
+    assert generation_task(params, [10, 11], 20, "", waits=waits).thinking == waits
 
 
 def test_a_resumed_task_knows_which_of_its_prompt_is_output() -> None:

@@ -77,7 +77,9 @@ def constraint(grammars: Grammars, grammar: Grammar, output: Sequence[int] = (),
 
 
 def allowed_ids(c: Constraint) -> set[int]:
-    return set(c.allowed().nonzero().flatten().tolist())
+    mask = c.allowed()
+    assert mask is not None, "without a thought to wait out, a grammar always masks"
+    return set(mask.nonzero().flatten().tolist())
 
 
 def test_no_grammar_no_constraint(grammars: Grammars) -> None:
