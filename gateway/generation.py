@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -62,6 +63,7 @@ class Generation:
         self.closed = False
         self.pieces = pieces
         self.text_chars = 0  # of the detokenized output, stop strings not applied
+        self.text_ends: list[int] = []  # text_chars after each output token
         self.pending: list[TokenLogprob] = []  # logprobs not yet on a delta
         self.echo = echo  # until the first delta, which carries it
         metrics.inflight.inc()
@@ -115,6 +117,12 @@ class Generation:
     def abort(self) -> None:
         self._abort(self.handle)
 
+    def tokens_writing(self, chars: int) -> int:
+        """How many output tokens it took to write the output's first `chars` characters."""
+        if chars <= 0:
+            return 0
+        return min(bisect.bisect_left(self.text_ends, chars) + 1, len(self.text_ends))
+
     def _apply(self, event: Event) -> Delta:
         if event.token_id is None:
             return Delta("", "error", event.error)
@@ -154,6 +162,7 @@ class Generation:
         text = self._token_text(event.token_id, event.finish_reason)
         self._note_logprob(event)
         self.text_chars += len(text)
+        self.text_ends.append(self.text_chars)
         emit, hit = self._match_stops(text)
         if hit:
             self.abort()

@@ -49,9 +49,19 @@ class ThoughtSplitter:
         self.state: State = "opening"
         self.buffer = ""
         self.after_thought = False  # the newlines right after `</think>` are dropped
+        self.fed = 0  # characters of output fed so far
+        self.thought_chars = 0  # of those, how many the closed thought took, markers and all
+
+    @property
+    def reasoning_chars(self) -> int:
+        """How many characters of the output so far are its thought's."""
+        thinking = self.state == "thinking" or (self.state == "opening"
+                                                and self.unmarked == "thinking")
+        return self.fed if thinking else self.thought_chars
 
     def feed(self, text: str) -> Split:
         self.buffer += text
+        self.fed += len(text)
         split = Split()
         while self.buffer and self._step(split):
             pass
@@ -92,6 +102,7 @@ class ThoughtSplitter:
         if end >= 0:
             split.reasoning += self.buffer[:end]
             self.buffer = self.buffer[end + len(THINK_END):]
+            self.thought_chars = self.fed - len(self.buffer)
             self.state, self.after_thought = "answering", True
             return True
         kept = _marker_prefix(self.buffer, THINK_END)
@@ -118,11 +129,3 @@ def opens_in_thought(parser: ReasoningParser, prompt_end: str) -> bool:
 def thinking(in_thought: bool) -> Thinking:
     """The thought a grammar waits out, for the workers."""
     return Thinking(THINK_START, THINK_END, opened=in_thought)
-
-
-def split_whole(in_thought: bool, text: str) -> Split:
-    """A whole output as reasoning and content."""
-    splitter = ThoughtSplitter(in_thought)
-    split = splitter.feed(text)
-    split.extend(splitter.finish())
-    return split

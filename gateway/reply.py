@@ -20,7 +20,7 @@ from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Delta, Generation
 from gateway.handle import Ending
 from gateway.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from gateway.reasoning import Split, ThoughtSplitter, split_whole
+from gateway.reasoning import Split, ThoughtSplitter
 from gateway.state import GatewayState
 from gateway.tools import Reason, ToolPlan, ToolStream
 
@@ -289,8 +289,10 @@ class Reply:
     def _whole_choice(self, index: int, whole: WholeChoice) -> dict[str, Any]:
         logprobs = whole.logprobs if self.logprobs else None
         text = "".join(whole.parts)
-        split = Split(content=text) if self.in_thought is None else split_whole(
-            self.in_thought, text)
+        split = Split(content=text)
+        if self.thoughts:
+            split = self.thoughts[index].feed(text)
+            split.extend(self.thoughts[index].finish())
         tools = self._tool_stream(index)
         if tools is None or whole.finish_reason is None:
             return self.fmt.choice_full(index, split.content, whole.finish_reason, logprobs,
@@ -356,10 +358,19 @@ class Reply:
         firsts = self.generations[::self.choices_per_prompt]
         prompt = sum(g.prompt_tokens for g in firsts)
         completion = sum(g.completion_tokens for g in self.generations)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(g.handle.cached_tokens
-                                                               for g in firsts)}}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.handle.cached_tokens
+                                                           for g in firsts)}}
+        if self.thoughts:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self._reasoning_tokens()}
+        return usage
+
+    def _reasoning_tokens(self) -> int:
+        """The choices' tokens spent thinking, so far."""
+        return sum(generation.tokens_writing(thought.reasoning_chars)
+                   for generation, thought in zip(self.generations, self.thoughts, strict=True))
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": self.fmt.object_name, "created": self.created,

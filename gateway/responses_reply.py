@@ -360,7 +360,8 @@ class ResponsesReply(Reply):
         return {"input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": usage["prompt_tokens_details"],
                 "output_tokens": usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": usage.get("completion_tokens_details",
+                                                   {"reasoning_tokens": 0}),
                 "total_tokens": usage["total_tokens"]}
 
 

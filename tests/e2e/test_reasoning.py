@@ -17,7 +17,7 @@ import anthropic
 import pytest
 from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ThinkingConfigParam
 from openai import OpenAI
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
 from transformers import PreTrainedTokenizerBase
 
@@ -42,6 +42,27 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield running
 
 
+def reasoning_tokens(reply: ChatCompletion) -> int:
+    """The reply's reasoning tokens, as its usage counts them."""
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    tokens = reply.usage.completion_tokens_details.reasoning_tokens
+    assert tokens is not None
+    return tokens
+
+
+def tokens_writing(reply: ChatCompletion, text: str) -> int:
+    """How many of the reply's tokens (by its logprobs) it took to write `text`, its start."""
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    written = ""
+    for count, entry in enumerate(logprobs.content, 1):
+        written += entry.token
+        if len(written) >= len(text):
+            assert written.startswith(text)
+            return count
+    raise AssertionError(f"{text!r} is not the start of the output {written!r}")
+
+
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0) as made:
@@ -58,13 +79,18 @@ def thought_and_answer(reasoning: str, answer: str) -> tuple[str, str]:
 def test_chat_gives_reasoning_content_whole_and_streamed(client: OpenAI,
                                                          cluster: Cluster) -> None:
     reply = client.chat.completions.create(model=cluster.model, messages=ASKED,
-                                           max_tokens=40, extra_body=FORCED)
+                                           max_tokens=40, extra_body=FORCED, logprobs=True)
     message = reply.choices[0].message
     whole = thought_and_answer(getattr(message, "reasoning_content", ""), message.content or "")
     assert getattr(message, "reasoning", "") == whole[0]  # vLLM's name for it too
+    assert reasoning_tokens(reply) == tokens_writing(reply, f"<think>{whole[0]}</think>")
     stream = client.chat.completions.create(model=cluster.model, messages=ASKED,
-                                            max_tokens=40, extra_body=FORCED, stream=True)
-    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+                                            max_tokens=40, extra_body=FORCED, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens_details
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens(reply)
     streamed = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
                 "".join(d.content or "" for d in deltas))
     assert streamed == whole  # the same seed: the same draws
@@ -98,6 +124,10 @@ def test_responses_give_a_reasoning_item(client: OpenAI, cluster: Cluster) -> No
     assert isinstance(message, ResponseOutputMessage)
     assert reasoning.content is not None
     thought_and_answer(reasoning.content[0].text, response.output_text)
+    chat = client.chat.completions.create(model=cluster.model, messages=ASKED, max_tokens=40,
+                                          extra_body=FORCED)  # the same prompt and seed
+    assert response.usage is not None
+    assert response.usage.output_tokens_details.reasoning_tokens == reasoning_tokens(chat) > 0
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +152,14 @@ def test_a_grammar_waits_out_the_thought_and_holds_the_answer(
         model=waiting.models.list().data[0].id, messages=opened, max_tokens=300, seed=3,
         temperature=1.0, extra_body={"continue_final_message": True,
                                      "add_generation_prompt": False,
-                                     "allowed_token_ids": pieces, "guided_regex": ANSWER})
+                                     "allowed_token_ids": pieces, "guided_regex": ANSWER},
+        logprobs=True)
     message = reply.choices[0].message
     assert re.fullmatch("[</think>]+", getattr(message, "reasoning_content", "")), message
     assert re.fullmatch(ANSWER, message.content or ""), message
     assert reply.choices[0].finish_reason == "stop"
+    assert reasoning_tokens(reply) == tokens_writing(
+        reply, f"{message.reasoning_content}</think>")  # type: ignore[attr-defined]
 
 
 def test_a_model_that_does_not_think_is_held_from_its_first_token(waiting: OpenAI) -> None:

@@ -118,6 +118,13 @@ def test_two_tokens_with_one_text_keep_the_likelier() -> None:
 def run(tokenizer: PreTrainedTokenizerBase, ids: list[int], stops: tuple[str, ...] = (),
         min_tokens: int = 0, pieces: TokenPieces | None = None) -> list[Delta]:
     """Every delta of a generation whose tokens are `ids`, the last one ending it."""
+    return generate(tokenizer, ids, stops, min_tokens, pieces)[0]
+
+
+def generate(tokenizer: PreTrainedTokenizerBase, ids: list[int], stops: tuple[str, ...] = (),
+             min_tokens: int = 0, pieces: TokenPieces | None = None
+             ) -> tuple[list[Delta], Generation]:
+    """`run`'s deltas, and the generation that made them."""
     task = GenerationTask([1, 2], Sampling(logprobs=1), len(ids), [], True, min_tokens=min_tokens)
     handle = RequestHandle("r", 0, task, Assignment("p", "d"))
     for index, token in enumerate(ids):
@@ -130,7 +137,7 @@ def run(tokenizer: PreTrainedTokenizerBase, ids: list[int], stops: tuple[str, ..
     async def collect() -> list[Delta]:
         return [d async for d in generation.deltas(5.0, 5.0) if d is not None]
 
-    return asyncio.run(collect())
+    return asyncio.run(collect()), generation
 
 
 def test_every_tokens_logprobs_ride_on_the_deltas(
@@ -165,3 +172,15 @@ def test_stop_strings_count_only_after_min_tokens(
     deltas = run(tokenizer, ids, stops=("two",), min_tokens=min_tokens)
     assert "".join(d.text for d in deltas) == expected
     assert deltas[-1].finish_reason == "stop"
+
+
+def test_the_tokens_that_wrote_a_stretch_of_text_are_counted(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """How a reply counts its reasoning tokens: those that wrote the thought's characters."""
+    ids = tokenizer.encode("<think>ok</think>yes")
+    _, generation = generate(tokenizer, ids)
+    thought = len("<think>ok</think>")
+    assert decode_text(tokenizer, ids[:generation.tokens_writing(thought)]) == "<think>ok</think>"
+    assert generation.tokens_writing(0) == 0
+    assert generation.tokens_writing(1) == 1
+    assert generation.tokens_writing(10_000) == len(ids)

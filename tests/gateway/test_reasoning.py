@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.reasoning import Split, ThoughtSplitter, opens_in_thought, split_whole
+from gateway.reasoning import Split, ThoughtSplitter, opens_in_thought
 
 # (whether the output opens in thought, the output, how it splits)
 CASES: list[tuple[bool, str, Split]] = [
@@ -20,6 +20,13 @@ CASES: list[tuple[bool, str, Split]] = [
     (False, "<think>a</think>b</think>c", Split("a", "b</think>c")),
     (False, "", Split("", "")),
 ]
+
+
+def split_whole(in_thought: bool, text: str) -> Split:
+    splitter = ThoughtSplitter(in_thought)
+    split = splitter.feed(text)
+    split.extend(splitter.finish())
+    return split
 
 
 @pytest.mark.parametrize(("in_thought", "text", "expected"), CASES)
@@ -55,3 +62,19 @@ def test_an_output_opens_in_thought_where_the_prompt_left_think_open() -> None:
     assert not opens_in_thought("qwen3", "<|im_start|>assistant\n")
     assert opens_in_thought("deepseek_r1", "<|Assistant|>")
     assert split_whole(False, '{"a": 1}') == Split("", '{"a": 1}')
+
+
+@pytest.mark.parametrize(("in_thought", "text", "chars"), [
+    (False, "<think>ab</think>\n\nc", 17),  # through the end marker
+    (True, "ab</think>c", 10),
+    (True, "no end", 6),  # a thought never closed is all of it
+    (False, "<think>cut", 10),
+    (False, "c", 0),
+])
+def test_the_thought_s_characters_are_counted(in_thought: bool, text: str, chars: int) -> None:
+    """What the reasoning tokens in a reply's usage are counted from."""
+    splitter = ThoughtSplitter(in_thought)
+    for char in text:
+        splitter.feed(char)
+    splitter.finish()
+    assert splitter.reasoning_chars == chars
