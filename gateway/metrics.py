@@ -56,9 +56,16 @@ class Metrics:
 
     def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.vllm = VllmMetrics(r, model_name, max_model_len)
-        vllm = self.vllm
+        self.vllm = VllmMetrics(self.registry, model_name, max_model_len)
+        self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
+        self._add_request_series()
+        self._add_pool_gauges()
+        self._add_worker_gauges()
+        self._add_gateway_series()
+
+    def _add_request_series(self) -> None:
+        """Requests and their tokens and latencies, each also under vLLM's name."""
+        r, vllm = self.registry, self.vllm
         self.requests = Counter("raging_requests", "Requests by route and outcome",
                                 ["route", "outcome"], registry=r)
         self.prompt_tokens = Counters(
@@ -77,6 +84,16 @@ class Metrics:
         self.e2e = Histograms(
             Histogram("raging_e2e_request_latency_seconds", "Arrival to last token",
                       buckets=_LATENCY_BUCKETS, registry=r), vllm.e2e)
+        self.stage = Histogram("raging_stage_seconds",
+                               "Time in each stage on the way to the first tokens, measured "
+                               "where the stage runs (docs/observability.md)", ["stage"],
+                               buckets=_STAGE_BUCKETS, registry=r)
+        for stage in STAGES:
+            self.stage.labels(stage)
+
+    def _add_pool_gauges(self) -> None:
+        """Requests in flight and the pools' workers."""
+        r = self.registry
         self.inflight = Gauge("raging_requests_inflight", "Requests admitted, not finished",
                               registry=r)
         self.queued = Gauge("raging_requests_queued", "Requests waiting for their first token",
@@ -87,6 +104,10 @@ class Metrics:
         self.desired = Gauge("raging_pool_desired_workers", "Workers each pool wants, from the "
                              "queues, KV use and latency against the SLOs (autoscale:)",
                              ["role"], registry=r)
+
+    def _add_worker_gauges(self) -> None:
+        """Per worker, refreshed from the registry at each render."""
+        r = self.registry
         self.kv_used = Gauge("raging_kv_blocks_used", "KV blocks in use", ["worker"], registry=r)
         self.kv_total = Gauge("raging_kv_blocks_total", "KV blocks", ["worker"], registry=r)
         self.running = Gauge("raging_worker_running", "Sequences running", ["worker"], registry=r)
@@ -107,18 +128,15 @@ class Metrics:
         self.stalled = Gauge("raging_worker_stalled",
                              "1 while the worker has work but computes nothing (not routed to)",
                              ["worker"], registry=r)
+
+    def _add_gateway_series(self) -> None:
+        """The gateway's own work: control messages, request fields, routing."""
+        r = self.registry
         self.dropped = Gauge("raging_control_messages_dropped", "Malformed control messages",
                              registry=r)
         self.ignored_fields = Counter("raging_ignored_fields",
                                       "Request fields outside the schema, accepted and ignored",
                                       ["field"], registry=r)
-        self.recent = RecentLatency()  # TTFT and TPOT of the last minutes, for the web page
-        self.stage = Histogram("raging_stage_seconds",
-                               "Time in each stage on the way to the first tokens, measured "
-                               "where the stage runs (docs/observability.md)", ["stage"],
-                               buckets=_STAGE_BUCKETS, registry=r)
-        for stage in STAGES:
-            self.stage.labels(stage)
         self.route = Histogram("raging_route_seconds", "CPU time the gateway takes to pick a "
                                "request's workers (each route, resumes too)",
                                buckets=_ROUTE_BUCKETS,
