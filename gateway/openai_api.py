@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -218,8 +219,11 @@ class OpenAIRoutes:
                                           text)
 
     async def models(self, request: Request) -> Response:
-        cards = [self._model_card(name) for name in self.state.served_names]
-        return JSONResponse({"object": "list", "data": cards})
+        """The list as OpenAI's and Anthropic's clients both read it."""
+        names = self.state.served_names
+        cards = [self._model_card(name) for name in names]
+        return JSONResponse({"object": "list", "data": cards, "has_more": False,
+                             "first_id": names[0], "last_id": names[-1]})
 
     async def model(self, request: Request) -> Response:
         """`GET /v1/models/{model}` (the openai client's `models.retrieve`): its card, or 404;
@@ -231,12 +235,16 @@ class OpenAIRoutes:
         return JSONResponse(self._model_card(name))
 
     def _model_card(self, name: str) -> dict[str, object]:
-        """As vLLM's, with `root` the model itself and the defaults a request gets."""
+        """As vLLM's, with `root` the model itself and the defaults a request gets; and as
+        Anthropic's (`type`, `display_name`, `created_at`)."""
         defaults = dataclasses.asdict(self.state.generation_defaults)
         del defaults["from_model"]
+        started = datetime.datetime.fromtimestamp(self.state.started, datetime.UTC)
         return {"id": name, "object": "model", "created": self.state.started,
                 "owned_by": "raging", "root": self.state.model_name,
-                "max_model_len": self.context_limit(), "generation_defaults": defaults}
+                "max_model_len": self.context_limit(), "generation_defaults": defaults,
+                "type": "model", "display_name": name,
+                "created_at": started.isoformat().replace("+00:00", "Z")}
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""

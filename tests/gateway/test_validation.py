@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from openai.types import completion_create_params as text_params
@@ -447,6 +448,17 @@ def test_openai_client_retrieves_the_model_and_no_other(openai_client: openai.Op
             openai_client.models.retrieve(other)
         body = info.value.body
         assert isinstance(body, dict) and body["code"] == "model_not_found"
+
+
+def test_anthropic_client_lists_and_retrieves_the_model(client: TestClient) -> None:
+    made = anthropic.Anthropic(base_url="http://testserver", api_key="unused", max_retries=0,
+                               http_client=client)
+    [listed] = made.models.list().data
+    card = made.models.retrieve(MODEL)
+    assert (card.id, card.type, card.display_name) == (MODEL, "model", MODEL)
+    assert card.created_at.tzinfo is not None and card == listed
+    with pytest.raises(anthropic.NotFoundError):
+        made.models.retrieve("claude-sonnet-4-5")
 
 
 UNKNOWN_FIELDS: dict[str, dict[str, Any]] = {  # route: extra_body, with where the first sits
