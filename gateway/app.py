@@ -32,6 +32,7 @@ from gateway.errors import (
     server_error,
     speaks_anthropic,
 )
+from gateway.llamacpp_api import LlamaCppRoutes
 from gateway.openai_api import OpenAIRoutes
 from gateway.page import page_routes
 from gateway.state import GatewayState, server_version
@@ -44,7 +45,7 @@ def build_app(state: GatewayState) -> Starlette:
     keys = auth.load_keys(state.config.auth)
     auth.log_auth_state(state.config.gateway.host, keys)
     routes, service = OpenAIRoutes(state), ServiceRoutes(state)
-    anthropic = AnthropicRoutes(routes)
+    anthropic, llamacpp = AnthropicRoutes(routes), LlamaCppRoutes(routes)
     return Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -60,6 +61,9 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+            Route("/completion", llamacpp.completion, methods=["POST"]),
+            Route("/completions", llamacpp.completion, methods=["POST"]),
+            Route("/props", llamacpp.props, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/version", service.version, methods=["GET"]),

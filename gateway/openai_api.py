@@ -32,7 +32,8 @@ from gateway.errors import (
 from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
-from gateway.logprobs import TokenPieces
+from gateway.llamacpp_reply import LlamaAsk, LlamaCppReply
+from gateway.logprobs import Piece, TokenPieces
 from gateway.messages_reply import AnthropicAsk, MessagesReply
 from gateway.prompts import bad_words_token_ids, check_context, render_chat_prompt, tokenize_prompt
 from gateway.protocol import (
@@ -72,6 +73,7 @@ class Served:
     tools: ToolPlan | None = None
     response: ResponseContext | None = None  # answered as a Response (/v1/responses)
     message: AnthropicAsk | None = None  # answered as an Anthropic Message (/v1/messages)
+    native: LlamaAsk | None = None  # answered as llama.cpp's /completion
 
 
 class OpenAIRoutes:
@@ -172,7 +174,7 @@ class OpenAIRoutes:
         tools = tool_plan(body, gateway.tool_call_parser, gateway.max_parallel_tool_calls)
         render = functools.partial(render_chat_prompt, tools=tools,
                                    options=TemplateOptions.of(body))
-        prompt_ids = await self._tokenize(render, body.messages)
+        prompt_ids = await self.tokenize_with(render, body.messages)
         params = generation_params(body, self.state.generation_defaults)
         if tools is not None and tools.grammar:
             params = dataclasses.replace(params, grammar=Grammar("json_schema", tools.grammar))
@@ -183,35 +185,39 @@ class OpenAIRoutes:
         body = await asyncio.to_thread(parse_completion_request, await self.read_body(request))
         self.ignored.check(body)
         model = self.served_model(body.model)
-        prompts = [await self._tokenize(tokenize_prompt, prompt) for prompt in body.prompt]
+        prompts = [await self.tokenize_with(tokenize_prompt, prompt) for prompt in body.prompt]
         params = generation_params(body, self.state.generation_defaults)
         return await self.serve(request, CompletionFormat(), prompts, params,
                                  Served(model, arrived))
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's `POST /tokenize`: a prompt's or messages' token ids."""
+        """`POST /tokenize`, vLLM's and llama.cpp's: a prompt's or messages' token ids."""
         body = parse_tokenize_request(await self.read_body(request))
         self.ignored.check(body)
         self.served_model(body.model)
-        tokens = await self._tokenize(_tokenize_body, body)
+        tokens = await self.tokenize_with(_tokenize_body, body)
         reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.context_limit(),
                                  "tokens": tokens}
         if body.return_token_strs:
             reply["token_strs"] = self.state.tokenizer.convert_ids_to_tokens(tokens)
+        if body.with_pieces:
+            reply["tokens"] = [{"id": token, "piece": _piece_shown(self.pieces(token))}
+                               for token in tokens]
         return JSONResponse(reply)
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's `POST /detokenize`: the text of token ids."""
+        """`POST /detokenize`: the text of token ids, as vLLM (`prompt`) and llama.cpp
+        (`content`) name it."""
         body = parse_detokenize_request(await self.read_body(request))
         self.ignored.check(body)
         self.served_model(body.model)
         vocab = len(self.state.tokenizer)
         if any(token >= vocab for token in body.tokens):
             raise bad_request(f"tokens must be below {vocab}", param="tokens")
-        text = await self._tokenize(decode_text, body.tokens)
-        return JSONResponse({"prompt": text})
+        text = await self.tokenize_with(decode_text, body.tokens)
+        return JSONResponse({"prompt": text, "content": text})
 
-    async def _tokenize(self, function: Callable[[Any, Any], _Result], text: Any) -> _Result:
+    async def tokenize_with(self, function: Callable[[Any, Any], _Result], text: Any) -> _Result:
         """Off the event loop (a huge prompt must not stall /health), on the one tokenizer thread:
         a Hugging Face fast tokenizer must not be used by two threads at once."""
         loop = asyncio.get_running_loop()
@@ -297,7 +303,7 @@ class OpenAIRoutes:
         max_tokens = [check_context(len(ids), params.max_tokens, limit, params.default_max_tokens)
                       for ids in prompts]
         self._check_token_ids(params)
-        bad_words = await self._tokenize(bad_words_token_ids, params.bad_words)
+        bad_words = await self.tokenize_with(bad_words_token_ids, params.bad_words)
         if not self.state.control_plane_up():
             raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         prompt_tokens = sum(len(ids) for ids in prompts)
@@ -330,6 +336,9 @@ class OpenAIRoutes:
                                   params.logprobs is not None, model=served.model,
                                   timing=timing, span=span, tools=served.tools,
                                   in_thought=in_thought)
+        if served.native is not None:
+            return LlamaCppReply(generations, self.state, model=served.model, span=span,
+                                 ask=served.native)
         if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
                                  span=span, tools=served.tools, in_thought=in_thought,
@@ -505,10 +514,17 @@ def _response_not_found(response_id: str, param: str | None = None) -> APIError:
     return not_found(f"Response with id '{response_id[:100]}' not found.", param=param)
 
 
+def _piece_shown(piece: Piece) -> str | list[int]:
+    """A token's text as llama.cpp's /tokenize shows it: its bytes where they are not UTF-8."""
+    try:
+        return piece.data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece.data)
+
+
 def _tokenize_body(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     """/tokenize's token ids: the prompt's, or the messages' under the chat template."""
     if body.messages is not None:  # the template writes the special tokens it wants
         return render_chat_prompt(tokenizer, body.messages, options=body.template)
-    assert body.prompt is not None
-    return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
-                                 is not False))
+    assert body.text is not None
+    return list(tokenizer.encode(body.text, add_special_tokens=body.special_tokens))

@@ -665,23 +665,29 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
-    """The body of POST /tokenize (vLLM's): a prompt, or messages under the chat template."""
+    """The body of POST /tokenize: vLLM's (a prompt, or messages under the chat template) or
+    llama.cpp's (`content`, `add_special`, `with_pieces`)."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
     prompt: str | None = None
+    content: str | None = None  # llama.cpp's prompt
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    # Default: true for a prompt, false for messages (the template writes its own) and for
+    # llama.cpp's content; `add_special` is llama.cpp's name.
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+    with_pieces: bool | None = False  # llama.cpp's: each token as its id and its text
 
     _no_reserved_kwargs = field_validator("chat_template_kwargs")(_unreserved)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise invalid_value("give either prompt or messages")
+        if sum(given is not None for given in (self.prompt, self.content, self.messages)) != 1:
+            raise invalid_value("give one of prompt, content or messages")
         if self.continue_final_message and self.add_generation_prompt:
             raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
                            "true")
@@ -692,9 +698,20 @@ class TokenizeRequest(RequestModel):
         return TemplateOptions(self.add_generation_prompt is not False,
                                bool(self.continue_final_message), self.chat_template_kwargs)
 
+    @property
+    def text(self) -> str | None:
+        """The text to tokenize, unless messages are."""
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS) to the text."""
+        asked = self.add_special_tokens if self.add_special_tokens is not None else self.add_special
+        return asked if asked is not None else self.prompt is not None
+
 
 class DetokenizeRequest(RequestModel):
-    """The body of POST /detokenize (vLLM's)."""
+    """The body of POST /detokenize (vLLM's and llama.cpp's)."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
     tokens: list[TokenId]
@@ -878,9 +895,21 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
 def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
     """The chat request another API's request became, from its `fields`; a 400 as chat would
     give it, naming that request's own field (`params`: chat's top-level field -> its own)."""
+    return _request_of(ChatCompletionRequest, fields, params, check_tool_request)
+
+
+def completion_request_of(fields: dict[str, Any], params: Mapping[str, str]
+                          ) -> CompletionRequest:
+    """The completion request another API's request became, as `chat_request_of`."""
+    return _request_of(CompletionRequest, fields, params)
+
+
+def _request_of(model: type[_Model], fields: dict[str, Any], params: Mapping[str, str],
+                check: Callable[[_Model], None] | None = None) -> _Model:
     try:
-        request = ChatCompletionRequest.model_validate(fields)
-        check_tool_request(request)
+        request = model.model_validate(fields)
+        if check is not None:
+            check(request)
     except ValidationError as exc:
         raise _with_param_renamed(validation_error(exc), params) from None
     except APIError as exc:
@@ -889,10 +918,10 @@ def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCo
 
 
 def _with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
-    """An error of the chat request another API's request became, naming the field of that
-    request it came from (`params`: chat's top-level field -> its own). Indices are dropped:
-    a message's index in chat is not one in the request (system text, merged turns shift
-    it)."""
+    """An error of the chat or completion request another API's request became, naming the
+    field of that request it came from (`params`: the top-level field -> its own). Indices
+    are dropped: a message's index in chat is not one in the request (system text, merged
+    turns shift it)."""
     chat_field = re.split(r"[.\[]", error.param or "")[0]
     param = params.get(chat_field)
     if param is None or error.param is None:

@@ -26,6 +26,7 @@ from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.llamacpp_request import LlamaCompletionRequest
 from gateway.messages_request import MessagesRequest
 from gateway.protocol import TEXT_PART_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.gateway.served_app import (
@@ -40,6 +41,7 @@ from tests.gateway.served_app import (
 
 CHAT, TEXT = ROUTES
 MESSAGES = "/v1/messages"
+NATIVE = "/completion"  # llama.cpp's
 Body = tuple[str, bytes]  # (route, raw body)
 KeyPath = tuple[str | int, ...]  # keys and indices from the top of a JSON value
 
@@ -47,6 +49,7 @@ FIELD_NAMES = sorted(
     set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     | set(ChatMessage.model_fields) | TEXT_PART_FIELDS | {"include_usage"}
     | set(MessagesRequest.model_fields) | {"tool_use_id", "input", "input_schema", "name"}
+    | set(LlamaCompletionRequest.model_fields)
 )
 VALID_BODIES: dict[str, list[dict[str, Any]]] = {
     CHAT: [
@@ -96,6 +99,12 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
          "tool_choice": {"type": "auto"}, "stop_sequences": ["x"], "stream": True,
          "temperature": 0.5, "top_k": 5, "metadata": {"user_id": "u"},
          "output_config": {"effort": "low"}},
+    ],
+    NATIVE: [
+        {"prompt": "Hi", "n_predict": 8},
+        {"prompt": [1, 2, 3], "n_predict": -1, "temperature": 0.5, "top_k": 40, "seed": -1,
+         "stop": ["\n"], "stream": True, "n_probs": 2, "logit_bias": [[5, False], ["x", 1.5]],
+         "grammar": 'root ::= "a"', "cache_prompt": True, "id_slot": -1, "mirostat": 0},
     ],
 }
 

@@ -39,9 +39,24 @@ def test_tokenize_a_prompt_and_detokenize_it_back(client: TestClient) -> None:
     reply = client.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
     assert reply.json() == {"count": 2, "max_model_len": MAX_MODEL_LEN, "tokens": [28120, 905]}
     back = client.post("/detokenize", json={"model": MODEL, "tokens": [28120, 905]})
-    assert back.json() == {"prompt": "hello world"}
+    assert back.json() == {"prompt": "hello world", "content": "hello world"}  # llama.cpp's too
     strs = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
     assert strs.json()["token_strs"] == ["hello", "Ġworld"]
+
+
+def test_tokenize_as_llama_cpp_asks(client: TestClient) -> None:
+    """llama.cpp's body: `content`; `with_pieces` gives each token's text, or its bytes where
+    they are not whole characters."""
+    reply = client.post("/tokenize", json={"content": "hello world", "add_special": True})
+    assert reply.json()["tokens"] == [28120, 905]
+    pieces = client.post("/tokenize", json={"content": "hi 😀", "with_pieces": True}).json()
+    shown = pieces["tokens"]
+    assert all(set(entry) == {"id", "piece"} for entry in shown)
+    assert shown[0]["piece"] == "hi"
+    emoji = [entry["piece"] for entry in shown[1:]]
+    assert any(isinstance(piece, list) for piece in emoji)  # "😀" over several tokens
+    data = b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in emoji)
+    assert data.decode() == " 😀"
 
 
 def test_tokenize_messages_under_the_template(client: TestClient) -> None:
@@ -57,6 +72,7 @@ def test_tokenize_messages_under_the_template(client: TestClient) -> None:
 @pytest.mark.parametrize(("route", "body", "param"), [
     ("/tokenize", {}, None),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+    ("/tokenize", {"prompt": "a", "content": "b"}, None),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),

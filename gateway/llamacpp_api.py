@@ -1,0 +1,94 @@
+"""llama.cpp's native routes, for the tools written against its server: `POST /completion`
+(and `/completions`), served as a /v1/completions request (llamacpp_request.py) answered in
+llama.cpp's shape (llamacpp_reply.py), and `GET /props`, what the server is and does. Its
+/tokenize and /detokenize bodies are read by the OpenAI routes' own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine.weights.tokenizer import decode_text
+from gateway.llamacpp_reply import LlamaAsk
+from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
+from gateway.openai_api import OpenAIRoutes, Served
+from gateway.prompts import tokenize_prompt
+from gateway.protocol import GenerationParams, generation_params
+from gateway.reply import CompletionFormat
+from gateway.state import server_version
+
+
+class LlamaCppRoutes:
+    """llama.cpp's routes over `routes`, the OpenAI routes' machinery."""
+
+    def __init__(self, routes: OpenAIRoutes) -> None:
+        self.routes = routes
+        self.state = routes.state
+
+    async def completion(self, request: Request) -> Response:
+        """A completion, streamed or whole, of one prompt (a string or token ids)."""
+        arrived = time.monotonic()
+        body = await asyncio.to_thread(parse_llamacpp_request,
+                                       await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self.routes.served_model(body.model)
+        prompt_ids = await self.routes.tokenize_with(tokenize_prompt, body.prompt)
+        bias = await self._bias(body)
+        completion = body.completion_request(bias)
+        params = generation_params(completion, self.state.generation_defaults)
+        text = body.prompt if isinstance(body.prompt, str) else await self.routes.tokenize_with(
+            decode_text, prompt_ids)
+        ask = LlamaAsk(text, self._settings(params, body), bool(body.n_probs))
+        return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
+                                       Served(model, arrived, native=ask))
+
+    async def props(self, request: Request) -> Response:
+        """What llama.cpp's clients read of its server: the context and sampling defaults,
+        the slots (sequences the decode workers run at once), the chat template."""
+        tokenizer = self.state.tokenizer
+        defaults = self.state.generation_defaults
+        params = {"temperature": defaults.temperature, "top_k": defaults.top_k,
+                  "top_p": defaults.top_p, "min_p": defaults.min_p,
+                  "repeat_penalty": defaults.repetition_penalty,
+                  "n_predict": defaults.max_tokens, "seed": -1}
+        slots = sum(w.max_running for w in self.state.registry.alive("decode"))
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": self.routes.context_limit(),
+                                            "params": params},
+            "total_slots": slots, "model_alias": self.state.served_names[0],
+            "model_path": self.state.model_name,
+            "modalities": {"vision": False, "audio": False},
+            "chat_template": getattr(tokenizer, "chat_template", None) or "",
+            "bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or "",
+            "build_info": f"raging {server_version()}"})
+
+    async def _bias(self, body: LlamaCompletionRequest) -> dict[int, float]:
+        """The bias of each token: a text's goes to every one of its tokens."""
+        bias: dict[int, float] = {}
+        for key, value in body.bias_entries():
+            tokens = [key] if isinstance(key, int) else await self.routes.tokenize_with(
+                _text_tokens, key)
+            bias.update((token, value) for token in tokens)
+        return bias
+
+    def _settings(self, params: GenerationParams, body: LlamaCompletionRequest
+                  ) -> dict[str, Any]:
+        """The `generation_settings` echoed: the sampling the request got."""
+        return {"n_predict": body.n_predict, "seed": -1 if params.seed is None else params.seed,
+                "temperature": params.temperature, "top_k": params.top_k,
+                "top_p": params.top_p, "min_p": params.min_p,
+                "repeat_penalty": params.repetition_penalty,
+                "presence_penalty": params.presence_penalty,
+                "frequency_penalty": params.frequency_penalty,
+                "ignore_eos": params.ignore_eos, "stop": list(params.stop),
+                "n_probs": body.n_probs, "stream": body.stream,
+                "grammar": body.grammar or "", "max_tokens": params.max_tokens}
+
+
+def _text_tokens(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+

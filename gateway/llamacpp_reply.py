@@ -1,0 +1,132 @@
+"""A completion shown as llama.cpp's native `/completion` shows it: whole, one object with the
+text in `content` and what ended it; streamed, one `data:` object per piece of text, then one
+with `stop: true` and the summary (no `[DONE]`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway.generation import KEEPALIVE, Generation
+from gateway.logprobs import Piece, TokenLogprob
+from gateway.reply import KEEPALIVE_EVENT, CompletionFormat, Reply, StopReason, WholeChoice
+from gateway.state import GatewayState
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+
+@dataclass(frozen=True)
+class LlamaAsk:
+    """What the reply echoes of the request: its prompt's text and its sampling settings."""
+
+    prompt: str
+    settings: dict[str, Any]
+    probabilities: bool  # n_probs > 0: each token's logprob and the likeliest there
+
+
+class LlamaCppReply(Reply):
+    """One completion, in llama.cpp's native shape."""
+
+    def __init__(self, generations: list[Generation], state: GatewayState, *, model: str,
+                 span: Span | None, ask: LlamaAsk) -> None:
+        assert len(generations) == 1, "a /completion has one output"
+        super().__init__(CompletionFormat(), generations, state, include_usage=False,
+                         logprobs=ask.probabilities, model=model, span=span)
+        self.ask = ask
+        self.text = ""  # streamed so far
+        self.ending: tuple[str, StopReason] = ("stop", None)  # finish and stop reasons
+
+    @property
+    def route(self) -> str:
+        return "completion"
+
+    async def _events(self) -> AsyncIterator[str]:
+        async for _, delta in self._deltas():
+            if delta is KEEPALIVE:
+                yield KEEPALIVE_EVENT
+                continue
+            if delta.finish_reason == "error":
+                self.outcome = "error"
+                yield _data(self.error_body(delta.error))
+                return
+            self.text += delta.text
+            if delta.finish_reason is not None:
+                self.ending = (delta.finish_reason, delta.stop_reason)
+            if delta.text or delta.logprobs:
+                yield _data(self._piece(delta.text, delta.logprobs))
+        self.outcome = "ok"
+        yield _data(self._summary(""))
+
+    def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
+        (whole,) = wholes
+        assert whole.finish_reason is not None
+        self.text = "".join(whole.parts)
+        self.ending = (whole.finish_reason, whole.stop_reason)
+        return self._summary(self.text, whole.logprobs)
+
+    def _piece(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        generation = self.generations[0]
+        piece = {"index": 0, "content": text, "stop": False, "id_slot": -1,
+                 "tokens_predicted": generation.completion_tokens,
+                 "tokens_evaluated": generation.prompt_tokens}
+        if self.ask.probabilities:
+            piece["completion_probabilities"] = [_probabilities(entry) for entry in logprobs]
+        return piece
+
+    def _summary(self, content: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """The last object: what ended the completion, its counts and timings."""
+        generation = self.generations[0]
+        finish, matched = self.ending
+        by_string = finish == "stop" and isinstance(matched, str)
+        summary = {
+            **self._piece(content, logprobs), "stop": True, "model": self.model,
+            "generation_settings": self.ask.settings, "prompt": self.ask.prompt,
+            "has_new_line": "\n" in self.text, "truncated": False,
+            "stop_type": "limit" if finish == "length" else "word" if by_string else "eos",
+            "stopping_word": matched if by_string else "",
+            "tokens_cached": generation.handle.cached_tokens, "timings": _timings(generation)}
+        if not self.ask.probabilities:
+            summary.pop("completion_probabilities", None)
+        return summary
+
+
+def _probabilities(entry: TokenLogprob) -> dict[str, Any]:
+    """A token's entry in `completion_probabilities`, as llama.cpp's (without ids)."""
+    return {**_token(entry.token), "logprob": entry.logprob,
+            "top_logprobs": [{**_token(piece), "logprob": logprob}
+                             for piece, logprob in entry.top]}
+
+
+def _token(piece: Piece) -> dict[str, Any]:
+    return {"token": piece.text, "bytes": list(piece.data)}
+
+
+def _timings(generation: Generation) -> dict[str, float]:
+    """llama.cpp's timings: the prompt's (from arrival to the first token) and the output's
+    (from the first token to the last), in ms, with their rates."""
+    first, last = generation.first_token_at, generation.last_token_at
+    prompt_ms = 0.0 if first is None else (first - generation.started) * 1000
+    predicted_ms = 0.0 if first is None or last is None else (last - first) * 1000
+    prompt_n = generation.prompt_tokens - generation.handle.cached_tokens
+    predicted_n = max(generation.completion_tokens - 1, 0)  # the first came with the prompt
+    return {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": _per(prompt_ms, prompt_n),
+            "prompt_per_second": _rate(prompt_n, prompt_ms),
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": _per(predicted_ms, predicted_n),
+            "predicted_per_second": _rate(predicted_n, predicted_ms)}
+
+
+def _per(ms: float, count: int) -> float:
+    return ms / count if count else 0.0
+
+
+def _rate(count: int, ms: float) -> float:
+    return count * 1000 / ms if ms > 0 else 0.0
+
+
+def _data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"

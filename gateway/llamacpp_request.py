@@ -1,0 +1,135 @@
+"""The body of llama.cpp's native `POST /completion`, read as a /v1/completions request.
+
+llama.cpp's names map onto the OpenAI and vLLM fields the gateway already serves: `n_predict`
+(-1: as long as the cap allows) is max_tokens, `n_probs` is logprobs, `grammar` (GBNF) and
+`json_schema` are structured output, `seed` -1 draws a fresh one, `logit_bias` comes in any of
+llama.cpp's shapes. Its slot and cache controls mean nothing here (every prompt's prefix is
+cached, and the gateway picks the workers): they are accepted and ignored, as are its samplers
+that are not served (mirostat, DRY, XTC, ...), which gateway/ignored_fields.py reports.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from gateway.protocol import (
+    MAX_COMPLETION_LOGPROBS,
+    MAX_LOGIT_BIAS,
+    CompletionRequest,
+    Penalty,
+    RequestModel,
+    TokenId,
+    completion_request_of,
+    invalid_value,
+    parse_body,
+)
+
+BANNED = -100.0  # llama.cpp's `false` bias: the token is never drawn
+_INT32_MAX, _UINT64_MAX = 2**31 - 1, 2**64 - 1
+# The completion's fields named otherwise here, for its errors.
+_NATIVE_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "guided_grammar": "grammar",
+                 "guided_json": "json_schema"}
+# [token id or text, bias or false], or {token id: bias or false}
+BiasEntry = Annotated[list[TokenId | str | float | bool], Field(min_length=2, max_length=2)]
+
+
+class LlamaCompletionRequest(RequestModel):
+    """llama.cpp's `/completion` body, as far as it is served."""
+
+    prompt: str | list[TokenId]
+    n_predict: int = Field(default=-1, ge=-1, le=2**63 - 1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: int = Field(default=-1, ge=-1, le=_UINT64_MAX)
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    n_probs: int = Field(default=0, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_schema: dict[str, Any] | None = None
+    logit_bias: list[BiasEntry] | dict[str, float | bool] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_prompt: bool | None = None  # ignored: every prompt's prefix is cached
+    id_slot: int | None = None  # ignored: the gateway picks the workers
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        ids = isinstance(value, list) and bool(value) and all(
+            isinstance(token, int) and not isinstance(token, bool) for token in value)
+        if not (isinstance(value, str) or ids):
+            raise invalid_value("prompt must be a string or a non-empty list of token ids")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _readable_bias(cls, value: Any) -> Any:
+        for key, bias in _pairs(value):
+            _bias_pair(key, bias)
+        return value
+
+    @field_validator("n_predict")
+    @classmethod
+    def _something_to_predict(cls, value: int) -> int:
+        if value == 0:
+            raise invalid_value("n_predict must be -1 (up to the cap) or at least 1")
+        return value
+
+    def bias_entries(self) -> list[tuple[int | str, float]]:
+        """`logit_bias` as (token id or text, bias) pairs; `false` bans the token."""
+        return [_bias_pair(key, value) for key, value in _pairs(self.logit_bias)]
+
+    def completion_request(self, bias: dict[int, float]) -> CompletionRequest:
+        """The same request, as /v1/completions takes it; `bias`: `bias_entries` with every
+        text's tokens resolved."""
+        fields: dict[str, Any] = {
+            "prompt": self.prompt, "stream": self.stream, "ignore_eos": self.ignore_eos,
+            "max_tokens": None if self.n_predict < 0 else self.n_predict,
+            "seed": None if self.seed < 0 else self.seed,
+            "logprobs": self.n_probs or None, "stop": self.stop,
+            "logit_bias": {str(token): value for token, value in bias.items()} or None,
+            "guided_grammar": self.grammar, "guided_json": self.json_schema}
+        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            fields[name] = getattr(self, name)
+        given = {name: value for name, value in fields.items() if value is not None}
+        return completion_request_of({**given, "max_tokens": given.get("max_tokens")},
+                                     _NATIVE_NAMES)
+
+
+def _pairs(logit_bias: Any) -> list[tuple[Any, Any]]:
+    if logit_bias is None:
+        return []
+    if isinstance(logit_bias, dict):
+        return list(logit_bias.items())
+    return [(entry[0], entry[1]) for entry in logit_bias]
+
+
+def _bias_pair(key: Any, value: Any) -> tuple[int | str, float]:
+    """One bias entry: its token (an id, an id's string, or a text) and its bias."""
+    if isinstance(value, bool):
+        if value:
+            raise invalid_value("a logit_bias of true means nothing: give a number or false")
+        bias = BANNED
+    elif isinstance(value, int | float) and -100 <= value <= 100:
+        bias = float(value)
+    else:
+        raise invalid_value("a logit_bias must be a number in [-100, 100] or false")
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise invalid_value("a logit_bias entry starts with a token id or a text")
+    if isinstance(key, str) and key.isdigit():
+        return int(key), bias
+    return key, bias
+
+
+def parse_llamacpp_request(body: bytes) -> LlamaCompletionRequest:
+    """Parse a /completion body; any invalid body raises a 400 `APIError`."""
+    return parse_body(LlamaCompletionRequest, body)

@@ -1,0 +1,113 @@
+"""llama.cpp's native API end to end on the real SmolLM2-135M-Instruct, as a client written
+against its server calls it with plain HTTP: `/completion` whole and streamed (the same greedy
+text as /v1/completions), what ended it (a limit, a stopping word, EOS under a GBNF grammar),
+its token probabilities, a banned token, `/props`, and a stream left early freeing its KV
+blocks. 1 gateway + 1 prefill + 1 decode."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
+
+PROMPT = "The capital of France is"
+
+
+def complete(cluster: Cluster, **fields: Any) -> dict[str, Any]:
+    reply = cluster.client.post("/completion", json={"prompt": PROMPT, "temperature": 0,
+                                                     **fields})
+    assert reply.status_code == 200, reply.text
+    body: dict[str, Any] = reply.json()
+    return body
+
+
+def streamed(cluster: Cluster, **fields: Any) -> list[dict[str, Any]]:
+    """Every object of a streamed /completion; it ends with the last, never with [DONE]."""
+    body = {"prompt": PROMPT, "temperature": 0, "stream": True, **fields}
+    with cluster.client.stream("POST", "/completion", json=body) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def test_a_greedy_completion_is_the_openai_route_s(cluster: Cluster) -> None:
+    whole = complete(cluster, n_predict=12)
+    openai = cluster.client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
+    assert whole["content"] == openai["choices"][0]["text"]
+    assert (whole["stop"], whole["stop_type"], whole["tokens_predicted"]) == (True, "limit", 12)
+    assert whole["tokens_evaluated"] == openai["usage"]["prompt_tokens"]
+    assert whole["prompt"] == PROMPT and whole["generation_settings"]["temperature"] == 0
+    timings = whole["timings"]
+    assert timings["predicted_n"] == 11 and timings["predicted_ms"] > 0
+    assert timings["prompt_n"] + whole["tokens_cached"] == whole["tokens_evaluated"]
+
+
+def test_the_stream_adds_up_to_the_whole(cluster: Cluster) -> None:
+    pieces = streamed(cluster, n_predict=12)
+    *text, last = pieces
+    assert not any(piece["stop"] for piece in text) and last["stop"]
+    assert "".join(piece["content"] for piece in pieces) == complete(cluster,
+                                                                      n_predict=12)["content"]
+    assert (last["stop_type"], last["tokens_predicted"]) == ("limit", 12)
+    assert [piece["tokens_predicted"] for piece in text] == list(range(1, len(text) + 1))
+
+
+def test_a_stopping_word_and_eos_say_what_ended_the_completion(cluster: Cluster) -> None:
+    text = complete(cluster, n_predict=12)["content"]
+    word = text.split()[1]
+    stopped = complete(cluster, n_predict=12, stop=[word])
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+    assert stopped["content"] == text[:text.index(word)]
+    answered = complete(cluster, prompt="Is Paris in France? Answer:",
+                        grammar='root ::= " yes" | " no"')
+    assert answered["content"] in (" yes", " no") and answered["stop_type"] == "eos"
+
+
+def test_probabilities_and_a_banned_token(cluster: Cluster) -> None:
+    whole = complete(cluster, n_predict=3, n_probs=2)
+    entries = whole["completion_probabilities"]
+    assert len(entries) == 3
+    first = entries[0]
+    assert first["token"] == " Paris" and bytes(first["bytes"]) == b" Paris"
+    assert first["top_logprobs"][0]["token"] == " Paris" and len(first["top_logprobs"]) == 2
+    assert first["logprob"] == first["top_logprobs"][0]["logprob"] <= 0
+    banned = complete(cluster, n_predict=3, logit_bias=[[" Paris", False]])
+    assert not banned["content"].startswith(" Paris")
+
+
+def test_props_tell_the_context_slots_and_template(cluster: Cluster) -> None:
+    props = cluster.client.get("/props").json()
+    card = cluster.client.get("/v1/models").json()["data"][0]
+    assert props["default_generation_settings"]["n_ctx"] == card["max_model_len"]
+    assert props["total_slots"] >= 1 and props["model_alias"] == cluster.model
+    assert "<|im_start|>" in props["chat_template"]
+    assert props["modalities"] == {"vision": False, "audio": False}
+
+
+def test_a_bad_body_is_a_400_and_an_unknown_model_a_404(cluster: Cluster) -> None:
+    reply = cluster.client.post("/completion", json={"prompt": PROMPT, "n_predict": 0})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n_predict"
+    missing = cluster.client.post("/completion", json={"prompt": PROMPT, "model": "gpt-4o"})
+    assert missing.status_code == 404
+
+
+def test_a_stream_left_early_frees_its_blocks(cluster: Cluster) -> None:
+    body = {"prompt": "Tell me a long story.", "n_predict": 4000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/completion", json=body, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                wait_for(lambda: cluster.metric("raging_worker_running",
+                                                'worker="decode-0"') == 1, 30,
+                         "the completion to decode")
+                break
+    wait_for(lambda: (cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
+                      and cluster.metric("raging_requests_inflight") == 0), 5,
+             "the decode worker to free the completion's blocks")
