@@ -64,6 +64,7 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/completion", llamacpp.completion, methods=["POST"]),
             Route("/completions", llamacpp.completion, methods=["POST"]),
             Route("/props", llamacpp.props, methods=["GET"]),
+            Route("/apply-template", llamacpp.apply_template, methods=["POST"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/version", service.version, methods=["GET"]),

@@ -1,7 +1,8 @@
 """llama.cpp's native routes, for the tools written against its server: `POST /completion`
 (and `/completions`), served as a /v1/completions request (llamacpp_request.py) answered in
-llama.cpp's shape (llamacpp_reply.py), and `GET /props`, what the server is and does. Its
-/tokenize and /detokenize bodies are read by the OpenAI routes' own."""
+llama.cpp's shape (llamacpp_reply.py); `GET /props`, what the server is and does; and
+`POST /apply-template`. Its /tokenize and /detokenize bodies are read by the OpenAI routes'
+own."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.weights.tokenizer import decode_text
+from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
 from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
-from gateway.openai_api import OpenAIRoutes, Served
+from gateway.openai_api import OpenAIRoutes, Served, tokenize_body
 from gateway.prompts import tokenize_prompt
-from gateway.protocol import GenerationParams, generation_params
+from gateway.protocol import GenerationParams, generation_params, parse_tokenize_request
 from gateway.reply import CompletionFormat
 from gateway.state import server_version
 
@@ -66,6 +68,16 @@ class LlamaCppRoutes:
             "bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or "",
             "build_info": f"raging {server_version()}"})
 
+    async def apply_template(self, request: Request) -> Response:
+        """llama.cpp's `POST /apply-template`: `messages` under the chat template, as text."""
+        body = parse_tokenize_request(await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        if body.messages is None:
+            raise bad_request("apply-template takes messages", param="messages")
+        prompt_ids = await self.routes.tokenize_with(tokenize_body, body)
+        text = await self.routes.tokenize_with(_with_special_tokens, prompt_ids)
+        return JSONResponse({"prompt": text})
+
     async def _bias(self, body: LlamaCompletionRequest) -> dict[int, float]:
         """The bias of each token: a text's goes to every one of its tokens."""
         bias: dict[int, float] = {}
@@ -87,6 +99,10 @@ class LlamaCppRoutes:
                 "ignore_eos": params.ignore_eos, "stop": list(params.stop),
                 "n_probs": body.n_probs, "stream": body.stream,
                 "grammar": body.grammar or "", "max_tokens": params.max_tokens}
+
+
+def _with_special_tokens(tokenizer: Any, token_ids: list[int]) -> str:
+    return decode_text(tokenizer, token_ids, skip_special_tokens=False)
 
 
 def _text_tokens(tokenizer: Any, text: str) -> list[int]:
