@@ -78,6 +78,17 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.run_dir / f"{name}.log").read_text()
 
+    def decoding(self, worker: str = "decode-0") -> bool:
+        """Whether `worker` runs one sequence."""
+        return self.metric("raging_worker_running", f'worker="{worker}"') == 1
+
+    def idle(self, worker: str = "decode-0") -> bool:
+        """Whether `worker` holds no KV block and runs nothing, and the gateway no request."""
+        labels = f'worker="{worker}"'
+        return (self.metric("raging_kv_blocks_used", labels) == 0
+                and self.metric("raging_worker_running", labels) == 0
+                and self.metric("raging_requests_inflight") == 0)
+
 
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""

@@ -104,10 +104,6 @@ def test_a_stream_left_early_frees_its_blocks(cluster: Cluster) -> None:
     with httpx.stream("POST", f"{cluster.url}/completion", json=body, timeout=120) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
-                wait_for(lambda: cluster.metric("raging_worker_running",
-                                                'worker="decode-0"') == 1, 30,
-                         "the completion to decode")
+                wait_for(cluster.decoding, 30, "the completion to decode")
                 break
-    wait_for(lambda: (cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
-                      and cluster.metric("raging_requests_inflight") == 0), 5,
-             "the decode worker to free the completion's blocks")
+    wait_for(cluster.idle, 5, "the decode worker to free the completion's blocks")

@@ -192,10 +192,6 @@ def test_a_stream_left_early_frees_its_blocks(client: anthropic.Anthropic,
                                 extra_body={"ignore_eos": True}) as stream:
         for event in stream:
             if event.type == "content_block_delta":
-                wait_for(lambda: cluster.metric("raging_worker_running",
-                                                'worker="decode-0"') == 1, 30,
-                         "the message to decode")
+                wait_for(cluster.decoding, 30, "the message to decode")
                 break
-    wait_for(lambda: (cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
-                      and cluster.metric("raging_requests_inflight") == 0), 5,
-             "the decode worker to free the message's blocks")
+    wait_for(cluster.idle, 5, "the decode worker to free the message's blocks")

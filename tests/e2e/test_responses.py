@@ -313,19 +313,12 @@ def finished(client: openai.OpenAI, response_id: str, timeout_s: float = 60) -> 
     return response
 
 
-def idle(cluster: Cluster) -> bool:
-    return (cluster.metric("raging_kv_blocks_used", 'worker="decode-0"') == 0
-            and cluster.metric("raging_worker_running", 'worker="decode-0"') == 0
-            and cluster.metric("raging_requests_inflight") == 0)
-
-
 def decoding_in_background(client: openai.OpenAI, cluster: Cluster) -> Response:
     """A long background response, once its decode worker runs it."""
     queued = client.responses.create(model=cluster.model, input="Tell me a long story.",
                                      max_output_tokens=4000, background=True,
                                      extra_body={"ignore_eos": True})
-    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
-             "the response to decode")
+    wait_for(cluster.decoding, 30, "the response to decode")
     return queued
 
 
@@ -353,7 +346,7 @@ def test_cancelling_a_background_response_aborts_it_on_the_workers(
     assert cancelled.status == "cancelled" and cancelled.output == []
     assert client.responses.retrieve(queued.id).status == "cancelled"
     assert client.responses.cancel(queued.id).status == "cancelled"  # idempotent
-    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+    wait_for(cluster.idle, 5, "the decode worker to free the response's blocks")
     foreground = client.responses.create(model=cluster.model, input="Hi", max_output_tokens=4)
     with pytest.raises(openai.BadRequestError, match="background true"):
         client.responses.cancel(foreground.id)
@@ -365,7 +358,7 @@ def test_a_deleted_background_response_is_cancelled_first(
     client.responses.delete(queued.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(queued.id)
-    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+    wait_for(cluster.idle, 5, "the decode worker to free the response's blocks")
 
 
 def test_a_background_stream_is_followed_again_from_any_event(
@@ -409,13 +402,12 @@ def test_a_cancelled_background_stream_ends_its_followers(
                                      extra_body={"ignore_eos": True})
     events = iter(stream)
     response_id = next(events).response.id  # type: ignore[union-attr]
-    wait_for(lambda: cluster.metric("raging_worker_running", 'worker="decode-0"') == 1, 30,
-             "the response to decode")
+    wait_for(cluster.decoding, 30, "the response to decode")
     assert client.responses.cancel(response_id).status == "cancelled"
     kinds = [event.type for event in events]  # ends: the log ended with the cancel
     assert "response.completed" not in kinds and "response.output_text.delta" in kinds
     assert client.responses.retrieve(response_id).status == "cancelled"
-    wait_for(lambda: idle(cluster), 5, "the decode worker to free the response's blocks")
+    wait_for(cluster.idle, 5, "the decode worker to free the response's blocks")
 
 
 def test_input_items_list_a_responses_own_input_a_page_at_a_time(

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from core.messages import JSON_OBJECT, GenerationTask, Grammar, Sampling
 from engine.sampling.grammar import Constraint, GrammarError, Grammars, unpack_bitmask
@@ -44,16 +44,6 @@ ONLY = {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"
 ONLY_TEXT = '{"k": "v"}'
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):"]
 MAX_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def grammars(tiny_model_dir: Path) -> Grammars:
-    return Grammars(tiny_model_dir, vocab_size=49152)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def schema(value: dict[str, Any]) -> Grammar:

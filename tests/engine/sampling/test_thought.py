@@ -4,11 +4,8 @@ first token did. First the bookkeeping over a made-up vocabulary, then real gram
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from core.messages import JSON_OBJECT, GenerationTask, Grammar, Sampling, Thinking
 from engine.sampling.grammar import Constraint, Grammars
@@ -81,16 +78,6 @@ def test_a_marker_in_pieces_opens_no_thought() -> None:
     g = gate(opened=False)
     assert feed(g, b"<") == [False]
     assert g.answering
-
-
-@pytest.fixture(scope="module")
-def grammars(tiny_model_dir: Path) -> Grammars:
-    return Grammars(tiny_model_dir, vocab_size=49152)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def constraint(grammars: Grammars, opened: bool, output: list[int] | None = None,
