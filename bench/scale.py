@@ -51,8 +51,8 @@ from core.config import GatewayConfig, Role
 from core.messages import Heartbeat, Register
 from engine.kernels.isa import cpu_summary
 from engine.sim.profile import load_profile
-from gateway.__main__ import make_registry
-from gateway.registry import Registry
+from gateway.__main__ import make_registry, make_router
+from gateway.routing import Router
 
 SCENARIOS = ("streams", "relay", "workers", "routing")
 _TAIL_BYTES = 1024  # a stream's last events: its usage and [DONE]
@@ -331,18 +331,18 @@ def _beats_per_s(url: str, seconds: float) -> dict[str, float]:
 
 
 def routing_scenario(plan: ScalePlan) -> dict[str, Any]:
-    """The gateway's routing alone, in this process: a `Registry` of 8 to 256 workers (a
+    """The gateway's routing alone, in this process: a `Router` over 8 to 256 workers (a
     quarter prefill) with loads as heartbeats report them, 2,000 prompts of 100-300 tokens
     routed each, prefix caching off and on."""
     results = {}
     for workers in (8, 64, 256):
         for caching in (False, True):
-            registry = _loaded_registry(workers, caching)
+            router = _loaded_router(workers, caching)
             requests = sim_requests(2000, 1, seed=6)
             times = []
             for request in requests:
                 began = time.thread_time()
-                route = registry.route(request.prompt)
+                route = router.route(request.prompt)
                 times.append(time.thread_time() - began)
                 assert route is not None
                 route.decode.active[str(len(times))] = len(request.prompt)
@@ -353,8 +353,9 @@ def routing_scenario(plan: ScalePlan) -> dict[str, Any]:
     return results
 
 
-def _loaded_registry(workers: int, caching: bool) -> Registry:
-    registry = make_registry(GatewayConfig(), "sim")
+def _loaded_router(workers: int, caching: bool) -> Router:
+    config = GatewayConfig()
+    registry = make_registry(config, "sim")
     rng = random.Random(workers)
     for index in range(workers):
         role: Role = "prefill" if index < workers // 4 else "decode"
@@ -363,7 +364,7 @@ def _loaded_registry(workers: int, caching: bool) -> Registry:
                                    "host", [], 0, 256, "sim", caching, 1000))
         registry.heartbeat(Heartbeat(worker_id, "i", rng.randrange(5000),
                                      rng.randrange(1000, 16000), rng.randrange(200), 0))
-    return registry
+    return make_router(config, registry)
 
 
 RUNS: dict[str, Callable[[ScalePlan], dict[str, Any]]] = {

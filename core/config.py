@@ -35,7 +35,7 @@ ReasoningParser = Literal["", "deepseek_r1", "qwen3"]
 KernelIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16", "amx"]
 # How the gateway spreads new work over workers pinned to the same CPUs (gateway/packing.py).
 Routing = Literal["pack", "spread"]
-# Where a prompt goes whose prefix a decode worker holds (gateway/registry.py).
+# Where a prompt goes whose prefix a decode worker holds (gateway/routing.py).
 HistoryRouting = Literal["follow", "spread"]
 PullMode = Literal["auto", "always", "never"]
 # What the products over the quant blocks multiply the weights with (engine/weights/quant_blocks).

@@ -28,7 +28,8 @@ from gateway.auth import KeysError, with_keys
 from gateway.defaults import resolve_defaults
 from gateway.metrics import Metrics
 from gateway.packing import Packing
-from gateway.registry import LocalPrefill, Pulling, Registry
+from gateway.registry import Registry
+from gateway.routing import LocalPrefill, Pulling, Router
 from gateway.state import GatewayState
 
 log = logging.getLogger("gateway")
@@ -36,16 +37,21 @@ _MOST_OPEN_FILES = 1 << 20  # where the hard limit is "unlimited": Linux's defau
 
 
 def make_registry(gateway: GatewayConfig, fingerprint: str) -> Registry:
-    """The membership and routing of workers serving KV layout `fingerprint`."""
+    """The membership of workers serving KV layout `fingerprint`."""
     return Registry(fingerprint, gateway.heartbeat_timeout_s, gateway.expect_prefill,
-                    gateway.expect_decode, gateway.stall_timeout_s,
-                    LocalPrefill(gateway.local_prefill_max_tokens,
-                                 gateway.prefill_saturated_tokens,
-                                 gateway.saturated_local_max_tokens),
-                    Packing(gateway.decode_routing, gateway.prefill_routing,
-                            gateway.pack_kv_fraction),
-                    Pulling(gateway.history_routing, gateway.pull_prefixes,
-                            gateway.pull_min_tokens, gateway.pull_bandwidth_mb_s * 1e6))
+                    gateway.expect_decode, gateway.stall_timeout_s)
+
+
+def make_router(gateway: GatewayConfig, registry: Registry) -> Router:
+    """The routing of requests over `registry`'s workers, by the config's policies."""
+    return Router(registry,
+                  LocalPrefill(gateway.local_prefill_max_tokens,
+                               gateway.prefill_saturated_tokens,
+                               gateway.saturated_local_max_tokens),
+                  Packing(gateway.decode_routing, gateway.prefill_routing,
+                          gateway.pack_kv_fraction),
+                  Pulling(gateway.history_routing, gateway.pull_prefixes,
+                          gateway.pull_min_tokens, gateway.pull_bandwidth_mb_s * 1e6))
 
 
 def gateway_app(config: Config) -> Starlette:
@@ -61,7 +67,8 @@ def gateway_app(config: Config) -> Starlette:
                   spec.max_position_embeddings)
     metrics = Metrics(spec.name, max_len)  # vLLM's series are labelled with the served name
     state = GatewayState(config=config, model_name=spec.name, max_model_len=max_len,
-                         tokenizer=load_tokenizer(folder), registry=registry, metrics=metrics,
+                         tokenizer=load_tokenizer(folder), registry=registry,
+                         router=make_router(config.gateway, registry), metrics=metrics,
                          tracer=make_tracer(config.tracing, "raging-gateway", "gateway"),
                          generation_defaults=resolve_defaults(config.generation_defaults,
                                                               folder))

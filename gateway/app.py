@@ -112,8 +112,9 @@ class ServiceRoutes:
     async def metrics(self, request: Request) -> Response:
         dispatcher = self.state.dispatcher
         desired = {role: self.state.autoscaler.desired(role) for role in ROLES}
-        text = self.state.metrics.render(self.state.registry, dispatcher.control.dropped,
-                                         dispatcher.aborts_sent, dispatcher.resumed,
+        text = self.state.metrics.render(self.state.registry, self.state.router,
+                                         dispatcher.control.dropped, dispatcher.aborts_sent,
+                                         dispatcher.resumed,
                                          rejected_peers=dispatcher.control.rejected_peers,
                                          desired=desired)
         return Response(text, media_type="text/plain; version=0.0.4")
@@ -142,7 +143,7 @@ def _lifespan(state: GatewayState) -> Callable[[Starlette], AbstractAsyncContext
         keys = keys_for(state.config.internal)
         control = ControlServer(context, state.config.gateway.control_address, keys)
         metrics = state.metrics
-        state.dispatcher = Dispatcher(control, state.registry, metrics.observe_stage,
+        state.dispatcher = Dispatcher(control, state.router, metrics.observe_stage,
                                       metrics.observe_route, metrics.count_message,
                                       state.config.gateway.worker_wait_s)
         state.control_tasks[:] = [asyncio.create_task(state.dispatcher.serve()),

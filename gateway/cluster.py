@@ -16,7 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.registry import ROUTE_PATHS, Registry, WorkerInfo
+from gateway.registry import Registry, WorkerInfo
+from gateway.routing import ROUTE_PATHS
 from gateway.state import GatewayState
 
 
@@ -66,7 +67,7 @@ def cluster_view(state: GatewayState) -> dict[str, Any]:
                      "awaiting_first_token": sum(not h.output.delivered for h in handles),
                      "queued_prompt_tokens": registry.queued_prompt_tokens()},
         "latency": state.metrics.recent.snapshot(),
-        "decisions": {path: registry.decisions[path] for path in ROUTE_PATHS},
+        "decisions": {path: state.router.decisions[path] for path in ROUTE_PATHS},
         "refused_registrations": registry.refused,
         "events": [dataclasses.asdict(event) for event in registry.events],
     }

@@ -43,7 +43,8 @@ from core.messages import (
 )
 from gateway.errors import service_unavailable
 from gateway.handle import Assignment, Event, RequestHandle
-from gateway.registry import Registry, Route, WorkerInfo
+from gateway.registry import WorkerInfo
+from gateway.routing import Route, Router
 from gateway.timing import RequestTiming
 
 log = logging.getLogger(__name__)
@@ -64,17 +65,20 @@ def _unobserved(*what: object) -> None:
 
 
 class Dispatcher:
-    def __init__(self, control: ControlServer, registry: Registry,
+    def __init__(self, control: ControlServer, router: Router,
                  observe_stage: Callable[[Stage, float], None] = _unobserved,
                  observe_route: Callable[[float], None] = _unobserved,
                  count_message: Callable[[str], None] = _unobserved,
                  worker_wait_s: float = 0.0) -> None:
-        """`observe_stage` gets each stage's seconds as they become known, `observe_route`
-        each routing decision's, `count_message` each control message's kind (the metrics).
-        `worker_wait_s`: how long a request waits for a decode worker to join when the pool
-        that served it emptied (its last worker died and is being restarted); 0: it fails."""
+        """`router` picks each request's workers; its registry is the membership that the
+        workers' messages keep here. `observe_stage` gets each stage's seconds as they become
+        known, `observe_route` each routing decision's, `count_message` each control message's
+        kind (the metrics). `worker_wait_s`: how long a request waits for a decode worker to
+        join when the pool that served it emptied (its last worker died and is being
+        restarted); 0: it fails."""
         self.control = control
-        self.registry = registry
+        self.router = router
+        self.registry = router.registry
         self.worker_wait_s = worker_wait_s
         self.waiting: dict[str, float] = {}  # request id -> until when it waits for a worker
         self.observe_stage = observe_stage
@@ -244,8 +248,8 @@ class Dispatcher:
     def _route(self, task: GenerationTask) -> Route | None:
         # CPU time: on a busy host, a decision's wall time is mostly other processes' turns.
         began = time.thread_time()
-        route = self.registry.route(task.prompt_ids, task.cache_salt,
-                                    task.prompt_logprobs is not None)
+        route = self.router.route(task.prompt_ids, task.cache_salt,
+                                  task.prompt_logprobs is not None)
         self.observe_route(time.thread_time() - began)
         return route
 

@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from core.config import ROLES, Role
 from core.messages import STAGES, Stage
 from gateway.recent import RecentLatency
-from gateway.registry import ROUTE_PATHS, Registry
+from gateway.registry import Registry
+from gateway.routing import ROUTE_PATHS, Router
 from gateway.vllm_metrics import VllmEngineCollector, VllmMetrics
 
 disable_created_metrics()
@@ -153,11 +154,12 @@ class Metrics:
     def observe_stage(self, stage: Stage, seconds: float) -> None:
         self.stage.labels(stage).observe(seconds)
 
-    def render(self, membership: Registry, dropped: int, aborts_sent: int = 0,
+    def render(self, membership: Registry, routing: Router, dropped: int, aborts_sent: int = 0,
                resumed: int = 0, rejected_peers: int = 0,
                desired: dict[Role, int] | None = None) -> bytes:
-        """The exposition text, with the per-worker gauges refreshed from the registry;
-        `rejected_peers`: the gateway's own count of peers that failed CURVE authentication."""
+        """The exposition text, with the per-worker gauges refreshed from the registry and the
+        routing counts from the router; `rejected_peers`: the gateway's own count of peers
+        that failed CURVE authentication."""
         for gauge in (self.kv_used, self.kv_total, self.running, self.waiting,
                       self.in_transfer, self.leases_expired, self.progress, self.stalled,
                       self.kernels):
@@ -185,8 +187,8 @@ class Metrics:
         transfers = CollectorRegistry()
         transfers.register(TransferCollector(membership))
         transfers.register(RejectedPeersCollector(membership, rejected_peers))
-        transfers.register(DecisionCollector(membership))
-        transfers.register(PullCollector(membership))
+        transfers.register(DecisionCollector(routing))
+        transfers.register(PullCollector(membership, routing))
         transfers.register(RecoveryCollector(membership, aborts_sent, resumed))
         transfers.register(VllmEngineCollector(membership, self.vllm.model_name))
         return generate_latest(self.registry) + generate_latest(transfers)
@@ -248,8 +250,8 @@ class RejectedPeersCollector(Collector):
 class DecisionCollector(Collector):
     """Conditional disaggregation: the routes the gateway has taken, by path."""
 
-    def __init__(self, membership: Registry) -> None:
-        self.membership = membership
+    def __init__(self, routing: Router) -> None:
+        self.routing = routing
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("raging_disagg_decision",
@@ -257,7 +259,7 @@ class DecisionCollector(Collector):
                                      "or prefilled on the decode worker (local_*)",
                                      labels=["path"])
         for path in ROUTE_PATHS:
-            family.add_metric([path], self.membership.decisions[path])
+            family.add_metric([path], self.routing.decisions[path])
         yield family
 
 
@@ -265,15 +267,16 @@ class PullCollector(Collector):
     """Cached prefixes pulled between workers: asked for by the gateway (by the holder's
     pool), and as decode workers counted them (monotonic across their restarts)."""
 
-    def __init__(self, membership: Registry) -> None:
+    def __init__(self, membership: Registry, routing: Router) -> None:
         self.membership = membership
+        self.routing = routing
 
     def collect(self) -> Iterator[Metric]:
         asked = CounterMetricFamily("raging_kv_pulls_routed", "Prompts routed to pull a cached "
                                     "prefix, by the pool of the worker holding it",
                                     labels=["holder_role"])
         for role in ROLES:
-            asked.add_metric([role], self.membership.pulls[role])
+            asked.add_metric([role], self.routing.pulls[role])
         pulls = CounterMetricFamily("raging_kv_pulls", "Cached prefixes pulled by a decode "
                                     "worker: pulled (came whole) or fallback (computed)",
                                     labels=["worker", "outcome"])

@@ -7,7 +7,7 @@ tokens, where one worker running the six batches' sequences streams them once. S
 form a `Unit` with as many `slots` as its CPUs run workers at once (CPUs // threads): new work
 goes to the busiest of them with room, `slots` at a time, and spills to the next only when those
 are full. Workers whose CPUs are not known, or whose CPUs have a slot for each, are units of
-their own. Pure bookkeeping: `gateway/registry.py` routes with it.
+their own. Pure bookkeeping: `gateway/routing.py` routes with it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the gateway's routes share: config, tokenizer, membership, dispatcher, metrics."""
+"""What the gateway's routes share: config, tokenizer, membership, routing, dispatcher, metrics."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
 from gateway.registry import Registry
 from gateway.response_store import ResponseStore
+from gateway.routing import Router
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GatewayState:
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase
     registry: Registry
+    router: Router  # over `registry`
     metrics: Metrics
     dispatcher: Dispatcher = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))

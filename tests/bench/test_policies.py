@@ -33,7 +33,8 @@ from core.config import Config, Routing, load_config
 from core.messages import Register
 from engine.sim.tokens import continuation
 from gateway.packing import Packing
-from gateway.registry import LocalPrefill, Registry
+from gateway.registry import Registry
+from gateway.routing import LocalPrefill, Router
 
 FP = "fp"
 
@@ -76,13 +77,13 @@ def test_prefill_pack_and_spread_pick_alike_for_workers_without_cpus() -> None:
     picks = []
     routings: tuple[Routing, ...] = ("pack", "spread")
     for routing in routings:
-        registry = Registry(FP, 30.0, 0, 0, local=LocalPrefill(0, 0),
-                            packing=Packing("pack", routing))
+        registry = Registry(FP, 30.0, 0, 0)
+        router = Router(registry, local=LocalPrefill(0, 0), packing=Packing("pack", routing))
         for n in range(3):
             registry.register(_cpu_less(f"p{n}"))
         for n, held in enumerate((700, 300, 300)):
             registry.workers[f"p{n}"].active["r"] = held
-        picks.append([registry.pick_prefill([n] * length).worker_id  # type: ignore[union-attr]
+        picks.append([router.pick_prefill([n] * length).worker_id  # type: ignore[union-attr]
                       for n, length in enumerate((10, 500, 20, 2000))])
     assert picks[0] == picks[1]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scale import _loaded_registry, route_summary, sim_flags
+from bench.scale import _loaded_router, route_summary, sim_flags
 from bench.sim_streams import SimRequest, StreamOutcome, sim_requests, summarize
 from core.config import load_config
 from engine.sim.tokens import EOS, continuation, text_of
@@ -48,8 +48,9 @@ def test_route_times_are_read_from_the_histogram() -> None:
 
 
 def test_the_routing_scenario_routes_over_a_registry_as_heartbeats_left_it() -> None:
-    registry = _loaded_registry(8, caching=True)
+    router = _loaded_router(8, caching=True)
+    registry = router.registry
     assert len(registry.serving("prefill")) == 2 and len(registry.serving("decode")) == 6
-    route = registry.route(list(range(40, 240)))
+    route = router.route(list(range(40, 240)))
     assert route is not None and route.decode.role == "decode"
     assert route.path == "disaggregated" and route.prefill.role == "prefill"

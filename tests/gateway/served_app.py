@@ -21,6 +21,7 @@ from gateway.app import build_app
 from gateway.errors import MAX_MESSAGE_CHARS, speaks_anthropic
 from gateway.metrics import Metrics
 from gateway.registry import Registry
+from gateway.routing import Router
 from gateway.state import GatewayState
 
 MODEL = "tiny"
@@ -36,10 +37,11 @@ def serve_without_workers(tokenizer_dir: Path, **overrides: object) -> Iterator[
     `overrides` are config settings, as `{"gateway.strict_fields": True}`."""
     control = f"inproc://gateway-validation-{uuid.uuid4().hex}"
     config = load_config(overrides={"gateway.control_address": control, **overrides})
+    registry = Registry("fingerprint", 2.5, 1, 1)
     state = GatewayState(
         config=config, model_name=MODEL, max_model_len=MAX_MODEL_LEN,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
-        registry=Registry("fingerprint", 2.5, 1, 1), metrics=Metrics(),
+        registry=registry, router=Router(registry), metrics=Metrics(),
     )  # fmt: skip
     with TestClient(build_app(state), raise_server_exceptions=False) as client:
         yield client

@@ -26,6 +26,7 @@ from gateway.errors import service_unavailable
 from gateway.metrics import Metrics
 from gateway.registry import Registry
 from gateway.response_store import StoredResponse
+from gateway.routing import Router
 from gateway.state import GatewayState
 
 MODEL = "tiny"
@@ -60,9 +61,10 @@ class RecordingDispatcher:
 def make_state(keys: tuple[str, ...] = KEYS, host: str = "127.0.0.1") -> GatewayState:
     config = load_config(overrides={"gateway.host": host})
     config = dataclasses.replace(config, auth=AuthConfig(api_keys=keys))
+    registry = Registry("fp", 2.5, 1, 1)
     state = GatewayState(config=config, model_name=MODEL, max_model_len=64,
                          tokenizer=FakeTokenizer(),  # type: ignore[arg-type]  # len() only
-                         registry=Registry("fp", 2.5, 1, 1), metrics=Metrics())
+                         registry=registry, router=Router(registry), metrics=Metrics())
     state.dispatcher = RecordingDispatcher()  # type: ignore[assignment]
     return state
 

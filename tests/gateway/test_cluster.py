@@ -17,6 +17,7 @@ from core.messages import Heartbeat, Register
 from gateway.app import build_app
 from gateway.metrics import Metrics
 from gateway.registry import Registry
+from gateway.routing import Router
 from gateway.state import GatewayState
 from tests.gateway.served_app import error_of
 
@@ -39,10 +40,11 @@ def served(tokenizer_dir: Path, keys: tuple[str, ...] = ()) -> Iterator[tuple[Te
     overrides: dict[str, object] = {
         "gateway.control_address": f"inproc://cluster-test-{uuid.uuid4().hex}",
         "auth.api_keys": list(keys)}
+    registry = Registry(FP, 30.0, 1, 2)
     state = GatewayState(
         config=load_config(overrides=overrides), model_name="tiny", max_model_len=2048,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
-        registry=Registry(FP, 30.0, 1, 2), metrics=Metrics())
+        registry=registry, router=Router(registry), metrics=Metrics())
     with TestClient(build_app(state), raise_server_exceptions=False) as client:
         yield client, state
 
@@ -101,11 +103,11 @@ def test_decisions_count_every_route_taken_by_path(real_model_dir: Path) -> None
     with served(real_model_dir) as (client, state):
         join(state.registry, "decode-0", "decode")
         for _ in range(3):
-            assert state.registry.route([1, 2, 3]) is not None
+            assert state.router.route([1, 2, 3]) is not None
         join(state.registry, "prefill-0", "prefill")
-        route = state.registry.route(list(range(40)))
+        route = state.router.route(list(range(40)))
         assert route is not None and route.path == "disaggregated"
-        scored = state.registry.route(list(range(40)), prompt_logprobs=True)
+        scored = state.router.route(list(range(40)), prompt_logprobs=True)
         assert scored is not None and scored.path == "local_prompt_logprobs"
         assert scored.prefill is scored.decode and scored.pull is None
         body = cluster(client)

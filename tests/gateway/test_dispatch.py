@@ -52,6 +52,7 @@ from gateway.dispatch import (
 from gateway.errors import APIError
 from gateway.handle import Assignment, Event, RequestHandle
 from gateway.registry import Registry, WorkerInfo
+from gateway.routing import Router
 
 FP = "tiny|float32|2|2|16|16"
 WAIT_S = 5.0
@@ -146,7 +147,8 @@ class Gateway:
         self.context = zmq.Context()
         self.server = ControlServer(self.async_context, self.address)
         self.registry = Registry(FP, heartbeat_timeout_s, 1, 1, stall_timeout_s)
-        self.dispatcher = Dispatcher(self.server, self.registry, worker_wait_s=worker_wait_s)
+        self.router = Router(self.registry)
+        self.dispatcher = Dispatcher(self.server, self.router, worker_wait_s=worker_wait_s)
         self.beating: dict[str, FakeWorker] = {}
         self.tasks = [asyncio.create_task(self.dispatcher.serve()),
                       asyncio.create_task(self._beat())]
@@ -655,7 +657,7 @@ class RecordingControl:
 
 def test_the_memory_of_re_aborts_is_bounded() -> None:
     control = RecordingControl()
-    dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(control, Router(Registry(FP, 30.0, 1, 1)))  # type: ignore[arg-type]
     extra = 10
     for i in range(_REABORT_MEMORY + extra):
         dispatcher.on_message("d1", TokenBatch([TokenEvent(f"r{i}", 0, 1, 1, None)]))
@@ -673,7 +675,7 @@ def test_the_memory_of_re_aborts_is_bounded() -> None:
 
 def test_the_gateways_own_aborts_share_that_bounded_memory() -> None:
     control = RecordingControl()
-    dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(control, Router(Registry(FP, 30.0, 1, 1)))  # type: ignore[arg-type]
     handle = RequestHandle("r", 0, TASK, Assignment("p1", "d1"))
     dispatcher.requests["r"] = handle
     dispatcher.abort(handle)
@@ -741,10 +743,10 @@ def test_a_failed_kv_hand_off_serves_the_request_again(tmp_path: Path) -> None:
             assert (retries.message_losses, retries.worker_losses, handle.done) == (1, 0, False)
             prefill.send(FirstToken(handle.request_id, 1, 5, None))
             assert await next_event(handle) == Event(5, None)
-            assert gw.registry.pick_decode() is gw.registry.workers["d2"]
+            assert gw.router.pick_decode() is gw.registry.workers["d2"]
             decode.send(decode.heartbeat())  # alive after all: routed to again
             await until(lambda: not gw.registry.workers["d1"].unreachable, "d1 heard from")
-            assert gw.registry.pick_decode() is gw.registry.workers["d1"]
+            assert gw.router.pick_decode() is gw.registry.workers["d1"]
 
     asyncio.run(body())
 
@@ -795,7 +797,7 @@ def test_a_worker_that_stops_heartbeating_fails_its_requests(tmp_path: Path) -> 
             assert await next_event(stuck) == Event(7, "stop") and stuck.done
             await no_more_events(stuck)
             assert gw.dispatcher.submit(TASK).assignment.prefill_worker == "d1"
-            assert gw.registry.decisions["local_no_prefill"] == 2
+            assert gw.router.decisions["local_no_prefill"] == 2
 
     asyncio.run(body())
 
@@ -1220,7 +1222,7 @@ class EndlessControl(RecordingControl):
 def test_serve_yields_to_the_event_loop_under_a_backlog() -> None:
     async def body() -> None:
         control = EndlessControl(limit=10_000)
-        dispatcher = Dispatcher(control, Registry(FP, 30.0, 1, 1))  # type: ignore[arg-type]
+        dispatcher = Dispatcher(control, Router(Registry(FP, 30.0, 1, 1)))  # type: ignore[arg-type]
         task = asyncio.create_task(dispatcher.serve())
         seen = []
         for _ in range(5):
@@ -1469,7 +1471,7 @@ def test_a_worker_with_work_and_no_progress_is_stalled(tmp_path: Path) -> None:
             assert isinstance(again, PrefillRequest) and again.decode_worker == "d2"
             assert await wedged.expect(1) == [Abort(handle.request_id, 0)]
             assert gw.registry.workers["d1"].stalled and gw.registry.ready()
-            assert all(gw.registry.pick_decode() is gw.registry.workers["d2"] for _ in range(3))
+            assert all(gw.router.pick_decode() is gw.registry.workers["d2"] for _ in range(3))
             del gw.beating["d2"]
             gw.registry.remove("d2")
             assert not gw.registry.ready()  # the only decode worker left is stalled

@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.config import GatewayConfig, Role
 from core.messages import DropCount, Heartbeat, Register, TransferTotals
 from gateway.metrics import Metrics
-from gateway.registry import LocalPrefill, Registry
+from gateway.registry import Registry
+from gateway.routing import LocalPrefill, Router
 from tests.gateway.dashboard import (
     ROOT,
     dashboard_metrics,
@@ -64,7 +65,7 @@ def test_transfer_totals_are_exported_per_worker_backend_and_direction() -> None
     registry = membership()
     beat(registry, "prefill-0", [SEND])
     beat(registry, "decode-0", [RECEIVE], DROPS)
-    text = Metrics().render(registry, 0).decode()
+    text = Metrics().render(registry, Router(registry), 0).decode()
     found = samples(text)
     send = labels(worker="prefill-0", backend="shm", direction="send")
     receive = labels(worker="decode-0", backend="any", direction="receive")
@@ -81,7 +82,7 @@ def test_dropped_chunks_are_exported_per_worker_and_reason() -> None:
     registry = membership()
     beat(registry, "decode-0", [RECEIVE], DROPS)
     beat(registry, "decode-1", [RECEIVE], [DropCount("unknown request", 2)])
-    text = Metrics().render(registry, 0).decode()
+    text = Metrics().render(registry, Router(registry), 0).decode()
     dropped = {labels: value for (name, labels), value in samples(text).items()
                if name == "raging_kv_chunks_dropped_total"}
     assert dropped == {
@@ -98,12 +99,12 @@ def test_only_the_last_heartbeat_of_live_workers_counts() -> None:
     metrics = Metrics()
     beat(registry, "prefill-0", [SEND])
     beat(registry, "decode-0", [RECEIVE], DROPS)
-    metrics.render(registry, 0)
+    metrics.render(registry, Router(registry), 0)
     later = TransferTotals("shm", "send", chunks=61, bytes=3 * 2**30 + 10, seconds=1.5,
                            failures=2)
     beat(registry, "prefill-0", [later])
     registry.remove("decode-0")
-    found = samples(metrics.render(registry, 0).decode())
+    found = samples(metrics.render(registry, Router(registry), 0).decode())
     send = labels(worker="prefill-0", backend="shm", direction="send")
     assert found[("raging_kv_transfer_chunks_total", send)] == 61
     assert found[("raging_kv_transfer_bytes_total", send)] == 3 * 2**30 + 10
@@ -113,7 +114,7 @@ def test_only_the_last_heartbeat_of_live_workers_counts() -> None:
 
 def test_workers_without_a_heartbeat_export_no_transfer_series() -> None:
     registry = membership()  # registered, never heartbeated
-    text = Metrics().render(registry, 5).decode()
+    text = Metrics().render(registry, Router(registry), 5).decode()
     found = samples(text)  # the whole exposition parses, with no name twice
     assert not [k for k in found if k[0].startswith(KV_SERIES)]
     assert found[("raging_control_messages_dropped", frozenset())] == 5
@@ -129,7 +130,7 @@ def test_progress_and_stalls_are_exported_per_worker() -> None:
     assert registry.heartbeat(Heartbeat("prefill-0", "i0", 0, 100, 0, 0, progress=60))
     assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, progress=90))
     assert [w.worker_id for w in registry.newly_stalled()] == ["decode-0"]
-    found = samples(Metrics().render(registry, 0).decode())
+    found = samples(Metrics().render(registry, Router(registry), 0).decode())
     assert found[("raging_worker_stalled", labels(worker="decode-0"))] == 1
     assert found[("raging_worker_stalled", labels(worker="prefill-0"))] == 0
     assert found[("raging_worker_progress", labels(worker="decode-0"))] == 90
@@ -144,7 +145,7 @@ def test_each_workers_kernel_instruction_set_is_exported() -> None:
     for worker_id, role, isa in workers:
         register = Register(worker_id, "i0", role, "", FP, 16, 100, "host-a", isa=isa)
         assert registry.register(register)[0].accepted
-    found = samples(Metrics().render(registry, 0).decode())
+    found = samples(Metrics().render(registry, Router(registry), 0).decode())
     kernels = {dict(labels)["worker"]: dict(labels)["isa"]
                for name, labels in found if name == "raging_worker_kernels_info"}
     assert kernels == {"prefill-0": "avx2", "decode-0": "amx", "decode-1": "torch"}
@@ -154,23 +155,25 @@ def test_rejected_peers_are_exported_for_the_gateway_and_each_decode_worker() ->
     registry = membership()
     for worker_id, count in (("prefill-0", 0), ("decode-0", 4)):
         assert registry.heartbeat(Heartbeat(worker_id, "i0", 0, 90, 1, 0, rejected_peers=count))
-    found = samples(Metrics().render(registry, 0, rejected_peers=2).decode())
+    router = Router(registry)
+    found = samples(Metrics().render(registry, router, 0, rejected_peers=2).decode())
     rejected = {dict(key)["worker"]: value for (name, key), value in found.items()
                 if name == "raging_internal_rejected_total"}
     assert rejected == {"gateway": 2, "decode-0": 4}  # decode-1 has not reported yet
     family = next(f for f in text_string_to_metric_families(
-        Metrics().render(registry, 0).decode()) if f.name == "raging_internal_rejected")
+        Metrics().render(registry, router, 0).decode()) if f.name == "raging_internal_rejected")
     assert family.type == "counter"
 
 
 def test_disaggregation_decisions_are_counted_by_path() -> None:
     registry = membership()
+    router = Router(registry)
     for prompt_len in (3, 40, 50):
-        assert registry.route(list(range(prompt_len))) is not None
-    registry.local = LocalPrefill(max_tokens=8)
-    assert registry.route([1, 2]) is not None
+        assert router.route(list(range(prompt_len))) is not None
+    router.local = LocalPrefill(max_tokens=8)
+    assert router.route([1, 2]) is not None
     families = {f.name: f for f in text_string_to_metric_families(
-        Metrics().render(registry, dropped=0).decode())}
+        Metrics().render(registry, router, dropped=0).decode())}
     counts = {s.labels["path"]: s.value for s in families["raging_disagg_decision"].samples}
     assert counts == {"disaggregated": 3, "local_short": 1, "local_saturated": 0,
                       "local_no_prefill": 0, "local_cached": 0, "local_prompt_logprobs": 0}
@@ -180,8 +183,8 @@ def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restar
     registry = membership()
     assert registry.heartbeat(Heartbeat("decode-0", "i0", 0, 90, 1, 0, preemptions=5,
                                         guessed_tokens=40, kept_guesses=30))
-    metrics = Metrics("m")
-    found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
+    metrics, router = Metrics("m"), Router(registry)
+    found = samples(metrics.render(registry, router, 0, aborts_sent=3, resumed=2).decode())
     assert found[("raging_aborts_sent_total", frozenset())] == 3
     assert found[("raging_requests_resumed_total", frozenset())] == 2
     assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 5
@@ -189,7 +192,7 @@ def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restar
     assert registry.register(Register("decode-0", "i1", "decode", "", FP, 16, 100))[0].accepted
     assert registry.heartbeat(Heartbeat("decode-0", "i1", 0, 90, 1, 0, preemptions=1,
                                         guessed_tokens=4, kept_guesses=1))
-    found = samples(metrics.render(registry, 0, aborts_sent=3, resumed=2).decode())
+    found = samples(metrics.render(registry, router, 0, aborts_sent=3, resumed=2).decode())
     assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 6
     assert found[("raging_guessed_tokens_total", labels(worker="decode-0"))] == 44
     assert found[("raging_kept_guesses_total", labels(worker="decode-0"))] == 31
@@ -198,11 +201,11 @@ def test_recovery_counts_are_counters_that_never_decrease_across_a_worker_restar
     assert found[("vllm:spec_decode_num_accepted_tokens_total", engine)] == 31
     assert found[("vllm:num_preemptions_total", labels(model_name="m", engine="decode-0"))] == 6
     registry.remove("decode-0")  # gone: its count stays in the totals
-    found = samples(metrics.render(registry, 0, aborts_sent=4, resumed=2).decode())
+    found = samples(metrics.render(registry, router, 0, aborts_sent=4, resumed=2).decode())
     assert found[("raging_worker_preemptions_total", labels(worker="decode-0"))] == 6
     assert found[("raging_aborts_sent_total", frozenset())] == 4
     types = {f.name: f.type for f in text_string_to_metric_families(
-        metrics.render(registry, 0).decode())}
+        metrics.render(registry, router, 0).decode())}
     for name in ("raging_aborts_sent", "raging_requests_resumed", "raging_worker_preemptions",
                  "vllm:num_preemptions"):
         assert types[name] == "counter", name
@@ -212,7 +215,7 @@ def test_every_metric_the_dashboard_reads_is_exposed() -> None:
     registry = membership()
     for worker_id in ("prefill-0", "decode-0", "decode-1"):
         beat(registry, worker_id, [SEND if worker_id.startswith("prefill") else RECEIVE])
-    text = Metrics("m").render(registry, 0).decode()
+    text = Metrics("m").render(registry, Router(registry), 0).decode()
     read = dashboard_metrics()
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
             "raging_disagg_decision_total", "raging_workers",

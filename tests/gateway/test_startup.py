@@ -1,5 +1,5 @@
 """The gateway's start-up: its app from config, with the model's files read without torch, and
-its registry routing as the config says."""
+its router routing as the config says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from core.config import load_config
-from gateway.__main__ import make_registry
+from gateway.__main__ import make_registry, make_router
 from gateway.packing import Packing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,13 +43,15 @@ def test_a_started_gateway_has_not_loaded_torch(tiny_model_dir: Path) -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_the_registry_routes_as_the_config_says() -> None:
-    packed = make_registry(load_config().gateway, "fp")
-    assert packed.packing == Packing("pack", "pack", 0.9) and packed.fingerprint == "fp"
+def test_the_router_routes_as_the_config_says() -> None:
+    shipped = load_config().gateway
+    packed = make_router(shipped, make_registry(shipped, "fp"))
+    assert packed.packing == Packing("pack", "pack", 0.9) and packed.registry.fingerprint == "fp"
     config = load_config(overrides={"gateway.decode_routing": "spread",
                                     "gateway.prefill_routing": "spread",
-                                    "gateway.pack_kv_fraction": "0.5"})
-    assert make_registry(config.gateway, "fp").packing == Packing("spread", "spread", 0.5)
+                                    "gateway.pack_kv_fraction": "0.5"}).gateway
+    spread = make_router(config, make_registry(config, "fp"))
+    assert spread.packing == Packing("spread", "spread", 0.5)
 
 
 def test_the_gateway_takes_the_hard_open_files_limit() -> None:
