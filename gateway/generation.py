@@ -22,6 +22,7 @@ class Delta:
     finish_reason: Ending | None = None  # "error": then `error` says why
     error: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens since the last delta, when asked
+    token_ids: tuple[int, ...] = ()  # the output tokens since the last delta
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
@@ -65,6 +66,7 @@ class Generation:
         self.text_chars = 0  # of the detokenized output, stop strings not applied
         self.text_ends: list[int] = []  # text_chars after each output token
         self.pending: list[TokenLogprob] = []  # logprobs not yet on a delta
+        self.unsent_ids: list[int] = []  # output tokens not yet on a delta
         self.echo = echo  # until the first delta, which carries it
         metrics.inflight.inc()
         metrics.queued.inc()
@@ -110,7 +112,7 @@ class Generation:
             delta = self._apply(event)
             self.ending = delta.finish_reason or self.ending
             if delta.text or delta.finish_reason:
-                yield self._with_logprobs(delta)
+                yield self._with_pending(delta)
             if delta.finish_reason:
                 return
 
@@ -163,6 +165,7 @@ class Generation:
         self._note_logprob(event)
         self.text_chars += len(text)
         self.text_ends.append(self.text_chars)
+        self.unsent_ids.append(event.token_id)
         emit, hit = self._match_stops(text)
         if hit:
             self.abort()
@@ -203,11 +206,10 @@ class Generation:
         self.pending.append(TokenLogprob(self.pieces(event.token_id),
                                          finite_logprob(event.logprob), top, self.text_chars))
 
-    def _with_logprobs(self, delta: Delta) -> Delta:
-        """The delta, carrying the logprobs of every token since the last delta."""
-        if not self.pending:
-            return delta
-        delta, self.pending = replace(delta, logprobs=tuple(self.pending)), []
+    def _with_pending(self, delta: Delta) -> Delta:
+        """The delta, carrying the tokens (and their logprobs) since the last delta."""
+        delta = replace(delta, logprobs=tuple(self.pending), token_ids=tuple(self.unsent_ids))
+        self.pending, self.unsent_ids = [], []
         return delta
 
     def _finished(self, text: str, reason: Ending, stop_reason: str | int | None = None

@@ -7,6 +7,7 @@ own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -17,9 +18,14 @@ from engine.weights.tokenizer import decode_text
 from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
 from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
-from gateway.openai_api import OpenAIRoutes, Served, tokenize_body
-from gateway.prompts import tokenize_prompt
-from gateway.protocol import GenerationParams, generation_params, parse_tokenize_request
+from gateway.openai_api import OpenAIRoutes, Served
+from gateway.prompts import render_chat_text, tokenize_prompt
+from gateway.protocol import (
+    GenerationParams,
+    TokenizeRequest,
+    generation_params,
+    parse_tokenize_request,
+)
 from gateway.reply import CompletionFormat
 from gateway.state import server_version
 
@@ -42,9 +48,12 @@ class LlamaCppRoutes:
         bias = await self._bias(body)
         completion = body.completion_request(bias)
         params = generation_params(completion, self.state.generation_defaults)
+        if body.predict is not None:  # a cap: the completion stops at the context instead
+            params = dataclasses.replace(params, default_max_tokens=body.predict)
         text = body.prompt if isinstance(body.prompt, str) else await self.routes.tokenize_with(
             decode_text, prompt_ids)
-        ask = LlamaAsk(text, self._settings(params, body), bool(body.n_probs))
+        ask = LlamaAsk(text, self._settings(params, body), bool(body.n_probs),
+                       body.return_tokens)
         return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
                                        Served(model, arrived, native=ask))
 
@@ -74,8 +83,7 @@ class LlamaCppRoutes:
         self.routes.ignored.check(body)
         if body.messages is None:
             raise bad_request("apply-template takes messages", param="messages")
-        prompt_ids = await self.routes.tokenize_with(tokenize_body, body)
-        text = await self.routes.tokenize_with(_with_special_tokens, prompt_ids)
+        text = await self.routes.tokenize_with(_template_text, body)
         return JSONResponse({"prompt": text})
 
     async def _bias(self, body: LlamaCompletionRequest) -> dict[int, float]:
@@ -90,7 +98,8 @@ class LlamaCppRoutes:
     def _settings(self, params: GenerationParams, body: LlamaCompletionRequest
                   ) -> dict[str, Any]:
         """The `generation_settings` echoed: the sampling the request got."""
-        return {"n_predict": body.n_predict, "seed": -1 if params.seed is None else params.seed,
+        return {"n_predict": -1 if body.predict is None else body.predict,
+                "seed": -1 if params.seed is None else params.seed,
                 "temperature": params.temperature, "top_k": params.top_k,
                 "top_p": params.top_p, "min_p": params.min_p,
                 "repeat_penalty": params.repetition_penalty,
@@ -98,11 +107,12 @@ class LlamaCppRoutes:
                 "frequency_penalty": params.frequency_penalty,
                 "ignore_eos": params.ignore_eos, "stop": list(params.stop),
                 "n_probs": body.n_probs, "stream": body.stream,
-                "grammar": body.grammar or "", "max_tokens": params.max_tokens}
+                "grammar": body.grammar or ""}
 
 
-def _with_special_tokens(tokenizer: Any, token_ids: list[int]) -> str:
-    return decode_text(tokenizer, token_ids, skip_special_tokens=False)
+def _template_text(tokenizer: Any, body: TokenizeRequest) -> str:
+    assert body.messages is not None
+    return render_chat_text(tokenizer, body.messages, body.template)
 
 
 def _text_tokens(tokenizer: Any, text: str) -> list[int]:

@@ -25,6 +25,7 @@ class LlamaAsk:
     prompt: str
     settings: dict[str, Any]
     probabilities: bool  # n_probs > 0: each token's logprob and the likeliest there
+    return_tokens: bool = False  # the whole reply shows its token ids
 
 
 class LlamaCppReply(Reply):
@@ -56,33 +57,37 @@ class LlamaCppReply(Reply):
             if delta.finish_reason is not None:
                 self.ending = (delta.finish_reason, delta.stop_reason)
             if delta.text or delta.logprobs:
-                yield _data(self._piece(delta.text, delta.logprobs))
+                yield _data(self._piece(delta.text, delta.token_ids, delta.logprobs))
         self.outcome = "ok"
-        yield _data(self._summary(""))
+        yield _data(self._summary("", ()))
 
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         (whole,) = wholes
         assert whole.finish_reason is not None
         self.text = "".join(whole.parts)
         self.ending = (whole.finish_reason, whole.stop_reason)
-        return self._summary(self.text, whole.logprobs)
+        return self._summary(self.text, whole.token_ids if self.ask.return_tokens else (),
+                             whole.logprobs)
 
-    def _piece(self, text: str, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def _piece(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
+               ) -> dict[str, Any]:
         generation = self.generations[0]
-        piece = {"index": 0, "content": text, "stop": False, "id_slot": -1,
+        piece = {"index": 0, "content": text, "tokens": list(token_ids), "stop": False,
+                 "id_slot": -1,
                  "tokens_predicted": generation.completion_tokens,
                  "tokens_evaluated": generation.prompt_tokens}
         if self.ask.probabilities:
             piece["completion_probabilities"] = [_probabilities(entry) for entry in logprobs]
         return piece
 
-    def _summary(self, content: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    def _summary(self, content: str, token_ids: Sequence[int],
+                 logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
         """The last object: what ended the completion, its counts and timings."""
         generation = self.generations[0]
         finish, matched = self.ending
         by_string = finish == "stop" and isinstance(matched, str)
         summary = {
-            **self._piece(content, logprobs), "stop": True, "model": self.model,
+            **self._piece(content, token_ids, logprobs), "stop": True, "model": self.model,
             "generation_settings": self.ask.settings, "prompt": self.ask.prompt,
             "has_new_line": "\n" in self.text, "truncated": False,
             "stop_type": "limit" if finish == "length" else "word" if by_string else "eos",

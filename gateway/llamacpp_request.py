@@ -1,7 +1,9 @@
 """The body of llama.cpp's native `POST /completion`, read as a /v1/completions request.
 
 llama.cpp's names map onto the OpenAI and vLLM fields the gateway already serves: `n_predict`
-(-1: as long as the cap allows) is max_tokens, `n_probs` is logprobs, `grammar` (GBNF) and
+(or `max_tokens`; -1: the cap) caps the length, and stops at the context as llama.cpp does,
+where /v1/completions would refuse; a temperature at or below 0 is greedy; `n_probs` is
+logprobs, `grammar` (GBNF) and
 `json_schema` are structured output, `seed` -1 draws a fresh one, `logit_bias` comes in any of
 llama.cpp's shapes. Its slot and cache controls mean nothing here (every prompt's prefix is
 cached, and the gateway picks the workers): they are accepted and ignored, as are its samplers
@@ -39,9 +41,10 @@ class LlamaCompletionRequest(RequestModel):
     """llama.cpp's `/completion` body, as far as it is served."""
 
     prompt: str | list[TokenId]
-    n_predict: int = Field(default=-1, ge=-1, le=2**63 - 1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)
+    n_predict: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # -1: up to the cap
+    max_tokens: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # without n_predict
+    temperature: float | None = Field(default=None, le=2.0)  # <= 0: greedy
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)  # <= 0: off
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0)
@@ -56,6 +59,7 @@ class LlamaCompletionRequest(RequestModel):
     json_schema: dict[str, Any] | None = None
     logit_bias: list[BiasEntry] | dict[str, float | bool] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)
+    return_tokens: bool = False  # the whole reply's `tokens`: its token ids (a stream's always)
     model: str | None = Field(default=None, min_length=1, max_length=256)
     cache_prompt: bool | None = None  # ignored: every prompt's prefix is cached
     id_slot: int | None = None  # ignored: the gateway picks the workers
@@ -76,45 +80,54 @@ class LlamaCompletionRequest(RequestModel):
             _bias_pair(key, bias)
         return value
 
-    @field_validator("n_predict")
+    @field_validator("n_predict", "max_tokens")
     @classmethod
-    def _something_to_predict(cls, value: int) -> int:
+    def _something_to_predict(cls, value: int | None) -> int | None:
         if value == 0:
-            raise invalid_value("n_predict must be -1 (up to the cap) or at least 1")
+            raise invalid_value("must be -1 (up to the cap) or at least 1")
         return value
+
+    @property
+    def predict(self) -> int | None:
+        """The most tokens to make: `n_predict`, else `max_tokens` (as llama.cpp reads them);
+        None for -1 or neither, up to the cap."""
+        most = self.n_predict if self.n_predict is not None else self.max_tokens
+        return None if most is None or most < 0 else most
 
     def bias_entries(self) -> list[tuple[int | str, float]]:
         """`logit_bias` as (token id or text, bias) pairs; `false` bans the token."""
         return [_bias_pair(key, value) for key, value in _pairs(self.logit_bias)]
 
     def completion_request(self, bias: dict[int, float]) -> CompletionRequest:
-        """The same request, as /v1/completions takes it; `bias`: `bias_entries` with every
-        text's tokens resolved."""
+        """The same request, as /v1/completions takes it, but for its length (`predict`,
+        which the route makes the cap, so that it stops at the context as llama.cpp does);
+        `bias`: `bias_entries` with every text's tokens resolved."""
         fields: dict[str, Any] = {
             "prompt": self.prompt, "stream": self.stream, "ignore_eos": self.ignore_eos,
-            "max_tokens": None if self.n_predict < 0 else self.n_predict,
+            "temperature": None if self.temperature is None else max(self.temperature, 0.0),
             "seed": None if self.seed < 0 else self.seed,
             "logprobs": self.n_probs or None, "stop": self.stop,
             "logit_bias": {str(token): value for token, value in bias.items()} or None,
             "guided_grammar": self.grammar, "guided_json": self.json_schema}
-        for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in ("top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
             fields[name] = getattr(self, name)
         given = {name: value for name, value in fields.items() if value is not None}
-        return completion_request_of({**given, "max_tokens": given.get("max_tokens")},
-                                     _NATIVE_NAMES)
+        return completion_request_of({**given, "max_tokens": None}, _NATIVE_NAMES)
 
 
 def _pairs(logit_bias: Any) -> list[tuple[Any, Any]]:
+    """(token, bias) pairs; an object's keys are token ids, as llama.cpp reads them."""
     if logit_bias is None:
         return []
     if isinstance(logit_bias, dict):
-        return list(logit_bias.items())
+        return [(int(key) if key.isdigit() else key, value) for key, value in logit_bias.items()]
     return [(entry[0], entry[1]) for entry in logit_bias]
 
 
 def _bias_pair(key: Any, value: Any) -> tuple[int | str, float]:
-    """One bias entry: its token (an id, an id's string, or a text) and its bias."""
+    """One bias entry: its token (an id, or a text whose every token takes it) and its
+    bias."""
     if isinstance(value, bool):
         if value:
             raise invalid_value("a logit_bias of true means nothing: give a number or false")
@@ -125,8 +138,6 @@ def _bias_pair(key: Any, value: Any) -> tuple[int | str, float]:
         raise invalid_value("a logit_bias must be a number in [-100, 100] or false")
     if isinstance(key, bool) or not isinstance(key, int | str):
         raise invalid_value("a logit_bias entry starts with a token id or a text")
-    if isinstance(key, str) and key.isdigit():
-        return int(key), bias
     return key, bias
 
 

@@ -195,7 +195,7 @@ class OpenAIRoutes:
         body = parse_tokenize_request(await self.read_body(request))
         self.ignored.check(body)
         self.served_model(body.model)
-        tokens = await self.tokenize_with(tokenize_body, body)
+        tokens = await self.tokenize_with(_tokenize_body, body)
         reply: dict[str, Any] = {"count": len(tokens), "max_model_len": self.context_limit(),
                                  "tokens": tokens}
         if body.return_token_strs:
@@ -522,7 +522,7 @@ def _piece_shown(piece: Piece) -> str | list[int]:
         return list(piece.data)
 
 
-def tokenize_body(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+def _tokenize_body(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     """/tokenize's token ids: the prompt's, or the messages' under the chat template."""
     if body.messages is not None:  # the template writes the special tokens it wants
         return render_chat_prompt(tokenizer, body.messages, options=body.template)

@@ -27,19 +27,31 @@ def render_chat_prompt(
     """Token ids of `messages` under the model's chat template, by default ending in the
     assistant cue; offered `tools`, earlier calls and tool results as gateway/tools.py renders
     them."""
+    return _token_ids(_applied(tokenizer, messages, tools, options, tokenize=True))
+
+
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
+                     options: TemplateOptions = PLAIN) -> str:
+    """The text the chat template makes of `messages`, as `render_chat_prompt` tokenizes it."""
+    text = _applied(tokenizer, messages, None, options, tokenize=False)
+    assert isinstance(text, str), "an untokenized template is text"
+    return text
+
+
+def _applied(tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
+             tools: ToolPlan | None, options: TemplateOptions, tokenize: bool) -> object:
     conversation, shown = with_tools([_template_message(message) for message in messages],
                                      messages, tools, _uses_tools(tokenizer))
     template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
         None if shown is None else list(shown))
     try:
-        encoded = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation, tools=template_tools, add_generation_prompt=options.add_generation_prompt,
-            tokenize=True, continue_final_message=options.continue_final_message,
+            tokenize=tokenize, continue_final_message=options.continue_final_message,
             **(options.kwargs or {}),
         )
     except (TemplateError, ValueError) as exc:  # ValueError: a final message to continue
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
-    return _token_ids(encoded)
 
 
 def _uses_tools(tokenizer: PreTrainedTokenizerBase) -> bool:

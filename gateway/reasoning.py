@@ -48,7 +48,7 @@ class ThoughtSplitter:
         self.unmarked: State = "thinking" if in_thought else "answering"
         self.state: State = "opening"
         self.buffer = ""
-        self.after_thought = False  # the newlines right after `</think>` are dropped
+        self.after_thought = False  # the white space right after `</think>` is dropped
         self.fed = 0  # characters of output fed so far
         self.thought_chars = 0  # of those, how many the closed thought took, markers and all
 
@@ -81,7 +81,7 @@ class ThoughtSplitter:
         if self.state == "thinking":
             return self._think(split)
         if self.after_thought:
-            self.buffer = self.buffer.lstrip("\n")
+            self.buffer = self.buffer.lstrip()  # as the workers' grammar sees the answer
             self.after_thought = not self.buffer
         split.content += self.buffer
         self.buffer = ""

@@ -97,6 +97,7 @@ class WholeChoice:
     finish_reason: Ending | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: StopReason = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class CallSteps(Protocol):
@@ -311,6 +312,7 @@ class Reply:
                 return delta.error
             wholes[index].parts.append(delta.text)
             wholes[index].logprobs.extend(delta.logprobs)
+            wholes[index].token_ids.extend(delta.token_ids)
             wholes[index].finish_reason = delta.finish_reason
             wholes[index].stop_reason = delta.stop_reason
         assert all(w.finish_reason is not None for w in wholes), "each choice ends with one"

@@ -94,7 +94,7 @@ def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or during the read
         return False
     state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
     return "zombie" not in state.lower()

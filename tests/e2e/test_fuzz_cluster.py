@@ -1,7 +1,7 @@
 """The gateway's fuzz strategies (tests/gateway/test_fuzz.py) against a whole running cluster:
 bodies that pass validation are served for real, so every reply must be a 2xx with a complete
-answer or a 4xx with error JSON in the route's shape (OpenAI's, or Anthropic's on
-/v1/messages); never a 5xx, and the cluster serves on afterwards.
+answer (llama.cpp's shape on /completion) or a 4xx with error JSON in the route's shape
+(OpenAI's, or Anthropic's on /v1/messages); never a 5xx, and the cluster serves on afterwards.
 
 `--cluster-fuzz-examples N` sets the examples per strategy (a few hundred in CI).
 """
@@ -21,6 +21,7 @@ from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
 from tests.gateway.served_app import MODEL, anthropic_error_of, error_of
 from tests.gateway.test_fuzz import (
     MESSAGES,
+    NATIVE,
     Body,
     byte_bodies,
     json_bodies,
@@ -59,6 +60,8 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
         assert 400 <= response.status_code < 500, raw[:500]
         (anthropic_error_of if anthropic else error_of)(
             httpx.Response(response.status_code, content=raw))
+    elif route == NATIVE:
+        check_native(raw, response.headers["content-type"])
     elif response.headers["content-type"].startswith("text/event-stream"):
         kind = "event: " if anthropic else "data: "
         events = [line for line in raw.decode().splitlines() if line.startswith(kind)]
@@ -69,6 +72,17 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
     else:
         assert json.loads(raw)["choices"][0]["finish_reason"] in FINISH_REASONS, raw[:500]
     return response.status_code
+
+
+def check_native(raw: bytes, content_type: str) -> None:
+    """llama.cpp's /completion: one object, or a stream of them, ending with `stop: true`
+    and what stopped it."""
+    if content_type.startswith("text/event-stream"):
+        lines = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+        last = json.loads(lines[-1].removeprefix("data: "))
+    else:
+        last = json.loads(raw)
+    assert last["stop"] is True and last["stop_type"] in ("limit", "word", "eos"), raw[-500:]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

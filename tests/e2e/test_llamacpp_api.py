@@ -53,10 +53,24 @@ def test_the_stream_adds_up_to_the_whole(cluster: Cluster) -> None:
     pieces = streamed(cluster, n_predict=12)
     *text, last = pieces
     assert not any(piece["stop"] for piece in text) and last["stop"]
-    assert "".join(piece["content"] for piece in pieces) == complete(cluster,
-                                                                      n_predict=12)["content"]
+    whole = complete(cluster, n_predict=12, return_tokens=True)
+    assert "".join(piece["content"] for piece in pieces) == whole["content"]
+    assert [token for piece in pieces for token in piece["tokens"]] == whole["tokens"]
+    assert len(whole["tokens"]) == 12 and complete(cluster, n_predict=12)["tokens"] == []
     assert (last["stop_type"], last["tokens_predicted"]) == ("limit", 12)
     assert [piece["tokens_predicted"] for piece in text] == list(range(1, len(text) + 1))
+
+
+def test_n_predict_past_the_context_stops_at_it(cluster: Cluster) -> None:
+    """As llama.cpp does, where /v1/completions refuses such a max_tokens."""
+    context = cluster.client.get("/props").json()["default_generation_settings"]["n_ctx"]
+    prompt = [1] * (context - 3)
+    whole = complete(cluster, prompt=prompt, n_predict=context, ignore_eos=True)
+    assert (whole["stop_type"], whole["tokens_predicted"]) == ("limit", 3)
+    refused = cluster.client.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": context})
+    assert refused.status_code == 400
+    assert complete(cluster, max_tokens=5, ignore_eos=True)["tokens_predicted"] == 5
 
 
 def test_a_stopping_word_and_eos_say_what_ended_the_completion(cluster: Cluster) -> None:

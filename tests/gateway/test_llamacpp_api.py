@@ -32,6 +32,10 @@ def test_apply_template_gives_the_prompt_chat_would_compute(client: TestClient) 
                       "<|im_start|>assistant\n")
     tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     assert client.post("/tokenize", json={"content": prompt}).json()["tokens"] == tokens
+    continued = client.post("/apply-template", json={
+        "messages": [*MESSAGES, {"role": "assistant", "content": "Hel"}],
+        "continue_final_message": True, "add_generation_prompt": False}).json()["prompt"]
+    assert continued.endswith("<|im_start|>assistant\nHel")
     reply = client.post("/apply-template", json={"prompt": "x"})
     assert reply.status_code == 400 and error_of(reply)["param"] == "messages"
 

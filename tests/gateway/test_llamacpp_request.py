@@ -24,15 +24,33 @@ def test_llama_cpp_names_become_the_completion_s() -> None:
                   stop=["\n\n"], ignore_eos=True, stream=True, n_probs=3,
                   cache_prompt=True, id_slot=2)
     params = generation_params(body.completion_request({}))
-    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.min_p,
+    assert (body.predict, params.temperature, params.top_k, params.top_p, params.min_p,
             params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
             params.seed, params.stop, params.ignore_eos, params.stream, params.logprobs) == (
         12, 0.5, 40, 0.9, 0.05, 1.2, 0.1, 0.2, 7, ("\n\n",), True, True, 3)
 
 
 def test_minus_one_means_up_to_the_cap_and_a_fresh_seed() -> None:
-    params = generation_params(parsed().completion_request({}))
+    body = parsed(n_predict=-1)
+    params = generation_params(body.completion_request({}))
+    assert body.predict is None
     assert params.max_tokens is None and params.seed is None and params.logprobs is None
+
+
+@pytest.mark.parametrize(("fields", "predict"), [
+    ({"n_predict": 12}, 12), ({"max_tokens": 8}, 8), ({"n_predict": 12, "max_tokens": 8}, 12),
+    ({"n_predict": -1, "max_tokens": 8}, None), ({}, None)])
+def test_n_predict_else_max_tokens_caps_the_length(fields: dict[str, Any],
+                                                    predict: int | None) -> None:
+    """A cap, which the route applies: the completion's own max_tokens stays unset, so that
+    it stops at the context rather than being refused."""
+    body = parsed(**fields)
+    assert body.predict == predict
+    assert body.completion_request({}).max_tokens is None
+
+
+def test_a_temperature_at_or_below_zero_is_greedy() -> None:
+    assert generation_params(parsed(temperature=-1.0).completion_request({})).temperature == 0
 
 
 def test_token_ids_are_a_prompt_too() -> None:
@@ -54,6 +72,7 @@ def test_a_gbnf_grammar_and_a_json_schema_are_structured_output() -> None:
     ([[15043, False]], [(15043, BANNED)]),
     ({"15043": -2.5}, [(15043, -2.5)]),
     ([["Hello, World!", -0.5]], [("Hello, World!", -0.5)]),
+    ([["42", 1.0]], [("42", 1.0)]),  # in a list, a string is text, digits or not
 ])
 def test_every_logit_bias_shape_is_read(bias: Any, entries: list[tuple[int | str, float]]
                                         ) -> None:
@@ -66,6 +85,7 @@ def test_every_logit_bias_shape_is_read(bias: Any, entries: list[tuple[int | str
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n_predict": 0}, "n_predict"),
+    ({"max_tokens": 0}, "max_tokens"),
     ({"n_predict": -2}, "n_predict"),
     ({"seed": -2}, "seed"),
     ({"logit_bias": [[15043, True]]}, "logit_bias"),
