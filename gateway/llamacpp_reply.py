@@ -99,14 +99,14 @@ class LlamaCppReply(Reply):
 
 
 def _probabilities(entry: TokenLogprob) -> dict[str, Any]:
-    """A token's entry in `completion_probabilities`, as llama.cpp's (without ids)."""
+    """A token's entry in `completion_probabilities`, as llama.cpp's."""
     return {**_token(entry.token), "logprob": entry.logprob,
             "top_logprobs": [{**_token(piece), "logprob": logprob}
                              for piece, logprob in entry.top]}
 
 
 def _token(piece: Piece) -> dict[str, Any]:
-    return {"token": piece.text, "bytes": list(piece.data)}
+    return {"id": piece.token_id, "token": piece.text, "bytes": list(piece.data)}
 
 
 def _timings(generation: Generation) -> dict[str, float]:

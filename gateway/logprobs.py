@@ -33,6 +33,7 @@ class Piece:
 
     text: str
     data: bytes
+    token_id: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class TokenPieces:
         piece = self._cache.get(token_id)
         if piece is None:
             data = self._bytes(token_id)
-            piece = Piece(data.decode("utf-8", errors="backslashreplace"), data)
+            piece = Piece(data.decode("utf-8", errors="backslashreplace"), data, token_id)
             self._cache[token_id] = piece
         return piece
 

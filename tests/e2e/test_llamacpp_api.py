@@ -85,11 +85,13 @@ def test_a_stopping_word_and_eos_say_what_ended_the_completion(cluster: Cluster)
 
 
 def test_probabilities_and_a_banned_token(cluster: Cluster) -> None:
-    whole = complete(cluster, n_predict=3, n_probs=2)
+    whole = complete(cluster, n_predict=3, n_probs=2, return_tokens=True)
     entries = whole["completion_probabilities"]
     assert len(entries) == 3
     first = entries[0]
     assert first["token"] == " Paris" and bytes(first["bytes"]) == b" Paris"
+    [paris] = cluster.client.post("/tokenize", json={"content": " Paris"}).json()["tokens"]
+    assert first["id"] == paris == whole["tokens"][0]
     assert first["top_logprobs"][0]["token"] == " Paris" and len(first["top_logprobs"]) == 2
     assert first["logprob"] == first["top_logprobs"][0]["logprob"] <= 0
     banned = complete(cluster, n_predict=3, logit_bias=[[" Paris", False]])

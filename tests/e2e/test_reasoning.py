@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ThinkingConf
 from openai import OpenAI
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 from openai.types.responses import ResponseOutputMessage, ResponseReasoningItem
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
 
@@ -31,6 +31,7 @@ FORCED: dict[str, Any] = {"guided_regex": f"<think>\n{THOUGHT}\n</think>\n\n({AN
                           "temperature": 1.0, "seed": 5}
 ASKED: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Is it raining?"}]
 ASKED_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "Is it raining?"}]
+MARKERS = [49152, 49153]  # <think> and </think>, added to the tiny model's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,34 @@ def test_a_model_that_does_not_think_is_held_from_its_first_token(waiting: OpenA
     assert not getattr(message, "reasoning_content", None), message
     assert reply.choices[0].finish_reason == "stop"
     assert json.loads(message.content or "")["answer"] in ("yes", "no")
+
+
+@pytest.fixture(scope="module")
+def thinker(make_tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[OpenAI]:
+    """A client of a cluster (grammars waiting out the thought) whose tiny model has whole
+    `<think>` and `</think>` tokens, as Qwen3's vocabulary does."""
+    folder = make_tiny_model(vocab_size=49154)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == MARKERS
+    tokenizer.save_pretrained(folder)
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"], "reasoning_parser": "qwen3"}}
+    with (launch(tmp_path_factory.mktemp("run"), folder, config=config) as running,
+          OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0) as made):
+        yield made
+
+
+def test_a_first_think_token_opens_a_thought_the_grammar_waits_out(thinker: OpenAI) -> None:
+    """Qwen3's hybrid way: the prompt leaves the thought closed, the output opens it. Both
+    markers drawn first wherever allowed (a bias), so the first token opens the thought rather
+    than the grammar's answer, and the thought ends when `</think>` comes up."""
+    bias = {str(token): 100 for token in MARKERS}
+    reply = thinker.chat.completions.create(
+        model=thinker.models.list().data[0].id, messages=ASKED, max_tokens=40, seed=1,
+        temperature=1.0, logit_bias=bias, extra_body={"guided_regex": ANSWER})
+    message = reply.choices[0].message
+    assert re.fullmatch("(<think>)*", getattr(message, "reasoning_content", "")), message
+    assert re.fullmatch(ANSWER, message.content or ""), message
+    assert reply.choices[0].finish_reason == "stop"
+    assert reasoning_tokens(reply) >= 2  # the markers at least: the output did think

@@ -55,7 +55,7 @@ def test_a_whole_characters_piece_is_its_decoded_text(
 ) -> None:
     for token_id in tokenizer.encode(" Hello world café <|im_end|>"):
         assert pieces(token_id).text == decode_text(tokenizer, [token_id])
-    assert pieces(2) == Piece("<|im_end|>", b"<|im_end|>")
+    assert pieces(2) == Piece("<|im_end|>", b"<|im_end|>", 2)
 
 
 def test_a_piece_cut_mid_character_shows_its_bytes_escaped(
@@ -70,7 +70,7 @@ def test_a_piece_cut_mid_character_shows_its_bytes_escaped(
 
 
 def test_an_id_outside_the_vocabulary_is_an_empty_piece(pieces: TokenPieces) -> None:
-    assert pieces(10**6) == Piece("", b"")
+    assert pieces(10**6) == Piece("", b"", 10**6)
 
 
 @pytest.mark.parametrize(("value", "shown"), [
@@ -81,9 +81,9 @@ def test_logprobs_shown_are_finite(value: float, shown: float) -> None:
     assert finite_logprob(value) == shown
 
 
-HI = Piece("Hi", b"Hi")
-THERE = Piece(" there", b" there")
-CUT = Piece("\\xe6", b"\xe6")
+HI = Piece("Hi", b"Hi", 12675)
+THERE = Piece(" there", b" there", 665)
+CUT = Piece("\\xe6", b"\xe6", 160)
 ENTRIES = [
     TokenLogprob(HI, -0.1, [(HI, -0.1), (THERE, -2.5)], 0),
     TokenLogprob(CUT, -3.0, [(THERE, -0.2), (HI, -1.0)], 2),
@@ -110,7 +110,7 @@ def test_completions_shape_adds_the_drawn_token_to_the_top() -> None:
 
 
 def test_two_tokens_with_one_text_keep_the_likelier() -> None:
-    twin = Piece("Hi", b"Hi")
+    twin = Piece("Hi", b"Hi", 49000)
     entry = TokenLogprob(twin, -4.0, [(HI, -0.1), (twin, -4.0)], 0)
     assert completion_logprobs([entry])["top_logprobs"] == [{"Hi": -0.1}]
 
