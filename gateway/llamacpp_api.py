@@ -55,7 +55,7 @@ class LlamaCppRoutes:
         ask = LlamaAsk(text, self._settings(params, body), bool(body.n_probs),
                        body.return_tokens)
         return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
-                                       Served(model, arrived, native=ask))
+                                       Served(model, arrived, llamacpp=ask))
 
     async def props(self, request: Request) -> Response:
         """What llama.cpp's clients read of its server: the context and sampling defaults,

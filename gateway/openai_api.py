@@ -73,7 +73,7 @@ class Served:
     tools: ToolPlan | None = None
     response: ResponseContext | None = None  # answered as a Response (/v1/responses)
     message: AnthropicAsk | None = None  # answered as an Anthropic Message (/v1/messages)
-    native: LlamaAsk | None = None  # answered as llama.cpp's /completion
+    llamacpp: LlamaAsk | None = None  # answered as llama.cpp's /completion
 
 
 class OpenAIRoutes:
@@ -336,9 +336,9 @@ class OpenAIRoutes:
                                   params.logprobs is not None, model=served.model,
                                   timing=timing, span=span, tools=served.tools,
                                   in_thought=in_thought)
-        if served.native is not None:
+        if served.llamacpp is not None:
             return LlamaCppReply(generations, self.state, model=served.model, span=span,
-                                 ask=served.native)
+                                 ask=served.llamacpp)
         if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
                                  span=span, tools=served.tools, in_thought=in_thought,
