@@ -27,6 +27,7 @@ from gateway.app import build_app
 from gateway.auth import KeysError, with_keys
 from gateway.defaults import resolve_defaults
 from gateway.metrics import Metrics
+from gateway.model_facts import model_facts
 from gateway.packing import Packing
 from gateway.registry import Registry
 from gateway.routing import LocalPrefill, Pulling, Router
@@ -59,9 +60,9 @@ def gateway_app(config: Config) -> Starlette:
     configured API keys are unusable."""
     folder = resolve_model(config.model.name, config.model.cache_dir)
     spec = load_spec(folder)
+    dtype = resolve_dtype(config.model.dtype, device_type(config.model.device))
     fingerprint = (sim_fingerprint(folder, config.sim.kv_bytes) if config.model.sim_profile
-                   else kv_fingerprint(spec, resolve_dtype(config.model.dtype,
-                                                           device_type(config.model.device))))
+                   else kv_fingerprint(spec, dtype))
     registry = make_registry(config.gateway, fingerprint)
     max_len = min(config.model.max_model_len or spec.max_position_embeddings,
                   spec.max_position_embeddings)
@@ -71,7 +72,8 @@ def gateway_app(config: Config) -> Starlette:
                          router=make_router(config.gateway, registry), metrics=metrics,
                          tracer=make_tracer(config.tracing, "raging-gateway", "gateway"),
                          generation_defaults=resolve_defaults(config.generation_defaults,
-                                                              folder))
+                                                              folder),
+                         facts=model_facts(folder, spec, dtype))
     return build_app(state)
 
 

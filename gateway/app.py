@@ -26,13 +26,14 @@ from gateway.cluster import cluster_route
 from gateway.dispatch import Dispatcher
 from gateway.errors import (
     APIError,
+    dialect_of,
     error_response,
     method_not_allowed,
     not_found,
     server_error,
-    speaks_anthropic,
 )
 from gateway.llamacpp_api import LlamaCppRoutes
+from gateway.ollama_api import OllamaRoutes
 from gateway.openai_api import OpenAIRoutes
 from gateway.page import page_routes
 from gateway.state import GatewayState, server_version
@@ -46,6 +47,7 @@ def build_app(state: GatewayState) -> Starlette:
     auth.log_auth_state(state.config.gateway.host, keys)
     routes, service = OpenAIRoutes(state), ServiceRoutes(state)
     anthropic, llamacpp = AnthropicRoutes(routes), LlamaCppRoutes(routes)
+    ollama = OllamaRoutes(routes)
     return Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -65,6 +67,12 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/completions", llamacpp.completion, methods=["POST"]),
             Route("/props", llamacpp.props, methods=["GET"]),
             Route("/apply-template", llamacpp.apply_template, methods=["POST"]),
+            Route("/api/chat", ollama.chat, methods=["POST"]),
+            Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/tags", ollama.tags, methods=["GET"]),
+            Route("/api/show", ollama.show, methods=["POST"]),
+            Route("/api/ps", ollama.ps, methods=["GET"]),
+            Route("/api/version", ollama.version, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/version", service.version, methods=["GET"]),
@@ -173,8 +181,9 @@ def _report_stopped(task: asyncio.Task[None]) -> None:
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
-    """`err` in the shape of the route's API: OpenAI's, or Anthropic's on its routes."""
-    return error_response(err, speaks_anthropic(request.url.path))
+    """`err` in the shape of the route's API: OpenAI's, or Anthropic's or Ollama's on
+    theirs."""
+    return error_response(err, dialect_of(request.url.path))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.config import AuthConfig, Config
 from core.netaddr import is_loopback
-from gateway.errors import APIError, error_response, speaks_anthropic, unauthorized
+from gateway.errors import APIError, Dialect, dialect_of, error_response, unauthorized
 from gateway.page import PAGE_PATHS
 
 log = logging.getLogger(__name__)
@@ -192,14 +192,14 @@ class ApiKeyMiddleware:
             tenant = authenticate(self.keys, Headers(scope=scope))
         except APIError as err:
             log.debug("refused %s: %s", scope["path"][:200], err.message)
-            await _refusal(err, speaks_anthropic(scope["path"]))(scope, receive, send)
+            await _refusal(err, dialect_of(scope["path"]))(scope, receive, send)
             return
         scope.setdefault("state", {})[_STATE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
-def _refusal(err: APIError, anthropic: bool) -> ASGIApp:
-    response = error_response(err, anthropic)
+def _refusal(err: APIError, dialect: Dialect) -> ASGIApp:
+    response = error_response(err, dialect)
     response.headers["WWW-Authenticate"] = "Bearer"
     return response
 

@@ -2,14 +2,14 @@
 
 Every error the gateway reports to a client is an `APIError`; `error_response` turns it into
 OpenAI's `{"error": {"message", "type", "param", "code"}}` with the right status code, or, on
-Anthropic's routes (`speaks_anthropic`), into Anthropic's `{"type": "error", "error": {"type",
-"message"}}`.
+another API's routes (`dialect_of`), into its shape: Anthropic's `{"type": "error", "error":
+{"type", "message"}}`, Ollama's `{"error": message}`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from starlette.responses import JSONResponse
 
@@ -58,6 +58,10 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def to_ollama_body(self) -> dict[str, Any]:
+        """Ollama's error body: `{"error": message}`."""
+        return {"error": self.message}
+
     def __repr__(self) -> str:
         return f"APIError(status={self.status}, type={self.type!r}, message={self.message!r})"
 
@@ -66,20 +70,25 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 ANTHROPIC_ROUTES = "/v1/messages"  # the path of Anthropic's routes, and the prefix of the rest
+OLLAMA_ROUTES = "/api/"  # the prefix of Ollama's routes
+Dialect = Literal["openai", "anthropic", "ollama"]
 
 
-def speaks_anthropic(path: str) -> bool:
-    """Whether errors on `path` take Anthropic's shape."""
-    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
+def dialect_of(path: str) -> Dialect:
+    """Whose error shape errors on `path` take."""
+    if path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/"):
+        return "anthropic"
+    return "ollama" if path.startswith(OLLAMA_ROUTES) else "openai"
 
 
-def error_response(err: APIError, anthropic: bool = False) -> JSONResponse:
-    """The JSON response for `err` (in Anthropic's shape when `anthropic`), with
-    `Retry-After` (whole seconds) when it is set."""
+def error_response(err: APIError, dialect: Dialect = "openai") -> JSONResponse:
+    """The JSON response for `err` in the shape of `dialect`'s API, with `Retry-After`
+    (whole seconds) when it is set."""
     headers: dict[str, str] = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(0, math.ceil(err.retry_after)))
-    body = err.to_anthropic_body() if anthropic else err.to_body()
+    body = {"openai": err.to_body, "anthropic": err.to_anthropic_body,
+            "ollama": err.to_ollama_body}[dialect]()
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 

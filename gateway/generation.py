@@ -119,6 +119,14 @@ class Generation:
     def abort(self) -> None:
         self._abort(self.handle)
 
+    def phases(self) -> tuple[float, float]:
+        """Seconds of the prompt's phase (arrival to the first token) and of the output's (the
+        first token to the last); 0 for a phase not reached."""
+        first, last = self.first_token_at, self.last_token_at
+        if first is None or last is None:
+            return 0.0, 0.0
+        return first - self.started, last - first
+
     def tokens_writing(self, chars: int) -> int:
         """How many output tokens it took to write the output's first `chars` characters."""
         if chars <= 0:

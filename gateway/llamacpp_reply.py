@@ -112,9 +112,8 @@ def _token(piece: Piece) -> dict[str, Any]:
 def _timings(generation: Generation) -> dict[str, float]:
     """llama.cpp's timings: the prompt's (from arrival to the first token) and the output's
     (from the first token to the last), in ms, with their rates."""
-    first, last = generation.first_token_at, generation.last_token_at
-    prompt_ms = 0.0 if first is None else (first - generation.started) * 1000
-    predicted_ms = 0.0 if first is None or last is None else (last - first) * 1000
+    prompt_s, predicted_s = generation.phases()
+    prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
     prompt_n = generation.prompt_tokens - generation.handle.cached_tokens
     predicted_n = max(generation.completion_tokens - 1, 0)  # the first came with the prompt
     return {"prompt_n": prompt_n, "prompt_ms": prompt_ms,

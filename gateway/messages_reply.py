@@ -19,7 +19,7 @@ from gateway.errors import APIError
 from gateway.generation import KEEPALIVE, Generation
 from gateway.reply import ChatFormat, Reply, WholeChoice, call_events
 from gateway.state import GatewayState
-from gateway.tools import ToolPlan
+from gateway.tools import ToolPlan, arguments_object
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -85,7 +85,7 @@ class ContentBlocks:
 
     def content(self) -> list[dict[str, Any]]:
         """The blocks, each tool_use with its input as an object."""
-        return [{**block, "input": _tool_input(self.inputs[index])} if index in self.inputs
+        return [{**block, "input": arguments_object(self.inputs[index])} if index in self.inputs
                 else dict(block) for index, block in enumerate(self.blocks)]
 
     def _open_type(self) -> str | None:
@@ -105,16 +105,6 @@ class ContentBlocks:
             return []
         self.open = False
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
-    """A call's input object; {} for arguments cut off by the token limit (a forced call's
-    grammar and the parsers otherwise give an object)."""
-    try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class MessagesReply(Reply):

@@ -35,6 +35,7 @@ from gateway.ignored_fields import IgnoredFields
 from gateway.llamacpp_reply import LlamaAsk, LlamaCppReply
 from gateway.logprobs import Piece, TokenPieces
 from gateway.messages_reply import AnthropicAsk, MessagesReply
+from gateway.ollama_reply import OllamaAsk, OllamaReply
 from gateway.prompts import bad_words_token_ids, check_context, render_chat_prompt, tokenize_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -74,6 +75,7 @@ class Served:
     response: ResponseContext | None = None  # answered as a Response (/v1/responses)
     message: AnthropicAsk | None = None  # answered as an Anthropic Message (/v1/messages)
     llamacpp: LlamaAsk | None = None  # answered as llama.cpp's /completion
+    ollama: OllamaAsk | None = None  # answered as Ollama's /api/chat or /api/generate
 
 
 class OpenAIRoutes:
@@ -339,6 +341,10 @@ class OpenAIRoutes:
         if served.llamacpp is not None:
             return LlamaCppReply(generations, self.state, model=served.model, span=span,
                                  ask=served.llamacpp)
+        if served.ollama is not None:
+            return OllamaReply(fmt, generations, self.state, model=served.model, span=span,
+                               tools=served.tools, in_thought=in_thought,
+                               logprobs=params.logprobs is not None, ask=served.ollama)
         if served.message is not None:
             return MessagesReply(generations, self.state, model=served.model, timing=timing,
                                  span=span, tools=served.tools, in_thought=in_thought,
@@ -385,7 +391,7 @@ class OpenAIRoutes:
                                         functools.partial(reply.settle, log=log))
             return self._following(log, -1, echoed)
         if stream:
-            return StreamingResponse(reply.sse(), media_type="text/event-stream",
+            return StreamingResponse(reply.sse(), media_type=reply.media_type,
                                      headers={"Cache-Control": "no-cache", **echoed})
         response = await reply.whole(request)
         response.headers.update(echoed)

@@ -130,6 +130,8 @@ class Reply:
     name echoed (the one the request gave); `span`: the request's trace span, ended with the
     response."""
 
+    media_type = "text/event-stream"  # of a stream
+
     def __init__(self, fmt: Format, generations: list[Generation], state: GatewayState,
                  include_usage: bool, logprobs: bool = False, choices_per_prompt: int = 1, *,
                  model: str | None = None, continuous_usage: bool = False,

@@ -19,6 +19,7 @@ from gateway.autoscale import Autoscaler
 from gateway.background import BackgroundResponses
 from gateway.dispatch import Dispatcher
 from gateway.metrics import Metrics
+from gateway.model_facts import ModelFacts
 from gateway.registry import Registry
 from gateway.response_store import ResponseStore
 from gateway.routing import Router
@@ -40,6 +41,7 @@ class GatewayState:
     # What a request that leaves a field out gets (config, or the model's generation_config).
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     background: BackgroundResponses = field(default_factory=BackgroundResponses)
+    facts: ModelFacts | None = None  # what the model is (the app's always has them)
 
     @property
     def served_names(self) -> tuple[str, ...]:

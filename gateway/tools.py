@@ -349,3 +349,13 @@ def merge_call_deltas(deltas: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             calls[index]["function"]["arguments"] += delta["function"]["arguments"]
     return [calls[i] for i in sorted(calls)]
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object, for the APIs that give them so; {} for arguments cut
+    off by the token limit (a forced call's grammar and the parsers otherwise give one)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

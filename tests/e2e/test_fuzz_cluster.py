@@ -1,7 +1,8 @@
 """The gateway's fuzz strategies (tests/gateway/test_fuzz.py) against a whole running cluster:
 bodies that pass validation are served for real, so every reply must be a 2xx with a complete
-answer (llama.cpp's shape on /completion) or a 4xx with error JSON in the route's shape
-(OpenAI's, or Anthropic's on /v1/messages); never a 5xx, and the cluster serves on afterwards.
+answer (llama.cpp's shape on /completion, Ollama's on /api/chat and /api/generate) or a 4xx
+with error JSON in the route's shape (OpenAI's, Anthropic's on /v1/messages, Ollama's on its
+routes); never a 5xx, and the cluster serves on afterwards.
 
 `--cluster-fuzz-examples N` sets the examples per strategy (a few hundred in CI).
 """
@@ -18,10 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch
-from tests.gateway.served_app import MODEL, anthropic_error_of, error_of
+from tests.gateway.served_app import MODEL, error_message_of
 from tests.gateway.test_fuzz import (
     MESSAGES,
     NATIVE,
+    OLLAMA,
     Body,
     byte_bodies,
     json_bodies,
@@ -58,10 +60,11 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
     anthropic = route == MESSAGES
     if response.status_code != 200:
         assert 400 <= response.status_code < 500, raw[:500]
-        (anthropic_error_of if anthropic else error_of)(
-            httpx.Response(response.status_code, content=raw))
+        error_message_of(httpx.Response(response.status_code, content=raw), route)
     elif route == NATIVE:
         check_native(raw, response.headers["content-type"])
+    elif route in OLLAMA:
+        check_ollama(raw)
     elif response.headers["content-type"].startswith("text/event-stream"):
         kind = "event: " if anthropic else "data: "
         events = [line for line in raw.decode().splitlines() if line.startswith(kind)]
@@ -83,6 +86,15 @@ def check_native(raw: bytes, content_type: str) -> None:
     else:
         last = json.loads(raw)
     assert last["stop"] is True and last["stop_type"] in ("limit", "word", "eos"), raw[-500:]
+
+
+def check_ollama(raw: bytes) -> None:
+    """Ollama's /api/chat and /api/generate: one object, or a line of JSON per object, the
+    last `done` and saying why (a body with nothing to generate 'loads' the model)."""
+    *pieces, last = [json.loads(line) for line in raw.decode().splitlines() if line]
+    assert not any(piece["done"] or "error" in piece for piece in pieces), raw[-500:]
+    assert last["done"] is True, raw[-500:]
+    assert last["done_reason"] in ("stop", "length", "load", "unload"), raw[-500:]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import ollama
 import pytest
 from anthropic.types import MessageParam, TextBlock, ThinkingBlock, ThinkingConfigParam
 from openai import OpenAI
@@ -173,6 +174,25 @@ def test_a_model_that_does_not_think_is_held_from_its_first_token(waiting: OpenA
     assert not getattr(message, "reasoning_content", None), message
     assert reply.choices[0].finish_reason == "stop"
     assert json.loads(message.content or "")["answer"] in ("yes", "no")
+
+
+def test_ollama_s_chat_gives_the_thought_in_thinking(waiting: OpenAI) -> None:
+    """The prompt opens the thought and the tiny model does not close it: all it writes is
+    thought, in `thinking`, whole and streamed, as chat's reasoning_content for the seed."""
+    model = waiting.models.list().data[0].id
+    opened = [*ASKED, {"role": "assistant", "content": "<think>\n"}]
+    sampled = {"temperature": 1.0, "seed": 3, "num_predict": 6}
+    client = ollama.Client(host=str(waiting.base_url).removesuffix("/v1/"))
+    reply = client.chat(model=model, messages=opened, think=True, options=sampled)
+    assert reply.message.thinking and reply.message.content == ""
+    pieces = list(client.chat(model=model, messages=opened, think=True, options=sampled,
+                              stream=True))
+    assert "".join(piece.message.thinking or "" for piece in pieces) == reply.message.thinking
+    chat = waiting.chat.completions.create(
+        model=model, messages=[*ASKED, {"role": "assistant", "content": "<think>\n"}],
+        max_tokens=6, seed=3, temperature=1.0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert getattr(chat.choices[0].message, "reasoning_content", "") == reply.message.thinking
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,11 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from core.config import load_config
+from engine.weights.spec import load_spec
 from gateway.app import build_app
-from gateway.errors import MAX_MESSAGE_CHARS, speaks_anthropic
+from gateway.errors import MAX_MESSAGE_CHARS, dialect_of
 from gateway.metrics import Metrics
+from gateway.model_facts import model_facts
 from gateway.registry import Registry
 from gateway.routing import Router
 from gateway.state import GatewayState
@@ -42,6 +44,7 @@ def serve_without_workers(tokenizer_dir: Path, **overrides: object) -> Iterator[
         config=config, model_name=MODEL, max_model_len=MAX_MODEL_LEN,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
         registry=registry, router=Router(registry), metrics=Metrics(),
+        facts=model_facts(tokenizer_dir, load_spec(tokenizer_dir), "float32"),
     )  # fmt: skip
     with TestClient(build_app(state), raise_server_exceptions=False) as client:
         yield client
@@ -91,10 +94,28 @@ def anthropic_error_of(response: Reply) -> dict[str, Any]:
     return error
 
 
+def ollama_error_of(response: Reply) -> str:
+    """The message of an Ollama error reply (Ollama's routes), checked for shape."""
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    message = body["error"]
+    assert isinstance(message, str) and 0 < len(message) <= MAX_MESSAGE_CHARS, body
+    return message
+
+
+def error_message_of(response: Reply, route: str) -> str:
+    """The message of an error reply to `route`, checked for the shape of the route's API."""
+    dialect = dialect_of(route)
+    if dialect == "anthropic":
+        return str(anthropic_error_of(response)["message"])
+    if dialect == "ollama":
+        return ollama_error_of(response)
+    return str(error_of(response)["message"])
+
+
 def is_no_worker(response: Reply, route: str = "") -> bool:
     """Whether this is the documented 503 for a request to `route` that passed every check."""
-    error = anthropic_error_of(response) if speaks_anthropic(route) else error_of(response)
-    return response.status_code == 503 and error["message"] == NO_WORKER
+    return response.status_code == 503 and error_message_of(response, route) == NO_WORKER
 
 
 def assert_still_serving(client: TestClient, route: str) -> None:

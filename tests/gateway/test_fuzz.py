@@ -28,12 +28,12 @@ from starlette.testclient import TestClient
 
 from gateway.llamacpp_request import LlamaCompletionRequest
 from gateway.messages_request import MessagesRequest
+from gateway.ollama_request import OllamaChatRequest, OllamaGenerateRequest, Options
 from gateway.protocol import TEXT_PART_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from tests.gateway.served_app import (
     MODEL,
     ROUTES,
-    anthropic_error_of,
-    error_of,
+    error_message_of,
     is_no_worker,
     serve_without_workers,
     valid_body,
@@ -42,6 +42,7 @@ from tests.gateway.served_app import (
 CHAT, TEXT = ROUTES
 MESSAGES = "/v1/messages"
 NATIVE = "/completion"  # llama.cpp's
+OLLAMA = ("/api/chat", "/api/generate")
 Body = tuple[str, bytes]  # (route, raw body)
 KeyPath = tuple[str | int, ...]  # keys and indices from the top of a JSON value
 
@@ -49,7 +50,8 @@ FIELD_NAMES = sorted(
     set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     | set(ChatMessage.model_fields) | TEXT_PART_FIELDS | {"include_usage"}
     | set(MessagesRequest.model_fields) | {"tool_use_id", "input", "input_schema", "name"}
-    | set(LlamaCompletionRequest.model_fields)
+    | set(LlamaCompletionRequest.model_fields) | set(OllamaChatRequest.model_fields)
+    | set(OllamaGenerateRequest.model_fields) | set(Options.model_fields)
 )
 VALID_BODIES: dict[str, list[dict[str, Any]]] = {
     CHAT: [
@@ -105,6 +107,29 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
         {"prompt": [1, 2, 3], "n_predict": -1, "temperature": 0.5, "top_k": 40, "seed": -1,
          "stop": ["\n"], "stream": True, "n_probs": 2, "logit_bias": [[5, False], ["x", 1.5]],
          "grammar": 'root ::= "a"', "cache_prompt": True, "id_slot": -1, "mirostat": 0},
+    ],
+    "/api/chat": [
+        {"model": f"{MODEL}:latest", "messages": [{"role": "user", "content": "Hi"}]},
+        {"model": MODEL, "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "thinking": "t", "tool_calls": [
+                {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_name": "weather", "content": "sunny"}],
+         "tools": [{"type": "function", "function": {
+             "name": "weather", "parameters": {"type": "object",
+                                               "properties": {"city": {"type": "string"}}}}}],
+         "format": "json", "stream": False, "keep_alive": "5m", "logprobs": True,
+         "top_logprobs": 2, "think": False,
+         "options": {"num_predict": 8, "temperature": 0.5, "top_k": 5, "top_p": 0.9,
+                     "seed": 3, "stop": ["x"], "repeat_penalty": 1.1, "num_ctx": 4096,
+                     "mirostat": 0}},
+    ],
+    "/api/generate": [
+        {"model": MODEL, "prompt": "Hi", "system": "be brief", "context": [1, 2],
+         "options": {"num_predict": -1}, "format": {"type": "object"}},
+        {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": False,
+         "options": {"num_predict": 4, "min_p": 0.1}},
     ],
 }
 
@@ -306,14 +331,15 @@ def client(real_model_dir: Path) -> Iterator[TestClient]:
 
 def check_reply(client: TestClient, route: str, body: bytes) -> int:
     """Post one body: any reply but a 4xx error in the route's shape or the no-worker 503 is a
-    failure. Returns the status code."""
+    failure (but Ollama's answer to a body with nothing to generate: the model 'loads').
+    Returns the status code."""
     response = client.post(route, content=body, headers={"content-type": "application/json"})
     assert response.status_code != 500, response.text
+    if route in OLLAMA and response.status_code == 200:
+        assert response.json()["done_reason"] in ("load", "unload"), response.text
+        return 200
     assert 400 <= response.status_code < 500 or is_no_worker(response, route), response.text
-    if route == MESSAGES:
-        anthropic_error_of(response)
-    else:
-        error_of(response)
+    error_message_of(response, route)
     return response.status_code
 
 

@@ -1,0 +1,212 @@
+"""Ollama's routes, for the tools and chat UIs written against an Ollama server: `POST
+/api/chat` and `POST /api/generate`, served as chat (or, for a raw prompt, completion) requests
+(ollama_request.py) answered in Ollama's shape (ollama_reply.py); `GET /api/tags`, `POST
+/api/show`, `GET /api/ps` and `GET /api/version`, what the server serves. Errors on these
+routes are Ollama's `{"error": message}`. Models are not pulled, created, copied or deleted
+here: those routes are 404s.
+
+Ollama names a model `name:tag`; a served name is listed as `name:latest`, and a request may
+give it with that tag or without.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import bad_request
+from gateway.model_facts import ModelFacts
+from gateway.ollama_reply import OllamaAsk, loaded
+from gateway.ollama_request import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    parse_ollama_chat,
+    parse_ollama_generate,
+)
+from gateway.openai_api import OpenAIRoutes, Served
+from gateway.prompts import tokenize_prompt
+from gateway.protocol import GenerationParams, RequestModel, generation_params, parse_body
+from gateway.reply import ChatFormat, CompletionFormat, Format
+from gateway.state import server_version
+
+_TAG = ":latest"
+_KEPT_UNTIL = "2318-08-23T00:00:00Z"  # /api/ps's expiry of a model that is never unloaded
+
+
+class ShowRequest(RequestModel):
+    """`POST /api/show`'s body: the model, under Ollama's name for it or its older one."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None  # ignored: the model_info given is all there is
+
+
+class OllamaRoutes:
+    """Ollama's routes over `routes`, the OpenAI routes' machinery."""
+
+    def __init__(self, routes: OpenAIRoutes) -> None:
+        self.routes = routes
+        self.state = routes.state
+
+    async def chat(self, request: Request) -> Response:
+        """A chat reply, streamed (by default) or whole; no messages: the model 'loads'."""
+        arrived = time.monotonic()
+        body = await asyncio.to_thread(parse_ollama_chat, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self._served(body.model)
+        if not body.messages:
+            return JSONResponse(loaded(model, "chat", body.unloads))
+        self._check_think(body)
+        chat = await asyncio.to_thread(body.chat_request)
+        prompt_ids, params, tools = await self.routes.chat_prompt(chat)
+        params = _length(params, body.options.predict)
+        return await self.routes.serve(request, ChatFormat(), [prompt_ids], params,
+                                       Served(model, arrived, tools,
+                                              ollama=OllamaAsk("chat")))
+
+    async def generate(self, request: Request) -> Response:
+        """A completion of `prompt`, under the chat template unless `raw`, after the tokens of
+        `context`; no prompt: the model 'loads'."""
+        arrived = time.monotonic()
+        body = await asyncio.to_thread(parse_ollama_generate,
+                                       await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self._served(body.model)
+        if not body.prompt:
+            return JSONResponse(loaded(model, "generate", body.unloads))
+        self._check_think(body)
+        fmt, prompt_ids, params = await self._prompt(body)
+        prompt_ids = [*tokenize_prompt(self.state.tokenizer, body.context or []), *prompt_ids]
+        params = _length(params, body.options.predict)
+        ask = OllamaAsk("generate", tuple(prompt_ids))
+        return await self.routes.serve(request, fmt, [prompt_ids], params,
+                                       Served(model, arrived, ollama=ask))
+
+    async def _prompt(self, body: OllamaGenerateRequest
+                      ) -> tuple[Format, list[int], GenerationParams]:
+        """The prompt's format, token ids and parameters: a chat's, or a raw completion's."""
+        if not body.raw:
+            chat = await asyncio.to_thread(body.chat_request)
+            prompt_ids, params, _ = await self.routes.chat_prompt(chat)
+            return ChatFormat(), prompt_ids, params
+        completion = await asyncio.to_thread(body.completion_request)
+        prompt_ids = await self.routes.tokenize_with(tokenize_prompt, body.prompt)
+        return CompletionFormat(), prompt_ids, generation_params(
+            completion, self.state.generation_defaults)
+
+    async def tags(self, request: Request) -> Response:
+        """The served models, as Ollama lists those it has."""
+        return JSONResponse({"models": [self._listed(name) for name in self.state.served_names]})
+
+    async def ps(self, request: Request) -> Response:
+        """The served models while decode workers serve them (Ollama's loaded models)."""
+        if not self.state.registry.serving("decode"):
+            return JSONResponse({"models": []})
+        running = [{**self._listed(name), "expires_at": _KEPT_UNTIL, "size_vram": 0,
+                    "context_length": self.routes.context_limit()}
+                   for name in self.state.served_names]
+        return JSONResponse({"models": running})
+
+    async def show(self, request: Request) -> Response:
+        """A model's details, template, default parameters and architecture."""
+        body = parse_body(ShowRequest, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        asked = body.model or body.name
+        if asked is None:
+            raise bad_request("model is required", param="model")
+        name = self._served(asked)
+        facts = self._facts()
+        return JSONResponse({
+            "license": "", "modelfile": f"# served by raging\nFROM {self.state.model_name}\n",
+            "parameters": self._parameters(),
+            "template": getattr(self.state.tokenizer, "chat_template", None) or "",
+            "details": _details(facts), "model_info": self._model_info(facts),
+            "capabilities": self._capabilities(), "modified_at": _iso(facts.modified_at),
+            "model": _tagged(name)})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": server_version()})
+
+    def _served(self, model: str | None) -> str:
+        """The served name a request gave, with Ollama's `:latest` tag or without."""
+        if model is not None and model.endswith(_TAG) and (
+                model[:-len(_TAG)] in self.state.served_names):
+            model = model[:-len(_TAG)]
+        return self.routes.served_model(model)
+
+    def _check_think(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
+        if body.think not in (None, False) and not self.state.config.gateway.reasoning_parser:
+            raise bad_request(f"'{self._served(body.model)}' does not support thinking "
+                              "(the gateway runs no reasoning parser)", param="think")
+
+    def _facts(self) -> ModelFacts:
+        facts = self.state.facts
+        assert facts is not None, "the gateway app knows its model"
+        return facts
+
+    def _listed(self, name: str) -> dict[str, Any]:
+        facts = self._facts()
+        return {"name": _tagged(name), "model": _tagged(name),
+                "modified_at": _iso(facts.modified_at), "size": facts.weights_bytes,
+                "digest": facts.digest.removeprefix("sha256:"), "details": _details(facts)}
+
+    def _parameters(self) -> str:
+        """The sampling defaults a request gets, one `name value` per line, as a Modelfile's."""
+        defaults = self.state.generation_defaults
+        return "\n".join(f"{name} {value}" for name, value in (
+            ("temperature", defaults.temperature), ("top_k", defaults.top_k),
+            ("top_p", defaults.top_p), ("min_p", defaults.min_p),
+            ("repeat_penalty", defaults.repetition_penalty),
+            ("num_predict", defaults.max_tokens)))
+
+    def _model_info(self, facts: ModelFacts) -> dict[str, Any]:
+        """The architecture, under the GGUF metadata keys Ollama gives (the context is the
+        one a request meets)."""
+        spec, family = facts.spec, facts.family
+        return {"general.architecture": family, "general.basename": self.state.model_name,
+                "general.parameter_count": facts.parameter_count,
+                f"{family}.context_length": self.routes.context_limit(),
+                f"{family}.embedding_length": spec.hidden_size,
+                f"{family}.block_count": spec.num_layers,
+                f"{family}.feed_forward_length": spec.intermediate_size,
+                f"{family}.attention.head_count": spec.num_heads,
+                f"{family}.attention.head_count_kv": spec.num_kv_heads,
+                f"{family}.attention.key_length": spec.head_dim,
+                f"{family}.attention.value_length": spec.head_dim,
+                f"{family}.attention.layer_norm_rms_epsilon": spec.rms_norm_eps,
+                f"{family}.rope.freq_base": spec.rope_theta,
+                f"{family}.vocab_size": spec.vocab_size}
+
+    def _capabilities(self) -> list[str]:
+        """completion always; tools with a tool-call parser; thinking with a reasoning one."""
+        gateway = self.state.config.gateway
+        return ["completion", *(["tools"] if gateway.tool_call_parser else []),
+                *(["thinking"] if gateway.reasoning_parser else [])]
+
+
+def _length(params: GenerationParams, predict: int | None) -> GenerationParams:
+    """`num_predict` is a cap: the reply stops at the context instead, as Ollama's does."""
+    if predict is None:
+        return params
+    return dataclasses.replace(params, max_tokens=None, default_max_tokens=predict)
+
+
+def _details(facts: ModelFacts) -> dict[str, Any]:
+    return {"parent_model": "", "format": "safetensors", "family": facts.family,
+            "families": [facts.family], "parameter_size": facts.parameter_size,
+            "quantization_level": facts.precision}
+
+
+def _tagged(name: str) -> str:
+    return name if ":" in name else name + _TAG
+
+
+def _iso(unix_time: float) -> str:
+    moment = datetime.datetime.fromtimestamp(unix_time, datetime.UTC)
+    return moment.isoformat().replace("+00:00", "Z")
