@@ -4,7 +4,7 @@ them then are a guess at what follows now. Pure bookkeeping, no model.
 
 The decode worker feeds the guesses with the sequence's last token in one forward pass and
 draws each position's token in order as a step of its own would, keeping guesses while they
-equal the draws (decode/worker.py): the output is the one decoding without guesses gives.
+equal the draws (decode/sampler.py): the output is the one decoding without guesses gives.
 """
 
 from __future__ import annotations

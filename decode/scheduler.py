@@ -88,6 +88,11 @@ class DecodeSequence:
         return [block for block in self.blocks if block != DROPPED]
 
 
+def decode_seed(seed: int | None) -> int | None:
+    """Decode's draws must not replay the draw prefill used for the first token."""
+    return None if seed is None else (seed + 1) % 2**63
+
+
 class DecodeScheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_running: int,
                  chunk_tokens: int = 512, cost: ChunkCost = TOKENS_ONLY,

@@ -93,7 +93,7 @@ def announce(worker: DecodeWorker, request_id: str, max_tokens: int = 100,
     """The request's notice, computed in `fingerprint`'s KV layout (default: the worker's)."""
     expect = DecodeRequest(request_id, 0, job or task(max_tokens),
                            fingerprint or worker.identity.fingerprint)
-    worker._on_kv(KVNotice(request_id, 0, encode(expect)))
+    worker.intake.on_kv(KVNotice(request_id, 0, encode(expect)))
 
 
 def layer_kv(worker: DecodeWorker) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +108,13 @@ def send_layer(worker: DecodeWorker, request_id: str, layer: int, k: torch.Tenso
     """Layer `layer` of [layers, T, H, D] K and V, as one chunk."""
     shape = [1, *k.shape[1:]]
     header = KVHeader(request_id, 0, layer, layer + 1, PROMPT_LEN, "float32", shape, 0, None)
-    worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1], borrowed))
+    worker.intake.on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1], borrowed))
 
 
 def first_token(worker: DecodeWorker, request_id: str, finish_reason: FinishReason | None = None,
                 token_id: int = 5) -> None:
     first = FirstToken(request_id, 0, token_id, finish_reason)
-    worker._on_kv(KVNotice(request_id, 0, encode(first)))
+    worker.intake.on_kv(KVNotice(request_id, 0, encode(first)))
 
 
 def arrive(worker: DecodeWorker, request_id: str, max_tokens: int,
@@ -228,8 +228,8 @@ def test_a_rejected_chunk_fails_its_request(worker: Served) -> None:
     k, v = layer_kv(decode_worker)
     announce(decode_worker, "r")
     send_layer(decode_worker, "r", 0, k, v)
-    decode_worker._on_kv(KVRejected("r", 0, "checksum mismatch"))
-    decode_worker._on_kv(KVRejected("never announced", 0, "checksum mismatch"))
+    decode_worker.intake.on_kv(KVRejected("r", 0, "checksum mismatch"))
+    decode_worker.intake.on_kv(KVRejected("never announced", 0, "checksum mismatch"))
     for layer in range(1, decode_worker.runner.spec.num_layers):
         send_layer(decode_worker, "r", layer, k, v)
     first_token(decode_worker, "r")
@@ -284,7 +284,7 @@ def test_kv_that_stops_arriving_fails_every_choice_for_another_pair(worker: Serv
     decode_worker, gateway = worker
     expect = DecodeRequest("r", 0, task(100), decode_worker.identity.fingerprint,
                            siblings=["r-1", "r-2"])
-    decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
+    decode_worker.intake.on_kv(KVNotice("r", 0, encode(expect)))
     decode_worker.incoming.pending[RequestKey("r", 0)].deadline = 0.0  # its lease ran out
     decode_worker.heartbeat()
     failed = failures(sent_to_gateway(decode_worker, gateway))
@@ -314,7 +314,7 @@ def test_a_chunk_of_the_wrong_dtype_fails_its_request(worker: Served) -> None:
     for layer in range(decode_worker.runner.spec.num_layers):
         shape = [1, *k.shape[1:]]
         header = KVHeader("r", 0, layer, layer + 1, PROMPT_LEN, "float16", shape, 0, None)
-        decode_worker._on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1]))
+        decode_worker.intake.on_kv(KVPayload(header, k[layer:layer + 1], v[layer:layer + 1]))
     first_token(decode_worker, "r")
     decode_worker.step()  # must not raise: the request fails, the worker carries on
     (failed,) = failures(sent_to_gateway(decode_worker, gateway))
@@ -375,7 +375,7 @@ def receive_into(worker: DecodeWorker, count: int) -> None:
     while handed < count:
         assert time.monotonic() < deadline, f"only {handed} of {count} KV items arrived"
         worker.receiver.fileno_socket().poll(100)
-        handed += worker.receiver.drain(worker._on_kv)
+        handed += worker.receiver.drain(worker.intake.on_kv)
 
 
 def test_a_repeated_hand_off_of_a_running_request_is_dropped_and_counted(worker) -> None:
@@ -571,7 +571,7 @@ def test_n_choices_arriving_with_kv_fork_it_once_written(worker: Served) -> None
     decode_worker, gateway = worker
     expect = DecodeRequest("r", 0, task(max_tokens=6), decode_worker.identity.fingerprint,
                            ["r.1", "r.2"])
-    decode_worker._on_kv(KVNotice("r", 0, encode(expect)))
+    decode_worker.intake.on_kv(KVNotice("r", 0, encode(expect)))
     assert {h.request_id for h in decode_worker.holding()} == {"r", "r.1", "r.2"}
     k, v = layer_kv(decode_worker)
     for layer in range(decode_worker.runner.spec.num_layers):
@@ -738,7 +738,7 @@ def test_guessed_tokens_change_no_output(tiny_model_dir: Path, tmp_path: Path,
     with serving(tiny_model_dir, tmp_path / "plain") as served:
         plain, plain_fed = decoded(served, prompts, sampling)
     outputs = {tuple(p): [e[1] for e in plain[f"r{i}"]] for i, p in enumerate(prompts)}
-    monkeypatch.setattr("decode.worker.propose", oracle(outputs, wrong_after))
+    monkeypatch.setattr("decode.sampler.propose", oracle(outputs, wrong_after))
     rows_cost(monkeypatch, 1.0, 0.0)
     (tmp_path / "guessed").mkdir()
     with serving(tiny_model_dir, tmp_path / "guessed", speculative_tokens=4) as served:
@@ -793,7 +793,7 @@ def test_guesses_under_a_grammar_change_no_output(tiny_model_dir: Path, tmp_path
             assert w.scheduler.cache.num_available == 256
         if k == 0:
             right = {tuple(job.prompt_ids): outputs[0]}
-            monkeypatch.setattr("decode.worker.propose", oracle(right, wrong_after))
+            monkeypatch.setattr("decode.sampler.propose", oracle(right, wrong_after))
     assert outputs[1] == outputs[0]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert json.loads(decode_text(tokenizer, outputs[0][:-1]))["k"] in values
@@ -809,7 +809,7 @@ def test_guesses_that_miss_thin_out(tiny_model_dir: Path, tmp_path: Path,
     (tmp_path / "plain").mkdir()
     with serving(tiny_model_dir, tmp_path / "plain") as served:
         plain, _ = decoded(served, prompts, GREEDY)
-    monkeypatch.setattr("decode.worker.propose", lambda tokens, k: [0] * k)
+    monkeypatch.setattr("decode.sampler.propose", lambda tokens, k: [0] * k)
     rows_cost(monkeypatch, 6.0, 1.0)
     (tmp_path / "guessed").mkdir()
     with serving(tiny_model_dir, tmp_path / "guessed", speculative_tokens=2) as served:
