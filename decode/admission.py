@@ -28,7 +28,6 @@ class Admission:
         self.grammars = grammars
         self.eos_token_ids = eos_token_ids
         self.control = control
-        self.rejected_requests = 0
 
     def queue(self, sequence: DecodeSequence, forks: list[DecodeSequence]) -> None:
         """Queue the sequence for a decode slot once its grammar has compiled (until then it
@@ -92,7 +91,6 @@ class Admission:
     def fail(self, key: RequestKey, reason: str) -> None:
         """The request cannot be served: the gateway fails it."""
         log.warning("request %s: %s", key.request_id, reason, extra=about(key))
-        self.rejected_requests += 1
         self.control.send(RequestFailed(*key, reason))
 
     def fail_handoff(self, request: DecodeRequest, reason: str) -> None:
@@ -100,5 +98,4 @@ class Admission:
         each of its choices again."""
         for key in choice_keys(request):
             log.warning("request %s: %s", key.request_id, reason, extra=about(key))
-            self.rejected_requests += 1
             self.control.send(RequestFailed(*key, reason, retry=True))
