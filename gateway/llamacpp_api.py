@@ -38,23 +38,24 @@ class LlamaCppRoutes:
         self.state = routes.state
 
     async def completion(self, request: Request) -> Response:
-        """A completion, streamed or whole, of one prompt (a string or token ids)."""
+        """A completion, streamed or whole, of each prompt (a string or token ids)."""
         arrived = time.monotonic()
         body = await asyncio.to_thread(parse_llamacpp_request,
                                        await self.routes.read_body(request))
         self.routes.ignored.check(body)
         model = self.routes.served_model(body.model)
-        prompt_ids = await self.routes.tokenize_with(tokenize_prompt, body.prompt)
+        prompts = [await self.routes.tokenize_with(tokenize_prompt, prompt)
+                   for prompt in body.prompt]
         bias = await self._bias(body)
         completion = body.completion_request(bias)
         params = generation_params(completion, self.state.generation_defaults)
         if body.predict is not None:  # a cap: the completion stops at the context instead
             params = dataclasses.replace(params, default_max_tokens=body.predict)
-        text = body.prompt if isinstance(body.prompt, str) else await self.routes.tokenize_with(
-            decode_text, prompt_ids)
-        ask = LlamaAsk(text, self._settings(params, body), bool(body.n_probs),
+        texts = [prompt if isinstance(prompt, str) else await self.routes.tokenize_with(
+            decode_text, ids) for prompt, ids in zip(body.prompt, prompts, strict=True)]
+        ask = LlamaAsk(tuple(texts), self._settings(params, body), bool(body.n_probs),
                        body.return_tokens)
-        return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
+        return await self.routes.serve(request, CompletionFormat(), prompts, params,
                                        Served(model, arrived, llamacpp=ask))
 
     async def props(self, request: Request) -> Response:

@@ -1,6 +1,7 @@
 """A completion shown as llama.cpp's native `/completion` shows it: whole, one object with the
-text in `content` and what ended it; streamed, one `data:` object per piece of text, then one
-with `stop: true` and the summary (no `[DONE]`)."""
+text in `content` and what ended it (an array of them, for several prompts); streamed, one
+`data:` object per piece of text, then one with `stop: true` and the summary, per prompt (no
+`[DONE]`)."""
 
 from __future__ import annotations
 
@@ -20,32 +21,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LlamaAsk:
-    """What the reply echoes of the request: its prompt's text and its sampling settings."""
+    """What the reply echoes of the request: its prompts' text and its sampling settings."""
 
-    prompt: str
+    prompts: tuple[str, ...]
     settings: dict[str, Any]
     probabilities: bool  # n_probs > 0: each token's logprob and the likeliest there
     return_tokens: bool = False  # the whole reply shows its token ids
 
 
 class LlamaCppReply(Reply):
-    """One completion, in llama.cpp's native shape."""
+    """A completion of each prompt, in llama.cpp's native shape: one object whole (an array of
+    them for several prompts); streamed, each object naming its prompt by `index`, a prompt's
+    summary as soon as it ends."""
 
     def __init__(self, generations: list[Generation], state: GatewayState, *, model: str,
                  span: Span | None, ask: LlamaAsk) -> None:
-        assert len(generations) == 1, "a /completion has one output"
+        assert len(generations) == len(ask.prompts), "a /completion has one output per prompt"
         super().__init__(CompletionFormat(), generations, state, include_usage=False,
                          logprobs=ask.probabilities, model=model, span=span)
         self.ask = ask
-        self.text = ""  # streamed so far
-        self.ending: tuple[str, StopReason] = ("stop", None)  # finish and stop reasons
+        self.texts = ["" for _ in generations]  # streamed so far
+        # finish and stop reasons
+        self.endings: list[tuple[str, StopReason]] = [("stop", None) for _ in generations]
 
     @property
     def route(self) -> str:
         return "completion"
 
     async def _events(self) -> AsyncIterator[str]:
-        async for _, delta in self._deltas():
+        async for index, delta in self._deltas():
             if delta is KEEPALIVE:
                 yield KEEPALIVE_EVENT
                 continue
@@ -53,26 +57,29 @@ class LlamaCppReply(Reply):
                 self.outcome = "error"
                 yield _data(self.error_body(delta.error))
                 return
-            self.text += delta.text
-            if delta.finish_reason is not None:
-                self.ending = (delta.finish_reason, delta.stop_reason)
+            self.texts[index] += delta.text
             if delta.text or delta.logprobs:
-                yield _data(self._piece(delta.text, delta.token_ids, delta.logprobs))
+                yield _data(self._piece(index, delta.text, delta.token_ids, delta.logprobs))
+            if delta.finish_reason is not None:
+                self.endings[index] = (delta.finish_reason, delta.stop_reason)
+                yield _data(self._summary(index, "", ()))
         self.outcome = "ok"
-        yield _data(self._summary("", ()))
 
-    def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
-        (whole,) = wholes
-        assert whole.finish_reason is not None
-        self.text = "".join(whole.parts)
-        self.ending = (whole.finish_reason, whole.stop_reason)
-        return self._summary(self.text, whole.token_ids if self.ask.return_tokens else (),
-                             whole.logprobs)
+    def _whole_body(self, wholes: list[WholeChoice]) -> Any:
+        summaries = []
+        for index, whole in enumerate(wholes):
+            assert whole.finish_reason is not None
+            self.texts[index] = "".join(whole.parts)
+            self.endings[index] = (whole.finish_reason, whole.stop_reason)
+            summaries.append(self._summary(
+                index, self.texts[index], whole.token_ids if self.ask.return_tokens else (),
+                whole.logprobs))
+        return summaries[0] if len(summaries) == 1 else summaries
 
-    def _piece(self, text: str, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]
-               ) -> dict[str, Any]:
-        generation = self.generations[0]
-        piece = {"index": 0, "content": text, "tokens": list(token_ids), "stop": False,
+    def _piece(self, index: int, text: str, token_ids: Sequence[int],
+               logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        generation = self.generations[index]
+        piece = {"index": index, "content": text, "tokens": list(token_ids), "stop": False,
                  "id_slot": -1,
                  "tokens_predicted": generation.completion_tokens,
                  "tokens_evaluated": generation.prompt_tokens}
@@ -80,16 +87,17 @@ class LlamaCppReply(Reply):
             piece["completion_probabilities"] = [_probabilities(entry) for entry in logprobs]
         return piece
 
-    def _summary(self, content: str, token_ids: Sequence[int],
+    def _summary(self, index: int, content: str, token_ids: Sequence[int],
                  logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
-        """The last object: what ended the completion, its counts and timings."""
-        generation = self.generations[0]
-        finish, matched = self.ending
+        """A prompt's last object: what ended its completion, its counts and timings."""
+        generation = self.generations[index]
+        finish, matched = self.endings[index]
         by_string = finish == "stop" and isinstance(matched, str)
         summary = {
-            **self._piece(content, token_ids, logprobs), "stop": True, "model": self.model,
-            "generation_settings": self.ask.settings, "prompt": self.ask.prompt,
-            "has_new_line": "\n" in self.text, "truncated": False,
+            **self._piece(index, content, token_ids, logprobs), "stop": True,
+            "model": self.model, "generation_settings": self.ask.settings,
+            "prompt": self.ask.prompts[index], "has_new_line": "\n" in self.texts[index],
+            "truncated": False,
             "stop_type": "limit" if finish == "length" else "word" if by_string else "eos",
             "stopping_word": matched if by_string else "",
             "tokens_cached": generation.handle.cached_tokens, "timings": _timings(generation)}

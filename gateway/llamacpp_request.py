@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from gateway.protocol import (
+    MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,
     MAX_LOGIT_BIAS,
     CompletionRequest,
@@ -25,6 +26,7 @@ from gateway.protocol import (
     TokenId,
     completion_request_of,
     invalid_value,
+    normalize_prompts,
     parse_body,
 )
 
@@ -40,7 +42,7 @@ BiasEntry = Annotated[list[TokenId | str | float | bool], Field(min_length=2, ma
 class LlamaCompletionRequest(RequestModel):
     """llama.cpp's `/completion` body, as far as it is served."""
 
-    prompt: str | list[TokenId]
+    prompt: list[str | list[TokenId]]  # one prompt (text or token ids), or several
     n_predict: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # -1: up to the cap
     max_tokens: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # without n_predict
     temperature: float | None = Field(default=None, le=2.0)  # <= 0: greedy
@@ -64,13 +66,13 @@ class LlamaCompletionRequest(RequestModel):
     cache_prompt: bool | None = None  # ignored: every prompt's prefix is cached
     id_slot: int | None = None  # ignored: the gateway picks the workers
 
-    @field_validator("prompt", mode="before")
+    _prompts = field_validator("prompt", mode="before")(normalize_prompts)
+
+    @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        ids = isinstance(value, list) and bool(value) and all(
-            isinstance(token, int) and not isinstance(token, bool) for token in value)
-        if not (isinstance(value, str) or ids):
-            raise invalid_value("prompt must be a string or a non-empty list of token ids")
+    def _at_most_max_choices(cls, value: list[Any]) -> list[Any]:
+        if len(value) > MAX_CHOICES:
+            raise invalid_value(f"at most {MAX_CHOICES} prompts are completed at once")
         return value
 
     @field_validator("logit_bias")

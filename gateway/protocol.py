@@ -635,7 +635,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompts(cls, value: object) -> object:
-        return _normalize_prompts(value)
+        return normalize_prompts(value)
 
     @model_validator(mode="after")
     def _at_most_max_choices_in_all(self) -> CompletionRequest:
@@ -720,7 +720,7 @@ class DetokenizeRequest(RequestModel):
 _PROMPT_FORMS = "prompt must be a string, a list of token ids, or a list of either"
 
 
-def _normalize_prompts(value: object) -> list[str | list[int]]:
+def normalize_prompts(value: object) -> list[str | list[int]]:
     """A string, a list of token ids, or a list of either: the prompts, in order."""
     if isinstance(value, str):
         return [value]

@@ -78,14 +78,18 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
 
 
 def check_native(raw: bytes, content_type: str) -> None:
-    """llama.cpp's /completion: one object, or a stream of them, ending with `stop: true`
-    and what stopped it."""
+    """llama.cpp's /completion: one object (an array, for several prompts), or a stream of
+    them, where each prompt's last says `stop: true` and what stopped it."""
     if content_type.startswith("text/event-stream"):
         lines = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
-        last = json.loads(lines[-1].removeprefix("data: "))
+        pieces = [json.loads(line.removeprefix("data: ")) for line in lines]
+        ends = [piece for piece in pieces if piece["stop"]]
+        assert len(ends) == 1 + max(piece["index"] for piece in pieces), raw[-500:]
     else:
-        last = json.loads(raw)
-    assert last["stop"] is True and last["stop_type"] in ("limit", "word", "eos"), raw[-500:]
+        whole = json.loads(raw)
+        ends = whole if isinstance(whole, list) else [whole]
+    for end in ends:
+        assert end["stop"] is True and end["stop_type"] in ("limit", "word", "eos"), raw[-500:]
 
 
 def check_ollama(raw: bytes) -> None:

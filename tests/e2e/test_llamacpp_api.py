@@ -61,6 +61,24 @@ def test_the_stream_adds_up_to_the_whole(cluster: Cluster) -> None:
     assert [piece["tokens_predicted"] for piece in text] == list(range(1, len(text) + 1))
 
 
+def test_several_prompts_are_completed_each_as_alone(cluster: Cluster) -> None:
+    """llama.cpp's array of prompts: an array of results whole, each by its `index`; each
+    prompt's objects and summary streamed under its index."""
+    prompts: list[Any] = [PROMPT, "Once upon a time", [1, 504, 3458]]
+    alone = [complete(cluster, prompt=prompt, n_predict=6) for prompt in prompts]
+    reply = cluster.client.post("/completion", json={"prompt": prompts, "n_predict": 6,
+                                                     "temperature": 0})
+    together: list[dict[str, Any]] = reply.json()
+    assert [result["index"] for result in together] == [0, 1, 2]
+    assert [result["content"] for result in together] == [r["content"] for r in alone]
+    assert [result["prompt"] for result in together] == [r["prompt"] for r in alone]
+    pieces = streamed(cluster, prompt=prompts, n_predict=6)
+    for index, whole in enumerate(alone):
+        mine = [piece for piece in pieces if piece["index"] == index]
+        assert "".join(piece["content"] for piece in mine) == whole["content"]
+        assert [piece["stop"] for piece in mine] == [False] * (len(mine) - 1) + [True]
+
+
 def test_n_predict_past_the_context_stops_at_it(cluster: Cluster) -> None:
     """As llama.cpp does, where /v1/completions refuses such a max_tokens."""
     context = cluster.client.get("/props").json()["default_generation_settings"]["n_ctx"]

@@ -57,6 +57,12 @@ def test_token_ids_are_a_prompt_too() -> None:
     assert parsed(prompt=[1, 2, 3]).completion_request({}).prompt == [[1, 2, 3]]
 
 
+def test_a_list_of_prompts_is_several() -> None:
+    body = parsed(prompt=["Hi", [1, 2, 3]])
+    assert body.prompt == ["Hi", [1, 2, 3]]
+    assert body.completion_request({}).prompt == ["Hi", [1, 2, 3]]
+
+
 def test_a_gbnf_grammar_and_a_json_schema_are_structured_output() -> None:
     gbnf = 'root ::= "yes" | "no"'
     assert generation_params(parsed(grammar=gbnf).completion_request({})).grammar == Grammar(
@@ -92,6 +98,9 @@ def test_every_logit_bias_shape_is_read(bias: Any, entries: list[tuple[int | str
     ({"logit_bias": [[15043, 500]]}, "logit_bias"),
     ({"logit_bias": [[1.5, 1.0]]}, "logit_bias"),
     ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "Hi"]}, "prompt"),  # a prompt of text and ids mixed is not served
+    ({"prompt": ["Hi"] * 17}, "prompt"),  # as /v1/completions: at most 16 at once
     ({"temperature": 3.0}, "temperature"),
     ({"n_probs": 99}, "n_probs"),
     ({"json_schema": {"type": "bogus"}}, "json_schema"),  # checked as the completion's
