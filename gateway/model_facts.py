@@ -18,7 +18,7 @@ class ModelFacts:
     spec: ModelSpec
     family: str  # config.json's model_type: llama, qwen2, ...
     dtype: str  # what the workers multiply in: bfloat16, float32, ...
-    weights_bytes: int  # of the folder's weight files
+    weights_bytes: int  # of the folder's weight files (the dense ones)
     digest: str  # names this copy of the model (see `model_facts`)
     modified_at: float  # when its weights were last written (Unix time)
 
@@ -55,7 +55,7 @@ def model_facts(folder: Path, spec: ModelSpec, dtype: str) -> ModelFacts:
     files' names, sizes and times, not the weights themselves: that would read gigabytes at
     every start."""
     config = (folder / "config.json").read_bytes()
-    weights = sorted(folder.glob("*.safetensors"))
+    weights = sorted(folder.glob("model*.safetensors"))  # not a GGUF's quant blocks too
     stats = [(path.name, path.stat()) for path in weights]
     named = [config, *(f"{name} {stat.st_size} {stat.st_mtime_ns}".encode()
                        for name, stat in stats)]

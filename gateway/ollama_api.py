@@ -36,6 +36,7 @@ from gateway.reply import ChatFormat, CompletionFormat, Format
 from gateway.state import server_version
 
 _TAG = ":latest"
+OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow
 _KEPT_UNTIL = "2318-08-23T00:00:00Z"  # /api/ps's expiry of a model that is never unloaded
 
 
@@ -59,16 +60,16 @@ class OllamaRoutes:
         arrived = time.monotonic()
         body = await asyncio.to_thread(parse_ollama_chat, await self.routes.read_body(request))
         self.routes.ignored.check(body)
-        model = self._served(body.model)
+        model = self._echoed(body.model)
         if not body.messages:
             return JSONResponse(loaded(model, "chat", body.unloads))
-        self._check_think(body)
+        self._check_capabilities(body)
         chat = await asyncio.to_thread(body.chat_request)
         prompt_ids, params, tools = await self.routes.chat_prompt(chat)
-        params = _length(params, body.options.predict)
+        params = _length(params, body.settings.predict)
         return await self.routes.serve(request, ChatFormat(), [prompt_ids], params,
                                        Served(model, arrived, tools,
-                                              ollama=OllamaAsk("chat")))
+                                              ollama=OllamaAsk("chat", arrived)))
 
     async def generate(self, request: Request) -> Response:
         """A completion of `prompt`, under the chat template unless `raw`, after the tokens of
@@ -77,14 +78,14 @@ class OllamaRoutes:
         body = await asyncio.to_thread(parse_ollama_generate,
                                        await self.routes.read_body(request))
         self.routes.ignored.check(body)
-        model = self._served(body.model)
+        model = self._echoed(body.model)
         if not body.prompt:
             return JSONResponse(loaded(model, "generate", body.unloads))
-        self._check_think(body)
+        self._check_capabilities(body)
         fmt, prompt_ids, params = await self._prompt(body)
         prompt_ids = [*tokenize_prompt(self.state.tokenizer, body.context or []), *prompt_ids]
-        params = _length(params, body.options.predict)
-        ask = OllamaAsk("generate", tuple(prompt_ids))
+        params = _length(params, body.settings.predict)
+        ask = OllamaAsk("generate", arrived, tuple(prompt_ids))
         return await self.routes.serve(request, fmt, [prompt_ids], params,
                                        Served(model, arrived, ollama=ask))
 
@@ -131,7 +132,9 @@ class OllamaRoutes:
             "model": _tagged(name)})
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": server_version()})
+        """The version of Ollama's API these routes follow (clients gate features on it), and
+        raging's own beside it."""
+        return JSONResponse({"version": OLLAMA_API_VERSION, "raging": server_version()})
 
     def _served(self, model: str | None) -> str:
         """The served name a request gave, with Ollama's `:latest` tag or without."""
@@ -140,10 +143,23 @@ class OllamaRoutes:
             model = model[:-len(_TAG)]
         return self.routes.served_model(model)
 
-    def _check_think(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
-        if body.think not in (None, False) and not self.state.config.gateway.reasoning_parser:
-            raise bad_request(f"'{self._served(body.model)}' does not support thinking "
-                              "(the gateway runs no reasoning parser)", param="think")
+    def _echoed(self, model: str | None) -> str:
+        """The model name a reply echoes: the request's own (a served one), or the first
+        served name, tagged, where it gave none."""
+        served = self._served(model)
+        return model if model is not None else _tagged(served)
+
+    def _check_capabilities(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
+        """400s as Ollama's for a model that cannot: thinking without a reasoning parser,
+        tools without a tool-call parser (their calls could only come back as text)."""
+        gateway, name = self.state.config.gateway, self._echoed(body.model)
+        if body.think not in (None, False) and not gateway.reasoning_parser:
+            raise bad_request(f"'{name}' does not support thinking (the gateway runs no "
+                              "reasoning parser)", param="think")
+        tools = body.tools if isinstance(body, OllamaChatRequest) else None
+        if tools and not gateway.tool_call_parser:
+            raise bad_request(f"'{name}' does not support tools (the gateway runs no tool-call "
+                              "parser)", param="tools")
 
     def _facts(self) -> ModelFacts:
         facts = self.state.facts

@@ -36,6 +36,7 @@ class OllamaAsk:
     for /api/generate the prompt's token ids, which start the `context` it returns."""
 
     route: Literal["chat", "generate"]
+    arrived: float  # when the request came (time.monotonic()), where total_duration starts
     context: tuple[int, ...] = ()
 
 
@@ -164,12 +165,13 @@ class OllamaReply(Reply):
     def _summary(self) -> dict[str, Any]:
         generation = self.generations[0]
         prompt_s, output_s = generation.phases()
+        count = generation.completion_tokens
         summary: dict[str, Any] = {
             "done_reason": self.done_reason,
-            "total_duration": int((time.monotonic() - generation.started) * _NS),
+            "total_duration": int((time.monotonic() - self.ask.arrived) * _NS),
             "load_duration": 0, "prompt_eval_count": generation.prompt_tokens,
-            "prompt_eval_duration": int(prompt_s * _NS),
-            "eval_count": generation.completion_tokens, "eval_duration": int(output_s * _NS)}
+            "prompt_eval_duration": int(prompt_s * _NS), "eval_count": count,
+            "eval_duration": int(_output_seconds(prompt_s, output_s, count) * _NS)}
         if self.ask.route == "generate":
             summary["context"] = [*self.ask.context, *self.output_ids]
         return summary
@@ -184,6 +186,14 @@ def loaded(model: str, route: Literal["chat", "generate"], unloaded: bool) -> di
     else:
         body["response"] = ""
     return {**body, "done": True, "done_reason": "unload" if unloaded else "load"}
+
+
+def _output_seconds(prompt_s: float, output_s: float, count: int) -> float:
+    """`eval_duration`: `count` times the mean time between output tokens (a lone token, the
+    prompt's phase that made it), so that eval_count over it is the rate."""
+    if count <= 1:
+        return prompt_s
+    return output_s * count / (count - 1)
 
 
 def _now() -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
@@ -34,7 +34,7 @@ from gateway.protocol import (
 )
 
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
-Think = bool | Literal["low", "medium", "high"]
+Think = bool | Literal["low", "medium", "high", "max"]
 _UINT64_MAX = 2**64 - 1
 # The chat or completion request's fields named otherwise here, for its errors.
 _OLLAMA_NAMES = {"messages": "messages", "tools": "tools", "response_format": "format",
@@ -44,7 +44,8 @@ _OLLAMA_NAMES = {"messages": "messages", "tools": "tools", "response_format": "f
                  "seed": "options.seed", "repeat_penalty": "options.repeat_penalty",
                  "presence_penalty": "options.presence_penalty",
                  "frequency_penalty": "options.frequency_penalty",
-                 "top_logprobs": "top_logprobs", "prompt": "prompt"}
+                 "top_logprobs": "top_logprobs", "logprobs": "top_logprobs",
+                 "prompt": "prompt"}
 _SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop",
                      "repeat_penalty", "presence_penalty", "frequency_penalty")
 
@@ -52,6 +53,9 @@ _SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop",
 class Options(RequestModel):
     """`options`: the sampling settings served; the model's load settings, accepted and
     ignored (the workers load the model once, for every request)."""
+
+    # Not strict: as Ollama reads options, a whole number may come as 128.0.
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
 
     num_predict: int | None = Field(default=None, ge=-2, le=2**63 - 1)  # -1, -2: the cap
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -95,6 +99,8 @@ class Options(RequestModel):
         temperature of 0 is."""
         fields = {name: getattr(self, name) for name in _SAMPLING_OPTIONS
                   if getattr(self, name) is not None}
+        if fields.get("seed", 0) < 0:
+            del fields["seed"]  # Ollama's -1: a fresh seed each time
         if fields.get("top_p") == 0.0:
             fields.update(top_p=None, temperature=0.0)
         return {name: value for name, value in fields.items() if value is not None}
@@ -131,6 +137,16 @@ class Message(RequestModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _null_is_empty(cls, value: object) -> object:
+        return "" if value is None else value
     thinking: str | None = None  # an earlier reply's thought
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -152,11 +168,11 @@ class _Generating(RequestModel):
     """What both routes take beside their prompt."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
-    stream: bool = True  # Ollama streams unless told not to
+    stream: bool | None = True  # Ollama streams unless told not to (null: as unset)
     format: Literal["", "json"] | dict[str, Any] | None = None
-    options: Options = Field(default_factory=Options)
+    options: Options | None = None
     think: Think | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     keep_alive: str | float | None = None  # ignored: the model stays loaded
 
@@ -165,10 +181,15 @@ class _Generating(RequestModel):
         """keep_alive 0: Ollama's request to unload the model (answered, not done here)."""
         return self.keep_alive in (0, "0", "0s", "0m")
 
+    @property
+    def settings(self) -> Options:
+        """The options given (none: every default)."""
+        return self.options or Options()
+
     def _generation_fields(self) -> dict[str, Any]:
         """The fields chat and completions share: sampling, format, length, streaming."""
-        fields: dict[str, Any] = {**self.options.sampling_fields(), "stream": self.stream,
-                                  "max_tokens": None}
+        fields: dict[str, Any] = {**self.settings.sampling_fields(),
+                                  "stream": self.stream is not False, "max_tokens": None}
         if self.format == "json":
             fields["response_format"] = {"type": "json_object"}
         elif self.format:
@@ -230,9 +251,15 @@ class OllamaGenerateRequest(_Generating):
                                 "template renders the prompt, or send raw true")
         return value
 
+    @model_validator(mode="after")
+    def _raw_alone(self) -> OllamaGenerateRequest:
+        if self.raw and (self.system or self.context):
+            raise invalid_value("raw mode does not support template, system, or context")
+        return self
+
     def chat_request(self) -> ChatCompletionRequest:
         """The prompt as a user's message (after the system's) under the chat template."""
-        system = [] if self.system is None else [{"role": "system", "content": self.system}]
+        system = [{"role": "system", "content": self.system}] if self.system else []
         fields = {**self._chat_fields(),
                   "messages": [*system, {"role": "user", "content": self.prompt}]}
         return chat_request_of(fields, _OLLAMA_NAMES)

@@ -116,9 +116,6 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
             {"role": "assistant", "content": "", "thinking": "t", "tool_calls": [
                 {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
             {"role": "tool", "tool_name": "weather", "content": "sunny"}],
-         "tools": [{"type": "function", "function": {
-             "name": "weather", "parameters": {"type": "object",
-                                               "properties": {"city": {"type": "string"}}}}}],
          "format": "json", "stream": False, "keep_alive": "5m", "logprobs": True,
          "top_logprobs": 2, "think": False,
          "options": {"num_predict": 8, "temperature": 0.5, "top_k": 5, "top_p": 0.9,

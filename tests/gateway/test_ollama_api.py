@@ -36,7 +36,7 @@ def test_a_valid_body_reaches_dispatch_under_either_name(client: TestClient) -> 
 
 
 def test_errors_under_api_are_ollama_s(client: TestClient) -> None:
-    bad = client.post("/api/chat", json={"messages": HI, "options": {"top_k": "5"}})
+    bad = client.post("/api/chat", json={"messages": HI, "options": {"top_k": "five"}})
     assert bad.status_code == 400 and "options.top_k" in ollama_error_of(bad)
     missing = client.post("/api/chat", json={"messages": HI, "model": "llama3"})
     assert missing.status_code == 404 and "llama3" in ollama_error_of(missing)
@@ -66,4 +66,21 @@ def test_the_listings_name_the_model_with_its_tag(client: TestClient) -> None:
     assert client.post("/api/show", json={}).status_code == 400
     assert client.post("/api/show", json={"model": "llama3"}).status_code == 404
     assert client.get("/api/ps").json() == {"models": []}  # no decode worker serves it
-    assert client.get("/api/version").json()["version"]
+    version = client.get("/api/version").json()
+    assert version["version"] == "0.12.0" and version["raging"]
+
+
+def test_tools_and_thinking_need_their_parsers(client: TestClient, tiny_model_dir: Path
+                                               ) -> None:
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    refused = client.post("/api/chat", json={"messages": HI, "tools": [tool]})
+    assert refused.status_code == 400 and "does not support tools" in ollama_error_of(refused)
+    thinking = client.post("/api/chat", json={"messages": HI, "think": True})
+    assert thinking.status_code == 400 and "does not support thinking" in (
+        ollama_error_of(thinking))
+    with serve_without_workers(tiny_model_dir, **{"gateway.tool_call_parser": "hermes",
+                                                  "gateway.reasoning_parser": "qwen3"}) as able:
+        body = {"messages": HI, "tools": [tool], "think": True}
+        assert is_no_worker(able.post("/api/chat", json=body), "/api/chat")
+        capabilities = able.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    assert capabilities == ["completion", "tools", "thinking"]

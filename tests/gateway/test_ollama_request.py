@@ -42,7 +42,7 @@ def test_options_are_the_chat_s_sampling() -> None:
                          "presence_penalty": 0.1, "frequency_penalty": 0.2,
                          "num_predict": 12, "num_ctx": 4096, "num_gpu": 1})
     params = generation_params(body.chat_request())
-    assert (body.options.predict, params.temperature, params.top_k, params.top_p,
+    assert (body.settings.predict, params.temperature, params.top_k, params.top_p,
             params.min_p, params.seed, params.stop, params.repetition_penalty,
             params.presence_penalty, params.frequency_penalty) == (
         12, 0.5, 40, 0.9, 0.05, 7, ("\n\n",), 1.2, 0.1, 0.2)
@@ -53,7 +53,7 @@ def test_options_are_the_chat_s_sampling() -> None:
 
 @pytest.mark.parametrize(("predict", "cap"), [(-1, None), (-2, None), (None, None), (5, 5)])
 def test_num_predict_below_zero_is_up_to_the_cap(predict: int | None, cap: int | None) -> None:
-    assert chat(options={"num_predict": predict}).options.predict == cap
+    assert chat(options={"num_predict": predict}).settings.predict == cap
 
 
 def test_a_top_p_of_zero_is_greedy() -> None:
@@ -138,3 +138,27 @@ def test_a_last_message_of_the_assistant_s_is_continued() -> None:
     request = chat(messages=[*HI, {"role": "assistant", "content": "Hel"}]).chat_request()
     assert request.continue_final_message and not request.add_generation_prompt
     assert chat().chat_request().add_generation_prompt
+
+
+def test_a_seed_below_zero_is_a_fresh_one() -> None:
+    assert generation_params(chat(options={"seed": -1}).chat_request()).seed is None
+    assert generation_params(chat(options={"seed": 5}).chat_request()).seed == 5
+
+
+def test_options_are_read_as_ollama_reads_them() -> None:
+    """A whole number may come as a float; null fields are unset; roles in any case."""
+    body = chat(options={"num_predict": 128.0, "num_ctx": 4096.0}, stream=None,
+                logprobs=None, messages=[{"role": "User", "content": None}])
+    assert body.settings.predict == 128
+    request = body.chat_request()
+    assert request.stream and request.messages[0].role == "user"
+    assert request.messages[0].content == ""
+    assert chat(options=None).settings.predict is None
+
+
+def test_an_empty_system_is_none_and_raw_takes_no_system_nor_context() -> None:
+    messages = generate(system="").chat_request().messages
+    assert [m.role for m in messages] == ["user"]
+    for extra in ({"system": "be brief"}, {"context": [1, 2]}):
+        error = refused(parse_ollama_generate, {"prompt": "Hi", "raw": True, **extra})
+        assert "raw mode" in error.message
