@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import ollama
 import openai
 import pytest
 from langchain_core.messages import AIMessage
@@ -258,3 +259,29 @@ def test_auto_with_the_hermes_parser_gives_well_formed_replies(hermes_cluster: C
     text, calls, reason = streamed_reply(hermes_cluster, {**OPEN_WEBUI_TURN, "seed": 4})
     assert text or calls
     assert reason in (("tool_calls", "length") if calls else ("stop", "length"))
+
+
+def test_ollama_s_chat_with_tools_answers_as_chat_does(hermes_cluster: Cluster) -> None:
+    """Through the official ollama client, greedy: the text and calls chat gives, whole and
+    streamed alike, each call's arguments an object (the small model answers this one in text;
+    the calls' shapes are tests/gateway/test_ollama_reply.py's)."""
+    client = ollama.Client(host=hermes_cluster.url, timeout=300)
+    asked: dict[str, Any] = {"model": hermes_cluster.model, "messages": QUESTION,
+                             "tools": [WEATHER, TIME],
+                             "options": {"temperature": 0, "num_predict": MAX_TOKENS}}
+    whole = client.chat(**asked)
+    pieces = list(client.chat(**asked, stream=True))
+    calls = [(call.function.name, dict(call.function.arguments))
+             for piece in pieces for call in piece.message.tool_calls or ()]
+    assert calls == [(call.function.name, dict(call.function.arguments))
+                     for call in whole.message.tool_calls or ()]
+    assert "".join(p.message.content or "" for p in pieces) == whole.message.content
+    with openai.OpenAI(base_url=f"{hermes_cluster.url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as openai_client:
+        chat = openai_client.chat.completions.create(
+            model=hermes_cluster.model, messages=QUESTION, tools=[WEATHER, TIME],
+            max_tokens=MAX_TOKENS, temperature=0).choices[0].message
+    assert calls == [(call.function.name, json.loads(call.function.arguments))
+                     for call in chat.tool_calls or ()
+                     if isinstance(call, ChatCompletionMessageFunctionToolCall)]
+    assert whole.message.content == (chat.content or "")
