@@ -391,7 +391,7 @@ class OpenAIRoutes:
                                         functools.partial(reply.settle, log=log))
             return self._following(log, -1, echoed)
         if stream:
-            return StreamingResponse(reply.sse(), media_type=reply.media_type,
+            return StreamingResponse(reply.stream(), media_type=reply.media_type,
                                      headers={"Cache-Control": "no-cache", **echoed})
         response = await reply.whole(request)
         response.headers.update(echoed)

@@ -188,8 +188,9 @@ class Reply:
         """The `route` label of the request's metrics."""
         return "chat" if isinstance(self.fmt, ChatFormat) else "completions"
 
-    async def sse(self) -> AsyncIterator[str]:
-        """The response as SSE events; ends the request however the stream ends."""
+    async def stream(self) -> AsyncIterator[str]:
+        """The response as a stream (SSE events, or another API's lines: `media_type`); ends
+        the request however the stream ends."""
         self.outcome = "aborted"
         try:
             async for event in self._events():
