@@ -19,13 +19,9 @@ from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
 from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
 from gateway.openai_api import OpenAIRoutes, Served
+from gateway.params import GenerationParams, generation_params
 from gateway.prompts import render_chat_text, tokenize_prompt
-from gateway.protocol import (
-    GenerationParams,
-    TokenizeRequest,
-    generation_params,
-    parse_tokenize_request,
-)
+from gateway.protocol import TokenizeRequest, parse_tokenize_request
 from gateway.reply import CompletionFormat
 from gateway.state import server_version
 

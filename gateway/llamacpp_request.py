@@ -22,13 +22,11 @@ from gateway.protocol import (
     MAX_LOGIT_BIAS,
     CompletionRequest,
     Penalty,
-    RequestModel,
     TokenId,
     completion_request_of,
-    invalid_value,
     normalize_prompts,
-    parse_body,
 )
+from gateway.validation import RequestModel, invalid_value, parse_body
 
 BANNED = -100.0  # llama.cpp's `false` bias: the token is never drawn
 _INT32_MAX, _UINT64_MAX = 2**31 - 1, 2**64 - 1

@@ -21,11 +21,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import (
-    ChatCompletionRequest,
+from gateway.protocol import ChatCompletionRequest, SamplingRequest, chat_request_of
+from gateway.validation import (
     RequestModel,
-    SamplingRequest,
-    chat_request_of,
     invalid_value,
     joined_text,
     none_only,

@@ -30,10 +30,11 @@ from gateway.ollama_request import (
     parse_ollama_generate,
 )
 from gateway.openai_api import OpenAIRoutes, Served
+from gateway.params import GenerationParams, generation_params
 from gateway.prompts import tokenize_prompt
-from gateway.protocol import GenerationParams, RequestModel, generation_params, parse_body
 from gateway.reply import ChatFormat, CompletionFormat, Format
 from gateway.state import server_version
+from gateway.validation import RequestModel, parse_body
 
 _TAG = ":latest"
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow

@@ -25,13 +25,11 @@ from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Penalty,
-    RequestModel,
     TokenId,
     chat_request_of,
     completion_request_of,
-    invalid_value,
-    parse_body,
 )
+from gateway.validation import RequestModel, invalid_value, parse_body
 
 ChatMessageFields = dict[str, Any]  # one chat message, as ChatMessage validates it
 Think = bool | Literal["low", "medium", "high", "max"]

@@ -36,13 +36,12 @@ from gateway.llamacpp_reply import LlamaAsk, LlamaCppReply
 from gateway.logprobs import Piece, TokenPieces
 from gateway.messages_reply import AnthropicAsk, MessagesReply
 from gateway.ollama_reply import OllamaAsk, OllamaReply
+from gateway.params import GenerationParams, generation_params
 from gateway.prompts import bad_words_token_ids, check_context, render_chat_prompt, tokenize_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
-    GenerationParams,
     TemplateOptions,
     TokenizeRequest,
-    generation_params,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,

@@ -1,28 +1,24 @@
-"""The OpenAI request schema for /v1/chat/completions and /v1/completions.
+"""The OpenAI request schema for /v1/chat/completions and /v1/completions (and /tokenize,
+/detokenize).
 
 Request bodies are parsed into pydantic models (`parse_chat_request`, `parse_completion_request`),
-any malformed body becoming a 400 `APIError`, then reduced to the internal, frozen
-`GenerationParams`, the fields a request leaves out taken from the `GenerationDefaults`.
-Duplicate keys are refused; fields outside the schema are kept aside for gateway/ignored_fields.py
-(ignored, or refused in strict mode); every field the official OpenAI client sends is known:
-used, accepted and ignored (hints with no effect here), or refused as "not supported yet" unless
-it asks for nothing (null, empty, the default). vLLM's cheap extensions (min_p, bad_words,
-allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented. Prompts
-become token ids in gateway/prompts.py.
+any malformed body becoming a 400 `APIError` (gateway/validation.py), then reduced to the
+internal `GenerationParams` (gateway/params.py). Every field the official OpenAI client sends is
+known: used, accepted and ignored (hints with no effect here), or refused as "not supported yet"
+unless it asks for nothing (null, empty, the default). vLLM's cheap extensions (min_p,
+bad_words, allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented;
+structured outputs are read in gateway/structured_outputs.py. Another API's request becomes
+one of these (`chat_request_of`, `completion_request_of`). Prompts become token ids in
+gateway/prompts.py.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -33,10 +29,31 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from core.config import GenerationDefaults
-from core.messages import JSON_OBJECT, MAX_LOGPROBS, Grammar, GrammarKind
-from gateway.errors import APIError, bad_request
+from core.messages import MAX_LOGPROBS, Grammar
+from gateway.errors import bad_request
+from gateway.structured_outputs import (
+    ResponseFormat,
+    StructuredOutputs,
+    choice_grammar,
+    grammar_problem,
+    json_grammar,
+    one_grammar,
+    rules_grammar,
+    schema_or_text,
+    text_grammar,
+)
 from gateway.tools import tool_plan
+from gateway.validation import (
+    MAX_NAME_CHARS,
+    RequestModel,
+    format_loc,
+    invalid_value,
+    joined_text,
+    none_only,
+    parse_body,
+    request_of,
+    unsupported,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
@@ -52,17 +69,7 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 _INT32_MAX = 2**31 - 1
-_MAX_NAME_CHARS = 64  # of a client-chosen field name quoted back in an error
-_MAX_SCHEMA_ERROR_CHARS = 300
-_GRAMMAR_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object",
-                  "regex": "regular expression", "ebnf": "EBNF grammar", "lark": "Lark grammar"}
-# "[17:40:21] /path/file.cc:94: " and "Check failed: (error.empty()) is false: "
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+: (Check failed: .*? is false: )?")
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
-# Content parts this text-only model cannot read, by type: what the 400 calls them.
-UNREADABLE_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
-                    "input_audio": "audio", "audio_url": "audio", "audio": "audio",
-                    "video_url": "video", "video": "video", "file": "file", "input_file": "file"}
 # apply_chat_template's own arguments: set by the request's fields, never by chat_template_kwargs.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -72,29 +79,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
-
-
-def invalid_value(message: str) -> PydanticCustomError:
-    # PydanticCustomError formats its template with str.format-style fields: no braces in messages.
-    return PydanticCustomError("invalid_value", message)
-
-
-def _unsupported(what: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported", f"{what} is not supported yet")
-
-
-def none_only(value: object, info: ValidationInfo) -> object:
-    """For a feature that is missing: only null (asking for nothing) is accepted."""
-    if value is not None:
-        raise _unsupported(str(info.field_name))
-    return value
-
-
-def one_choice(value: int | None) -> int | None:
-    """For an API whose reply has one output: `n` may only be 1."""
-    if value not in (None, 1):
-        raise invalid_value("n must be 1: this API's reply has one output")
-    return value
 
 
 def _unreserved(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -111,13 +95,6 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class RequestModel(BaseModel):
-    # strict: no "1" -> 1 or true -> 1 coercions. allow: a field outside the schema is kept in
-    # model_extra, for gateway/ignored_fields.py to ignore (logged, counted) or refuse (strict
-    # mode); OpenAI client fields that do not apply are declared and ignored.
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
-
-
 class StreamOptions(RequestModel):
     """`stream_options`: whether the last streamed chunk carries token usage."""
 
@@ -130,136 +107,6 @@ class RagingOptions(RequestModel):
     """`raging`: this server's own options (docs/api.md)."""
 
     timing: bool | None = False  # the response carries the request's latency breakdown
-
-
-class JsonSchemaFormat(RequestModel):
-    """`response_format.json_schema`: the JSON schema the output must match."""
-
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
-    strict: bool | None = None  # ignored: the output always matches the schema here
-
-
-class ResponseFormat(RequestModel):
-    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise invalid_value("json_schema is required with type 'json_schema', and only then")
-        grammar = self.grammar
-        problem = grammar_problem(grammar) if grammar is not None else None
-        if problem is not None:
-            raise PydanticCustomError("invalid_value", "invalid JSON schema: {problem}",
-                                      {"problem": problem})
-        return self
-
-    @property
-    def grammar(self) -> Grammar | None:
-        """What the output must match for this format (None: anything)."""
-        if self.type == "text":
-            return None
-        if self.json_schema is None or self.json_schema.schema_ is None:
-            return JSON_OBJECT
-        return Grammar("json_schema", json.dumps(self.json_schema.schema_))
-
-
-def _schema(value: object) -> object:
-    """A JSON schema as vLLM takes it: an object, or its text. Not a union type: pydantic would
-    name the union's members in the error location."""
-    if value is None or isinstance(value, dict | str):
-        return value
-    raise invalid_value("must be a JSON schema: an object, or its text")
-
-
-class StructuredOutputs(RequestModel):
-    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regular
-    expression, a choice of strings, or an EBNF grammar (its start rule `root`)."""
-
-    json_: Any = Field(default=None, alias="json")  # a schema, or its text (see _schema)
-    json_object: bool | None = None
-    regex: str | None = Field(default=None, min_length=1)
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = Field(default=None, min_length=1)
-    structural_tag: Any = None
-    # Ignored: how vLLM's own backends read the grammar.
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: str | None = None
-
-    _not_here = field_validator("structural_tag")(none_only)
-    _a_schema = field_validator("json_")(_schema)
-
-    def grammars(self) -> dict[str, Grammar | None]:
-        """What each of its fields asks for, by the field's name in the request."""
-        return {"structured_outputs.json": _json_grammar(self.json_),
-                "structured_outputs.json_object": JSON_OBJECT if self.json_object else None,
-                "structured_outputs.regex": _text_grammar("regex", self.regex),
-                "structured_outputs.choice": _choice_grammar(self.choice),
-                "structured_outputs.grammar": _rules(self.grammar)}
-
-
-def _json_grammar(schema: dict[str, Any] | str | None) -> Grammar | None:
-    if schema is None:
-        return None
-    return Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
-
-
-def _text_grammar(kind: GrammarKind, text: str | None) -> Grammar | None:
-    return None if text is None else Grammar(kind, text)
-
-
-def _rules(text: str | None) -> Grammar | None:
-    """A grammar's rules: EBNF (`root ::= ...`), or Lark's (`start: ...`), as vLLM tells them
-    apart."""
-    if text is None:
-        return None
-    return Grammar("ebnf" if "::=" in text else "lark", text)
-
-
-def _choice_grammar(choices: list[str] | None) -> Grammar | None:
-    """An EBNF grammar of exactly one of `choices`."""
-    if choices is None:
-        return None
-    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-    return Grammar("ebnf", f"root ::= {alternatives}")
-
-
-def _one_grammar(given: dict[str, Grammar | None]) -> Grammar | None:
-    """The one grammar of those `given` (by the field asking for it); a 400 naming the field
-    for two, or for one the workers cannot compile."""
-    asked = [name for name, grammar in given.items() if grammar is not None]
-    if len(asked) > 1:
-        raise bad_request(f"Ask for one structured output, not {' and '.join(asked)}.",
-                          param=asked[1])
-    if not asked:
-        return None
-    grammar = given[asked[0]]
-    assert grammar is not None
-    problem = grammar_problem(grammar)
-    if problem is not None:
-        raise bad_request(f"Invalid '{asked[0]}': invalid {_GRAMMAR_NAMES[grammar.kind]}: "
-                          f"{problem}", param=asked[0])
-    return grammar
-
-
-@functools.lru_cache(maxsize=256)
-def grammar_problem(grammar: Grammar) -> str | None:
-    """Why the workers could not compile `grammar`; None when they can."""
-    # Imported here: xgrammar loads torch, which the gateway otherwise never needs.
-    from engine.sampling.grammar import parsed
-
-    if grammar.kind == "json_object":
-        return None
-    try:
-        parsed(grammar)
-    except RuntimeError as exc:  # xgrammar's error for a bad or unsupported grammar
-        return _XGRAMMAR_PREFIX.sub("", str(exc).strip())[:_MAX_SCHEMA_ERROR_CHARS]
-    return None
 
 
 class FunctionDefinition(RequestModel):
@@ -334,7 +181,7 @@ class ChatMessage(RequestModel):
         parts = data.get("content") if isinstance(data, dict) else None
         if isinstance(parts, list):  # valid, else the handler raised: each a text part
             message._unknown_parts = tuple(
-                f"content[{i}].{name[:_MAX_NAME_CHARS]}"
+                f"content[{i}].{name[:MAX_NAME_CHARS]}"
                 for i, part in enumerate(parts) for name in part if name not in TEXT_PART_FIELDS)
         return message
 
@@ -362,48 +209,6 @@ class ChatMessage(RequestModel):
     def text(self) -> str:
         return self.content or ""
 
-
-CHAT_TEXT_PARTS = {"text": "text"}  # a content part's type -> the field holding its text
-
-
-def joined_text(value: object, kinds: Mapping[str, str] = CHAT_TEXT_PARTS) -> object:
-    """Content parts (`part_text`) as one string, joined by \\n; anything else as it is, for
-    pydantic to judge."""
-    if isinstance(value, list):
-        return "\n".join(part_text(index, part, kinds) for index, part in enumerate(value))
-    return value
-
-
-def only_tools_of_type(allowed: str, what: str) -> Callable[[object], object]:
-    """A `tools` entry's before-validator refusing other types of tool (hosted ones), `what`
-    naming the ones served."""
-    def check(value: object) -> object:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind != allowed:
-            raise PydanticCustomError("unsupported", "tools of type '{kind}' are not supported "
-                                      "here: only {what}", {"kind": kind[:64], "what": what})
-        return value
-
-    return check
-
-
-def part_text(index: int, part: object, kinds: Mapping[str, str] = CHAT_TEXT_PARTS) -> str:
-    """A text part's text, `kinds` naming the part types read and the field each keeps its
-    text in; image, audio, video and file parts are refused as unreadable."""
-    if not isinstance(part, dict):
-        raise invalid_value("each content part must be an object")
-    kind = part.get("type")
-    if isinstance(kind, str) and kind in UNREADABLE_PARTS:
-        raise PydanticCustomError(
-            "unreadable_part", "{what} input is not supported: this model reads text only",
-            {"what": UNREADABLE_PARTS[kind], "part": index})
-    if not isinstance(kind, str) or kind not in kinds:
-        names = ", ".join(f"'{name}'" for name in kinds)
-        raise invalid_value(f"only content parts of type {names} are supported")
-    text = part.get(kinds[kind])
-    if not isinstance(text, str):
-        raise invalid_value(f"a {kind} content part needs a string '{kinds[kind]}' field")
-    return text
 
 
 class SamplingRequest(RequestModel):
@@ -442,7 +247,7 @@ class SamplingRequest(RequestModel):
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     # vLLM's older names for structured_outputs' fields.
-    guided_json: Any = None  # a JSON schema, or its text (see _schema)
+    guided_json: Any = None  # a JSON schema, or its text (see schema_or_text)
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)
@@ -456,20 +261,20 @@ class SamplingRequest(RequestModel):
                 if name in self.model_fields_set and name not in left_out}
 
     _grammar: Grammar | None = PrivateAttr(default=None)
-    _a_schema = field_validator("guided_json")(_schema)
+    _a_schema = field_validator("guided_json")(schema_or_text)
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> SamplingRequest:
         """At most one of `response_format`, `structured_outputs` and the `guided_*` fields
         asks for structured output, and the workers can compile what it asks for."""
         outputs = self.structured_outputs
-        self._grammar = _one_grammar({
+        self._grammar = one_grammar({
             "response_format": self.response_format.grammar if self.response_format else None,
             **(outputs.grammars() if outputs is not None else {}),
-            "guided_json": _json_grammar(self.guided_json),
-            "guided_regex": _text_grammar("regex", self.guided_regex),
-            "guided_choice": _choice_grammar(self.guided_choice),
-            "guided_grammar": _rules(self.guided_grammar)})
+            "guided_json": json_grammar(self.guided_json),
+            "guided_regex": text_grammar("regex", self.guided_regex),
+            "guided_choice": choice_grammar(self.guided_choice),
+            "guided_grammar": rules_grammar(self.guided_grammar)})
         return self
 
     @property
@@ -610,13 +415,13 @@ class ChatCompletionRequest(SamplingRequest):
         except ValidationError as exc:
             first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
             raise PydanticCustomError("invalid_value", "{where}: {message}", {
-                "where": _format_loc(first["loc"]) or "value", "message": first["msg"]}) from None
+                "where": format_loc(first["loc"]) or "value", "message": first["msg"]}) from None
 
     @field_validator("modalities")
     @classmethod
     def _text_only(cls, value: list[str] | None) -> list[str] | None:
         if value not in (None, ["text"]):
-            raise _unsupported("output other than text")
+            raise unsupported("output other than text")
         return value
 
 
@@ -660,7 +465,7 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise _unsupported("suffix")
+            raise unsupported("suffix")
         return value
 
 
@@ -739,131 +544,6 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationParams:
-    """What to generate, independent of the API the request came through.
-
-    `max_tokens` None means "the request set none": `default_max_tokens` or the context
-    limit, whichever is less; `top_k` 0 disables top-k; `include_usage` asks for a final usage
-    chunk when streaming; `logprobs` None asks for no logprobs, k for each token's and the k
-    most likely tokens'.
-    """
-
-    max_tokens: int | None = None
-    default_max_tokens: int | None = None  # None: up to the context limit
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False  # usage so far on every chunk (with include_usage)
-    stream: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    grammar: Grammar | None = None  # structured output, as GenerationTask.grammar
-    n: int = 1  # choices: the prompt is prefilled once, each choice samples on its own
-    timing: bool = False  # the response carries the latency breakdown (gateway.timing)
-    min_p: float = 0.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
-    priority: int = 0  # vLLM's: lower is prefilled sooner
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    echo: bool = False  # completions: the text (and logprobs) start with the prompt's
-
-
-def generation_params(req: ChatCompletionRequest | CompletionRequest,
-                      defaults: GenerationDefaults | None = None) -> GenerationParams:
-    """The internal generation parameters of a validated request; what it leaves out comes
-    from `defaults` (sampling values, the max_tokens cap)."""
-    defaults = defaults or GenerationDefaults()
-    stream = bool(req.stream)
-    temperature = _given(req.temperature, defaults.temperature)
-    return GenerationParams(
-        max_tokens=_max_tokens(req, defaults.max_tokens),
-        default_max_tokens=_default_max_tokens(req, defaults.max_tokens),
-        temperature=temperature,
-        top_p=_given(req.top_p, defaults.top_p),
-        top_k=max(_given(req.top_k, defaults.top_k), 0),
-        min_p=_given(req.min_p, defaults.min_p),
-        seed=req.seed,
-        stop=tuple(req.stop or ()),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=bool(req.ignore_eos),
-        include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-        continuous_usage=stream and bool(req.stream_options and req.stream_options.include_usage
-                                         and req.stream_options.continuous_usage_stats),
-        stream=stream,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=_given(_given(req.repetition_penalty, req.repeat_penalty),
-                                  _default_penalty(temperature, defaults)),
-        min_tokens=req.min_tokens or 0,
-        logprobs=_logprobs(req),
-        grammar=req.grammar,
-        n=req.n or 1,
-        timing=bool(req.raging and req.raging.timing),
-        skip_special_tokens=req.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-        bad_words=tuple(req.bad_words or ()),
-        priority=req.priority or 0,
-        logit_bias=tuple((int(token), bias) for token, bias in (req.logit_bias or {}).items()
-                         if bias),
-        echo=isinstance(req, CompletionRequest) and bool(req.echo),
-    )
-
-
-_T = TypeVar("_T")
-
-
-def _default_penalty(temperature: float, defaults: GenerationDefaults) -> float:
-    """A greedy request gets no default repetition penalty: its output stays the model's own
-    greedy output (what transformers' generate gives); a sampled one gets the default's."""
-    return defaults.repetition_penalty if temperature > 0 else 1.0
-
-
-def _given(value: _T | None, default: _T) -> _T:
-    return default if value is None else value
-
-
-def _default_max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int) -> int:
-    """The cap for a request that sets no max_tokens; never below its min_tokens."""
-    return max(cap, req.min_tokens or 0)
-
-
-def _max_tokens(req: ChatCompletionRequest | CompletionRequest, cap: int) -> int | None:
-    """The completion's length limit, if the request sets one (chat's max_completion_tokens
-    wins; /v1/completions' absent max_tokens is OpenAI's 16, or the cap when it is less);
-    a 400 when min_tokens exceeds it."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    if isinstance(req, CompletionRequest) and "max_tokens" not in req.model_fields_set:
-        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, cap)
-    if max_tokens is not None and (req.min_tokens or 0) > max_tokens:
-        raise bad_request(f"min_tokens must be at most max_tokens ({max_tokens})",
-                          param="min_tokens")
-    return max_tokens
-
-
-def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """How many most likely tokens to show per token; None: no logprobs at all."""
-    if isinstance(req, ChatCompletionRequest):
-        return (req.top_logprobs or 0) if req.logprobs else None
-    return req.logprobs
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Parse a /v1/chat/completions body; any invalid body raises a 400 `APIError`."""
     request = parse_body(ChatCompletionRequest, body)
@@ -895,38 +575,13 @@ def check_tool_request(request: ChatCompletionRequest) -> None:
 def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
     """The chat request another API's request became, from its `fields`; a 400 as chat would
     give it, naming that request's own field (`params`: chat's top-level field -> its own)."""
-    return _request_of(ChatCompletionRequest, fields, params, check_tool_request)
+    return request_of(ChatCompletionRequest, fields, params, check_tool_request)
 
 
 def completion_request_of(fields: dict[str, Any], params: Mapping[str, str]
                           ) -> CompletionRequest:
     """The completion request another API's request became, as `chat_request_of`."""
-    return _request_of(CompletionRequest, fields, params)
-
-
-def _request_of(model: type[_Model], fields: dict[str, Any], params: Mapping[str, str],
-                check: Callable[[_Model], None] | None = None) -> _Model:
-    try:
-        request = model.model_validate(fields)
-        if check is not None:
-            check(request)
-    except ValidationError as exc:
-        raise _with_param_renamed(validation_error(exc), params) from None
-    except APIError as exc:
-        raise _with_param_renamed(exc, params) from None
-    return request
-
-
-def _with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
-    """An error of the chat or completion request another API's request became, naming the
-    field of that request it came from (`params`: the top-level field -> its own). Indices
-    are dropped: a message's index in chat is not one in the request (system text, merged
-    turns shift it)."""
-    chat_field = re.split(r"[.\[]", error.param or "")[0]
-    param = params.get(chat_field)
-    if param is None or error.param is None:
-        return error
-    return bad_request(error.message.replace(f"'{error.param}'", f"'{param}'"), param=param)
+    return request_of(CompletionRequest, fields, params)
 
 
 def parse_tokenize_request(body: bytes) -> TokenizeRequest:
@@ -937,64 +592,6 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
 def parse_detokenize_request(body: bytes) -> DetokenizeRequest:
     """Parse a /detokenize body; any invalid body raises a 400 `APIError`."""
     return parse_body(DetokenizeRequest, body)
-
-
-def parse_body(model: type[_Model], body: bytes) -> _Model:
-    try:
-        request = model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    _reject_duplicate_keys(body)
-    return request
-
-
-def _reject_duplicate_keys(body: bytes) -> None:
-    """400 when an object repeats a key: pydantic keeps the last one, a proxy in front may have
-    checked the first. Only run on a body pydantic accepted, so its nesting depth is small."""
-    try:
-        json.loads(body, object_pairs_hook=_unique_keys)
-    except ValueError:  # what pydantic's parser accepts and Python's does not
-        raise bad_request("The request body is not valid JSON.") from None
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) == len(pairs):
-        return result
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            name = key[:_MAX_NAME_CHARS]
-            raise bad_request(f"Duplicate key '{name}' in the request body", param=name)
-        seen.add(key)
-    raise AssertionError("a shorter dict means a repeated key")
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the first invalid field; the offending input value is never included."""
-    first = exc.errors(include_url=False, include_input=False)[0]
-    loc = first["loc"]
-    if first["type"] == "unreadable_part":  # name the part, not only its message's content
-        loc = (*loc, first.get("ctx", {})["part"])
-    param = _format_loc(loc)
-    message = first["msg"]
-    if param is not None:
-        return bad_request(f"Invalid '{param}': {message}", param=param)
-    if first["type"] == "json_invalid":
-        return bad_request(message)
-    return bad_request(f"Invalid request body: {message}")
-
-
-def _format_loc(loc: tuple[int | str, ...]) -> str | None:
-    """Pydantic's error location as `messages[0].content`; None for the body itself."""
-    text = ""
-    for item in loc:
-        if isinstance(item, int):
-            text += f"[{item}]"
-        else:
-            name = item[:_MAX_NAME_CHARS]  # a map key or unknown field: chosen by the client
-            text += f".{name}" if text else name
-    return text or None
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,11 @@ from gateway.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     FunctionDefinition,
-    RequestModel,
     SamplingRequest,
     chat_request_of,
+)
+from gateway.validation import (
+    RequestModel,
     invalid_value,
     joined_text,
     none_only,

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from core.messages import JSON_OBJECT, Sampling, Thinking
 from gateway.openai_api import generation_task
-from gateway.protocol import GenerationParams
+from gateway.params import GenerationParams
 
 
 def test_every_control_reaches_the_task() -> None:

@@ -11,7 +11,7 @@ import pytest
 from core.messages import Grammar
 from gateway.errors import APIError
 from gateway.llamacpp_request import BANNED, LlamaCompletionRequest, parse_llamacpp_request
-from gateway.protocol import generation_params
+from gateway.params import generation_params
 
 
 def parsed(**fields: Any) -> LlamaCompletionRequest:

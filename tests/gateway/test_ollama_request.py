@@ -16,7 +16,7 @@ from gateway.ollama_request import (
     parse_ollama_chat,
     parse_ollama_generate,
 )
-from gateway.protocol import generation_params
+from gateway.params import generation_params
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -1,4 +1,5 @@
-"""Malformed requests against the real app: each one a 4xx OpenAI error, and the app keeps serving.
+"""Malformed requests: each one a 400 naming the field, never quoting a long value (parse_body,
+gateway/validation.py); against the real app, a 4xx OpenAI error, and the app keeps serving.
 
 Every case is posted to the in-process gateway (real registry with no workers, see served_app);
 the reply must be a 4xx with the OpenAI error JSON, a capped message that never quotes the long
@@ -28,6 +29,8 @@ from gateway.protocol import (
     ChatMessage,
     CompletionRequest,
     StreamOptions,
+    parse_chat_request,
+    parse_completion_request,
 )
 from tests.gateway.served_app import (
     MODEL,
@@ -38,6 +41,7 @@ from tests.gateway.served_app import (
     serve_without_workers,
     valid_body,
 )
+from tests.gateway.test_protocol import LONG, MESSAGES, chat, completion, raises_400
 
 CHAT, TEXT = ROUTES
 MARKER = "MARKER-" + "q" * 5000 + "-END"
@@ -508,3 +512,59 @@ def test_strict_fields_gets_the_unknown_field_named(real_model_dir: Path, route:
         assert isinstance(body, dict) and body["param"] == "stream_options.cached_usage_stats"
         with pytest.raises(openai.InternalServerError):  # known fields only: on to dispatch
             _create(client, route, {"min_p": 0.1})
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"model": "m", "model": "m", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    (b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}', "role"),
+])
+def test_a_repeated_key_in_a_chat_body_is_400(body: bytes, param: str) -> None:
+    err = raises_400(parse_chat_request, body)
+    assert err.param == param
+    assert param in err.message
+
+
+def test_duplicate_keys_are_named() -> None:
+    err = raises_400(parse_completion_request, completion().replace(b'{', b'{"seed": 1, ', 1)[:-1]
+                     + b', "seed": 2}')
+    assert (err.message, err.param) == ("Duplicate key 'seed' in the request body", "seed")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(model=LONG + "x" * 300),
+        chat(temperature=LONG),
+        chat(stop=[LONG]),
+        chat(messages=[{"role": LONG, "content": "hi"}]),
+        chat(messages=[{"role": "user", "content": [{"type": LONG}]}]),
+        json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": LONG}).encode(),
+        b'{"model": "' + LONG.encode(),
+    ],
+)
+def test_errors_never_echo_large_input(body: bytes) -> None:
+    err = raises_400(parse_chat_request, body)
+    text = json.dumps(err.to_body())
+    assert "ZZZZZZZZ" not in text
+    assert len(text) < 1500
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(metadata={LONG: 1}),
+        chat().replace(b'{', b'{"' + LONG.encode() + b'": 1, "' + LONG.encode() + b'": 2, ', 1),
+    ],
+)
+def test_field_names_are_quoted_truncated(body: bytes) -> None:
+    err = raises_400(parse_chat_request, body)
+    text = json.dumps(err.to_body())
+    assert "Z" * 64 in text
+    assert "Z" * 65 not in text
+
+
+def test_request_models_are_frozen() -> None:
+    req = parse_chat_request(chat())
+    assert isinstance(req, ChatCompletionRequest)
+    with pytest.raises(ValueError):
+        req.model = "other"
