@@ -17,11 +17,11 @@ from prometheus_client import Counter
 from pydantic import BaseModel
 
 from gateway.errors import bad_request
+from gateway.validation import MAX_NAME_CHARS
 
 log = logging.getLogger(__name__)
 
 MAX_FIELD_LABELS = 64  # distinct `field` labels, then "other": clients choose the names
-_MAX_NAME_CHARS = 64
 _INDEX = re.compile(r"\[\d+\]")
 
 
@@ -33,7 +33,7 @@ def unknown_fields(request: BaseModel) -> list[str]:
 def _extras(value: object, where: str) -> Iterator[str]:
     if isinstance(value, BaseModel):
         for name in value.model_extra or {}:
-            yield _join(where, name[:_MAX_NAME_CHARS])
+            yield _join(where, name[:MAX_NAME_CHARS])
         for name in getattr(value, "_unknown_parts", ()):  # content parts are plain dicts
             yield _join(where, name)
         for name in type(value).model_fields:

@@ -500,8 +500,7 @@ class TokenizeRequest(RequestModel):
 
     @property
     def template(self) -> TemplateOptions:
-        return TemplateOptions(self.add_generation_prompt is not False,
-                               bool(self.continue_final_message), self.chat_template_kwargs)
+        return TemplateOptions.of(self)
 
     @property
     def text(self) -> str | None:
@@ -603,6 +602,6 @@ class TemplateOptions:
     kwargs: Mapping[str, Any] | None = None  # more variables for the template
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest) -> TemplateOptions:
+    def of(cls, req: ChatCompletionRequest | TokenizeRequest) -> TemplateOptions:
         return cls(req.add_generation_prompt is not False, bool(req.continue_final_message),
                    req.chat_template_kwargs)
