@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ from gateway.openai_api import OpenAIRoutes, Served
 from gateway.params import GenerationParams, generation_params
 from gateway.prompts import tokenize_prompt
 from gateway.reply import ChatFormat, CompletionFormat, Format
-from gateway.state import server_version
+from gateway.state import server_version, utc_text
 from gateway.validation import RequestModel, parse_body
 
 _TAG = ":latest"
@@ -129,7 +128,7 @@ class OllamaRoutes:
             "parameters": self._parameters(),
             "template": getattr(self.state.tokenizer, "chat_template", None) or "",
             "details": _details(facts), "model_info": self._model_info(facts),
-            "capabilities": self._capabilities(), "modified_at": _iso(facts.modified_at),
+            "capabilities": self._capabilities(), "modified_at": utc_text(facts.modified_at),
             "model": _tagged(name)})
 
     async def version(self, request: Request) -> Response:
@@ -170,7 +169,7 @@ class OllamaRoutes:
     def _listed(self, name: str) -> dict[str, Any]:
         facts = self._facts()
         return {"name": _tagged(name), "model": _tagged(name),
-                "modified_at": _iso(facts.modified_at), "size": facts.weights_bytes,
+                "modified_at": utc_text(facts.modified_at), "size": facts.weights_bytes,
                 "digest": facts.digest.removeprefix("sha256:"), "details": _details(facts)}
 
     def _parameters(self) -> str:
@@ -222,8 +221,3 @@ def _details(facts: ModelFacts) -> dict[str, Any]:
 
 def _tagged(name: str) -> str:
     return name if ":" in name else name + _TAG
-
-
-def _iso(unix_time: float) -> str:
-    moment = datetime.datetime.fromtimestamp(unix_time, datetime.UTC)
-    return moment.isoformat().replace("+00:00", "Z")

@@ -9,7 +9,6 @@ also carries `context`: the prompt's tokens and the reply's, for a next request 
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from gateway.generation import KEEPALIVE, Generation
 from gateway.logprobs import TokenLogprob, chat_logprobs
 from gateway.reply import Format, Reply, WholeChoice
-from gateway.state import GatewayState
+from gateway.state import GatewayState, utc_text
 from gateway.tools import ToolPlan, arguments_object
 
 if TYPE_CHECKING:
@@ -101,7 +100,8 @@ class OllamaReply(Reply):
                 self.outcome = "error"
                 yield _line(self.error_body(delta.error))
                 return
-            self.output_ids += delta.token_ids
+            if self.ask.route == "generate":  # its context: the prompt's and these
+                self.output_ids += delta.token_ids
             piece = self._streamed_piece(self._streamed_choice(index, delta) or {})
             piece.logprobs = delta.logprobs if self.logprobs else ()
             if piece.text or piece.thinking or piece.calls or piece.logprobs:
@@ -143,7 +143,7 @@ class OllamaReply(Reply):
 
     def _object(self, piece: _Piece, done: bool) -> dict[str, Any]:
         """One object of the reply; the last (`done`) with the counts and durations."""
-        body: dict[str, Any] = {"model": self.model, "created_at": _now()}
+        body: dict[str, Any] = {"model": self.model, "created_at": utc_text()}
         if self.ask.route == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": piece.text}
             if piece.thinking:
@@ -180,7 +180,7 @@ class OllamaReply(Reply):
 def loaded(model: str, route: Literal["chat", "generate"], unloaded: bool) -> dict[str, Any]:
     """The reply to a request with nothing to generate: Ollama's way to load a model (or,
     with keep_alive 0, to unload it). The workers hold it loaded either way."""
-    body: dict[str, Any] = {"model": model, "created_at": _now()}
+    body: dict[str, Any] = {"model": model, "created_at": utc_text()}
     if route == "chat":
         body["message"] = {"role": "assistant", "content": ""}
     else:
@@ -194,10 +194,6 @@ def _output_seconds(prompt_s: float, output_s: float, count: int) -> float:
     if count <= 1:
         return prompt_s
     return output_s * count / (count - 1)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def _line(body: dict[str, Any]) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -52,7 +51,7 @@ from gateway.reply import KEEPALIVE_EVENT, ChatFormat, CompletionFormat, Format,
 from gateway.response_store import StoredResponse, input_items_page
 from gateway.responses_reply import ResponseContext, ResponsesReply
 from gateway.responses_request import parse_responses_request
-from gateway.state import GatewayState
+from gateway.state import GatewayState, utc_text
 from gateway.timing import TIMING_HEADER, asks_for_timing
 from gateway.tools import ToolPlan, tool_plan
 
@@ -246,12 +245,11 @@ class OpenAIRoutes:
         Anthropic's (`type`, `display_name`, `created_at`)."""
         defaults = dataclasses.asdict(self.state.generation_defaults)
         del defaults["from_model"]
-        started = datetime.datetime.fromtimestamp(self.state.started, datetime.UTC)
         return {"id": name, "object": "model", "created": self.state.started,
                 "owned_by": "raging", "root": self.state.model_name,
                 "max_model_len": self.context_limit(), "generation_defaults": defaults,
                 "type": "model", "display_name": name,
-                "created_at": started.isoformat().replace("+00:00", "Z")}
+                "created_at": utc_text(self.state.started)}
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refusing (413) anything over the limit without buffering it."""

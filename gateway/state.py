@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import hashlib
 import importlib.metadata
@@ -78,3 +79,10 @@ def server_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
         return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+
+
+def utc_text(unix_time: float | None = None) -> str:
+    """A time (now, without one) as the APIs write one: RFC 3339 in UTC, `Z` for its zone."""
+    moment = datetime.datetime.fromtimestamp(time.time() if unix_time is None else unix_time,
+                                             datetime.UTC)
+    return moment.isoformat().replace("+00:00", "Z")
