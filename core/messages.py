@@ -157,6 +157,9 @@ class GenerationTask:
     # echo with logprobs: each prompt token's logprob and the k most likely tokens there
     # (`PromptLogprobs`, from the decode worker that prefills it); None: not asked.
     prompt_logprobs: int | None = None
+    # The prompt's embedding is asked for, not its tokens: the worker that computes its last
+    # token sends that token's final hidden state with the first token (`embedding`).
+    embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
@@ -362,6 +365,7 @@ class FirstToken(Keyed):
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)  # the k most likely, when asked for
     stages: list[StageTime] = field(default_factory=list)  # prefill_wait, prefill_compute
+    embedding: bytes = b""  # a request for one (`GenerationTask.embedding`): see TokenEvent
 
 
 @dataclass(frozen=True)
@@ -377,6 +381,9 @@ class TokenEvent(Keyed):
     # first decode step's), once per epoch; empty on every other token.
     stages: list[StageTime] = field(default_factory=list)
     cached_tokens: int = 0  # on a first token drawn by decode: prompt tokens it found cached
+    # On the first token of a request for its embedding: the prompt's last token's final
+    # hidden state (after the model's last norm, not normalized), float32 little-endian.
+    embedding: bytes = b""
 
 
 @dataclass(frozen=True)

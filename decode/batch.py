@@ -19,7 +19,8 @@ def forward_batch(batch: list[DecodeSequence], scored: list[bool]) -> ForwardBat
     """The step's forward pass. A guessing sequence goes as one row per token, its last and
     its guesses, each at its position over the same blocks: one-token rows, which attend
     together (the paged decode kernel: on the default model, 8 sequences of 3 tokens each
-    took 21.8 ms as rows, 35.9 ms as 3-token chunks), each its own row of logits."""
+    took 21.8 ms as rows, 35.9 ms as 3-token chunks), each its own row of logits. The
+    pass keeps its hidden states where a prompt computed in it asks for its embedding."""
     token_ids: list[list[int]] = []
     starts: list[int] = []
     tables: list[list[int]] = []
@@ -36,7 +37,8 @@ def forward_batch(batch: list[DecodeSequence], scored: list[bool]) -> ForwardBat
             starts.append(start)
             tables.append(sequence.block_table)
             every.append(score)
-    return ForwardBatch(token_ids, starts, tables, every if any(every) else [])
+    embedding = any(s.request.task.embedding and s.num_generated == 0 for s in batch)
+    return ForwardBatch(token_ids, starts, tables, every if any(every) else [], embedding)
 
 
 def is_scored(sequence: DecodeSequence) -> bool:

@@ -17,12 +17,13 @@ import torch
 from core.channels import ControlClient
 from core.config import DecodeConfig
 from core.logs import about
-from core.messages import PromptLogprobs, StageTime, TokenEvent
+from core.messages import PromptLogprobs, RequestKey, StageTime, TokenEvent
 from core.tracing import Tracer
 from decode.drafts import propose
 from decode.guessing import Guessing
 from decode.phases import Phase, Phases
 from decode.scheduler import DecodeScheduler, DecodeSequence, decode_seed
+from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.sampler import Draw, History, draw, make_generator
 from engine.sampling.stopping import banned_tokens, finish_reason
@@ -52,7 +53,9 @@ class Sampler:
         for sequence in batch:
             sequence.num_cached += sequence.num_scheduled - len(sequence.draft)
         ready = [i for i, s in enumerate(batch) if s.num_cached == len(s.tokens)]
-        events = self._sample([batch[i] for i in ready], logits[[rows[i] for i in ready]])
+        ready_rows = [rows[i] for i in ready]
+        embeddings = self._embeddings([batch[i] for i in ready], ready_rows)
+        events = self._sample([batch[i] for i in ready], logits[ready_rows], embeddings)
         return events + self._check_guesses([(batch[i], logits[rows[i] + 1:rows[i] + 1 + len(
             batch[i].draft)]) for i in ready if batch[i].draft])
 
@@ -100,9 +103,19 @@ class Sampler:
             sequence.draft = []
         return events
 
-    def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor) -> list[TokenEvent]:
-        """Draw the next token of each sequence whose KV is complete, and the first token of
-        each choice forked from a prompt prefilled here just now."""
+    def _embeddings(self, ready: list[DecodeSequence], rows: list[int]
+                    ) -> dict[RequestKey, bytes]:
+        """The embedding of each prompt prefilled here just now that asked for one, from the
+        step's hidden states (the batch kept them: decode/batch.py)."""
+        return {s.key: embedding_bytes(self.runner.hidden[row])
+                for s, row in zip(ready, rows, strict=True)
+                if s.request.task.embedding and s.num_generated == 0}
+
+    def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor,
+                embeddings: dict[RequestKey, bytes]) -> list[TokenEvent]:
+        """Draw the next token of each sequence whose KV is complete (with its prompt's
+        `embeddings` where asked for), and the first token of each choice forked from a
+        prompt prefilled here just now."""
         drawing: list[DecodeSequence] = []
         rows: list[int] = []
         for row, sequence in enumerate(ready):
@@ -117,7 +130,8 @@ class Sampler:
             return []  # only prompt chunks this step
         draws = draw(logits[rows], [s.request.task.sampling for s in drawing],
                      [_generator(s) for s in drawing], [self._history(s) for s in drawing])
-        return [self._advance(s, d) for s, d in zip(drawing, draws, strict=True)]
+        return [self._advance(s, d, embeddings.get(s.key, b""))
+                for s, d in zip(drawing, draws, strict=True)]
 
     def fork(self, parent: DecodeSequence, drawing: bool) -> list[DecodeSequence]:
         """Start the choices waiting on `parent`'s prompt KV (n > 1) on a copy-on-write fork
@@ -145,7 +159,8 @@ class Sampler:
         allowed = None if constraint is None else constraint.allowed()
         return History(sequence.tokens, task.prompt_len, banned, allowed)
 
-    def _advance(self, sequence: DecodeSequence, token: Draw) -> TokenEvent:
+    def _advance(self, sequence: DecodeSequence, token: Draw, embedding: bytes = b""
+                 ) -> TokenEvent:
         sequence.tokens.append(token.token_id)
         sequence.num_generated += 1
         task = sequence.request.task
@@ -165,7 +180,7 @@ class Sampler:
             self.trace_end(sequence, reason)
         cached = sequence.num_reused if sequence.num_generated == 1 else 0
         return TokenEvent(*sequence.key, sequence.num_generated - 1, token.token_id, reason,
-                          token.logprob, token.top, stages, cached)
+                          token.logprob, token.top, stages, cached, embedding)
 
     def _stages_done(self, sequence: DecodeSequence) -> list[StageTime]:
         """The stages the token just drawn ends: its prompt's, when prefilled here (token 0);

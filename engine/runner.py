@@ -104,6 +104,11 @@ class Runner(Protocol):
     def forward(self, batch: ForwardBatch,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor: ...
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The final hidden states of the last pass's logit rows, when its batch asked
+        (`ForwardBatch.hidden`)."""
+
 
 class ModelRunner:
     """Owns the model, a `num_blocks` x `block_size` KV cache and the allocator of its blocks."""
@@ -161,11 +166,15 @@ class ModelRunner:
     ) -> torch.Tensor:
         """fp32 logits of each sequence's last new token, or of all its new tokens where the
         batch asks (see LlamaModel), on the runner's device."""
-        if self.graphs is not None and layer_hook is None:
+        if self.graphs is not None and layer_hook is None and not batch.hidden:
             logits = self.graphs.replay(batch)
             if logits is not None:
                 return logits
         return self.model.forward(batch, self.cache, layer_hook)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.model.hidden
 
 
 def load_runner(model: ModelConfig, pool: PoolConfig, engine: EngineConfig | None = None,

@@ -24,6 +24,7 @@ from gateway import auth
 from gateway.anthropic_api import AnthropicRoutes
 from gateway.cluster import cluster_route
 from gateway.dispatch import Dispatcher
+from gateway.embeddings import Embedder, EmbeddingRoutes
 from gateway.errors import (
     APIError,
     dialect_of,
@@ -48,6 +49,7 @@ def build_app(state: GatewayState) -> Starlette:
     routes, service = OpenAIRoutes(state), ServiceRoutes(state)
     anthropic, llamacpp = AnthropicRoutes(routes), LlamaCppRoutes(routes)
     ollama = OllamaRoutes(routes)
+    embeddings = EmbeddingRoutes(Embedder(routes))
     return Starlette(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -61,14 +63,19 @@ def build_app(state: GatewayState) -> Starlette:
                   methods=["GET"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/completion", llamacpp.completion, methods=["POST"]),
             Route("/completions", llamacpp.completion, methods=["POST"]),
+            Route("/embedding", llamacpp.embedding, methods=["POST"]),
+            Route("/embeddings", llamacpp.embedding, methods=["POST"]),
             Route("/props", llamacpp.props, methods=["GET"]),
             Route("/apply-template", llamacpp.apply_template, methods=["POST"]),
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/embed", ollama.embed, methods=["POST"]),
+            Route("/api/embeddings", ollama.embeddings, methods=["POST"]),
             Route("/api/tags", ollama.tags, methods=["GET"]),
             Route("/api/show", ollama.show, methods=["POST"]),
             Route("/api/ps", ollama.ps, methods=["GET"]),

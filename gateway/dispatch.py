@@ -264,7 +264,8 @@ class Dispatcher:
             self._note_cached(message.request_id, message.epoch, message.cached_tokens)
             self._on_token(worker_id, TokenEvent(message.request_id, message.epoch, 0,
                                                  message.token_id, message.finish_reason,
-                                                 message.logprob, message.top, message.stages))
+                                                 message.logprob, message.top, message.stages,
+                                                 embedding=message.embedding))
         elif isinstance(message, Alive):
             self.registry.beat(message)  # an unknown sender re-registers from its loop
         elif isinstance(message, Heartbeat):
@@ -362,7 +363,8 @@ class Dispatcher:
             log.warning("token for %s from %s, not its worker: dropped", handle.request_id,
                         worker_id)
             return
-        event = Event(token.token_id, token.finish_reason, logprob=token.logprob, top=token.top)
+        event = Event(token.token_id, token.finish_reason, logprob=token.logprob, top=token.top,
+                      embedding=token.embedding)
         if not handle.output.accept(token.index, event):
             return  # a duplicate
         if token.stages:

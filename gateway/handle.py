@@ -25,6 +25,7 @@ class Event:
     error: str = ""
     logprob: float | None = None  # when the request asked for logprobs
     top: list[TopLogprob] = field(default_factory=list)
+    embedding: bytes = b""  # the prompt's, on the first token of a request for it
 
 
 @dataclass

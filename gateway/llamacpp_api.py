@@ -1,7 +1,8 @@
 """llama.cpp's native routes, for the tools written against its server: `POST /completion`
 (and `/completions`), served as a /v1/completions request (llamacpp_request.py) answered in
 llama.cpp's shape (llamacpp_reply.py); `GET /props`, what the server is and does; and
-`POST /apply-template`. Its /tokenize and /detokenize bodies are read by the OpenAI routes'
+`POST /apply-template`; `POST /embedding` (and `/embeddings`), texts' vectors
+(gateway/embeddings.py). Its /tokenize and /detokenize bodies are read by the OpenAI routes'
 own."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.weights.tokenizer import decode_text
+from gateway.embedding_request import LlamaEmbeddingRequest, normalized
+from gateway.embeddings import Embedder
 from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
 from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
@@ -24,6 +27,7 @@ from gateway.prompts import render_chat_text, tokenize_prompt
 from gateway.protocol import TokenizeRequest, parse_tokenize_request
 from gateway.reply import CompletionFormat
 from gateway.state import server_version
+from gateway.validation import parse_body
 
 
 class LlamaCppRoutes:
@@ -32,6 +36,7 @@ class LlamaCppRoutes:
     def __init__(self, routes: OpenAIRoutes) -> None:
         self.routes = routes
         self.state = routes.state
+        self.embedder = Embedder(routes)
 
     async def completion(self, request: Request) -> Response:
         """A completion, streamed or whole, of each prompt (a string or token ids)."""
@@ -53,6 +58,17 @@ class LlamaCppRoutes:
                        body.return_tokens)
         return await self.routes.serve(request, CompletionFormat(), prompts, params,
                                        Served(model, arrived, llamacpp=ask))
+
+    async def embedding(self, request: Request) -> Response:
+        """Each input's vector, normalized as `embd_normalize` says, in llama.cpp's shape: a
+        list of `{index, embedding}`, the embedding a list of one vector (the pooled one)."""
+        body = parse_body(LlamaEmbeddingRequest, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        prompts = await self.embedder.token_ids(body.inputs, body.add_special)
+        vectors = await self.embedder.vectors(request, "embedding", prompts)
+        norm = body.embd_normalize
+        return JSONResponse([{"index": index, "embedding": [normalized(vector, norm)]}
+                             for index, vector in enumerate(vectors)])
 
     async def props(self, request: Request) -> Response:
         """What llama.cpp's clients read of its server: the context and sampling defaults,

@@ -1,7 +1,8 @@
 """Ollama's routes, for the tools and chat UIs written against an Ollama server: `POST
 /api/chat` and `POST /api/generate`, served as chat (or, for a raw prompt, completion) requests
 (ollama_request.py) answered in Ollama's shape (ollama_reply.py); `GET /api/tags`, `POST
-/api/show`, `GET /api/ps` and `GET /api/version`, what the server serves. Errors on these
+/api/show`, `GET /api/ps` and `GET /api/version`, what the server serves; `POST /api/embed`
+and the older `POST /api/embeddings`, texts' vectors (gateway/embeddings.py). Errors on these
 routes are Ollama's `{"error": message}`. Models are not pulled, created, copied or deleted
 here: those routes are 404s.
 
@@ -19,9 +20,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.embedding_request import OllamaEmbeddingsRequest, OllamaEmbedRequest, normalized
+from gateway.embeddings import Embedder
 from gateway.errors import bad_request
 from gateway.model_facts import ModelFacts
-from gateway.ollama_reply import OllamaAsk, loaded
+from gateway.ollama_reply import OllamaAsk, loaded, nanoseconds
 from gateway.ollama_request import (
     OllamaChatRequest,
     OllamaGenerateRequest,
@@ -54,6 +57,7 @@ class OllamaRoutes:
     def __init__(self, routes: OpenAIRoutes) -> None:
         self.routes = routes
         self.state = routes.state
+        self.embedder = Embedder(routes)
 
     async def chat(self, request: Request) -> Response:
         """A chat reply, streamed (by default) or whole; no messages: the model 'loads'."""
@@ -100,6 +104,36 @@ class OllamaRoutes:
         prompt_ids = await self.routes.tokenize_with(tokenize_prompt, body.prompt)
         return CompletionFormat(), prompt_ids, generation_params(
             completion, self.state.generation_defaults)
+
+    async def embed(self, request: Request) -> Response:
+        """`POST /api/embed`: each input's vector, normalized; an input longer than the
+        context is cut to it unless `truncate` is false. No input: the model 'loads'."""
+        started = time.monotonic()
+        body = parse_body(OllamaEmbedRequest, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self._echoed(body.model)
+        size = self.embedder.size(body.dimensions)
+        prompts = await self.embedder.token_ids(body.inputs)
+        if body.truncate:
+            prompts = [ids[:self.embedder.room()] for ids in prompts]
+        vectors = await self.embedder.vectors(request, "ollama_embed", prompts) if prompts else []
+        return JSONResponse({
+            "model": model, "embeddings": [normalized(v[:size]) for v in vectors],
+            "total_duration": nanoseconds(time.monotonic() - started), "load_duration": 0,
+            "prompt_eval_count": sum(len(ids) for ids in prompts)})
+
+    async def embeddings(self, request: Request) -> Response:
+        """`POST /api/embeddings`, the older route: one prompt's vector, not normalized (cut
+        to the context); no prompt: an empty one."""
+        body = parse_body(OllamaEmbeddingsRequest, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        self._served(body.model)
+        if not body.prompt:
+            return JSONResponse({"embedding": []})
+        (prompt_ids,) = await self.embedder.token_ids([body.prompt])
+        prompt_ids = prompt_ids[:self.embedder.room()]
+        (vector,) = await self.embedder.vectors(request, "ollama_embeddings", [prompt_ids])
+        return JSONResponse({"embedding": vector})
 
     async def tags(self, request: Request) -> Response:
         """The served models, as Ollama lists those it has."""

@@ -168,10 +168,10 @@ class OllamaReply(Reply):
         count = generation.completion_tokens
         summary: dict[str, Any] = {
             "done_reason": self.done_reason,
-            "total_duration": int((time.monotonic() - self.ask.arrived) * _NS),
+            "total_duration": nanoseconds(time.monotonic() - self.ask.arrived),
             "load_duration": 0, "prompt_eval_count": generation.prompt_tokens,
-            "prompt_eval_duration": int(prompt_s * _NS), "eval_count": count,
-            "eval_duration": int(_output_seconds(prompt_s, output_s, count) * _NS)}
+            "prompt_eval_duration": nanoseconds(prompt_s), "eval_count": count,
+            "eval_duration": nanoseconds(_output_seconds(prompt_s, output_s, count))}
         if self.ask.route == "generate":
             summary["context"] = [*self.ask.context, *self.output_ids]
         return summary
@@ -186,6 +186,11 @@ def loaded(model: str, route: Literal["chat", "generate"], unloaded: bool) -> di
     else:
         body["response"] = ""
     return {**body, "done": True, "done_reason": "unload" if unloaded else "load"}
+
+
+def nanoseconds(seconds: float) -> int:
+    """A duration as Ollama gives them."""
+    return int(seconds * _NS)
 
 
 def _output_seconds(prompt_s: float, output_s: float, count: int) -> float:

@@ -284,9 +284,12 @@ class OpenAIRoutes:
         capacity = self.state.registry.capacity_tokens() or self.state.max_model_len
         return min(self.state.max_model_len, capacity)
 
-    def _admit(self, prompt_tokens: int) -> None:
-        """429 at once when the queue is full, in requests or in prompt tokens waiting for
-        prefill (a prompt over the token bound alone still gets in when nothing waits)."""
+    def admit(self, prompt_tokens: int) -> None:
+        """503 while the control plane is down; 429 at once when the queue is full, in
+        requests or in prompt tokens waiting for prefill (a prompt over the token bound alone
+        still gets in when nothing waits)."""
+        if not self.state.control_plane_up():
+            raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         limits = self.state.config.gateway
         if len(self.state.dispatcher.requests) >= limits.max_inflight_requests:
             raise rate_limited("too many requests in flight; retry shortly", retry_after=1.0)
@@ -303,10 +306,8 @@ class OpenAIRoutes:
                       for ids in prompts]
         self._check_token_ids(params)
         bad_words = await self.tokenize_with(bad_words_token_ids, params.bad_words)
-        if not self.state.control_plane_up():
-            raise service_unavailable("the gateway lost its control plane", retry_after=5.0)
         prompt_tokens = sum(len(ids) for ids in prompts)
-        self._admit(prompt_tokens)
+        self.admit(prompt_tokens)
         in_thought = self._in_thought(prompts[0], params) if isinstance(fmt, ChatFormat) else None
         waits = self._waited_thought(in_thought, params)
         tasks = [generation_task(params, ids, most, cache_salt(request), bad_words, waits)

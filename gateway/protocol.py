@@ -521,21 +521,20 @@ class DetokenizeRequest(RequestModel):
     tokens: list[TokenId]
 
 
-_PROMPT_FORMS = "prompt must be a string, a list of token ids, or a list of either"
-
-
-def normalize_prompts(value: object) -> list[str | list[int]]:
-    """A string, a list of token ids, or a list of either: the prompts, in order."""
+def normalize_prompts(value: object, field: str = "prompt") -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either: the prompts, in order. `field`:
+    the request's name for them, for its errors."""
+    forms = f"{field} must be a string, a list of token ids, or a list of either"
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
-        raise invalid_value(_PROMPT_FORMS)
+        raise invalid_value(forms)
     if not value:
-        raise invalid_value("prompt must not be an empty list")
+        raise invalid_value(f"{field} must not be an empty list")
     if all(_is_token_id(item) for item in value):
         return [value]
     if not all(isinstance(item, str) or _is_token_list(item) for item in value):
-        raise invalid_value(_PROMPT_FORMS)
+        raise invalid_value(forms)
     return value
 
 

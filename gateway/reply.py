@@ -225,7 +225,7 @@ class Reply:
 
     async def whole(self, request: Request) -> Response:
         """The complete response; a client that disconnects first aborts the request."""
-        watcher = asyncio.create_task(_wait_for_disconnect(request))
+        watcher = asyncio.create_task(wait_for_disconnect(request))
         collector = asyncio.create_task(self._collect())
         outcome = "aborted"
         try:
@@ -397,6 +397,6 @@ class Reply:
         return f"data: {json.dumps(chunk)}\n\n"
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -32,6 +32,7 @@ from engine.kv.allocator import blocks_needed
 from engine.kv.block_hash import block_hashes
 from engine.kv.prefix_cache import PrefixCache, capacity
 from engine.model.batch import ForwardBatch
+from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.grammar import Grammars
 from engine.sampling.sampler import Draw, History, draw, make_generator
@@ -201,6 +202,7 @@ class PrefillWorker(Worker):
         prompt whose last chunk this was."""
         self.stream.begin_step({c.prompt.key: c.end for c in chunks})
         jobs = [self.jobs[c.prompt.key] for c in chunks]
+        embedding = any(c.is_last and c.prompt.request.task.embedding for c in chunks)
 
         def after_layer(layer: int) -> None:
             self.take_control()  # aborts land here, between layers
@@ -216,25 +218,31 @@ class PrefillWorker(Worker):
                 token_ids=[c.prompt.request.task.prompt_ids[c.start:c.end] for c in chunks],
                 start_positions=[c.start for c in chunks],
                 block_tables=[j.table for j in jobs],
+                hidden=embedding,
             ), layer_hook=after_layer)
         live = [i for i, c in enumerate(chunks) if c.prompt.key not in self.aborted_in_step]
         for i in live:
             self.scheduler.advance(chunks[i])
-        self._complete([jobs[i] for i in live if chunks[i].is_last],
-                       logits[[i for i in live if chunks[i].is_last]])
+        done = [i for i in live if chunks[i].is_last]
+        self._complete([jobs[i] for i in done], logits[done],
+                       self.runner.hidden[done] if embedding else None)
 
-    def _complete(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+    def _complete(self, jobs: list[_Job], logits: torch.Tensor,
+                  hidden: torch.Tensor | None) -> None:
         """The prompts' KV is complete: cache their full blocks, draw and hand off their first
-        tokens, free their blocks."""
+        tokens (with their embeddings, from `hidden`, where asked for), free their blocks."""
         if not jobs:
             return
         tokens = self._first_tokens([j.request for j in jobs], logits)
-        for job, token in zip(jobs, tokens, strict=True):
+        for row, (job, token) in enumerate(zip(jobs, tokens, strict=True)):
             request = job.request
             del self.jobs[request.key]
             self.cache.insert(job.chain, job.table)
             self.cache.release(job.table)
-            self._hand_off(job, token)
+            embedding = b""
+            if hidden is not None and request.task.embedding:
+                embedding = embedding_bytes(hidden[row])
+            self._hand_off(job, token, embedding)
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
@@ -249,14 +257,15 @@ class PrefillWorker(Worker):
         allowed = None if constraint is None else constraint.allowed()
         return History(task.prompt_ids, task.prompt_len, banned_tokens(task, 0, eos), allowed)
 
-    def _hand_off(self, job: _Job, token: Draw) -> None:
+    def _hand_off(self, job: _Job, token: Draw, embedding: bytes) -> None:
         """First token to the gateway, then to decode after the KV (unless it ends the request),
         with the prompt's stages here."""
         request, eos = job.request, self.runner.spec.eos_token_ids
         reason = finish_reason(request.task, token.token_id, 1, eos)
         job.timeline.computed = time.monotonic()
         first = FirstToken(request.request_id, request.epoch, token.token_id, reason,
-                           job.cached, token.logprob, token.top, job.timeline.prefill_stages())
+                           job.cached, token.logprob, token.top, job.timeline.prefill_stages(),
+                           embedding)
         self.control.send(first)
         log.info("request %s: first token, %d prompt tokens cached", request.request_id,
                  job.cached, extra=about(request.key))

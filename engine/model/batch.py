@@ -13,13 +13,15 @@ class ForwardBatch:
     and appends `token_ids[i]` at positions start..start+len-1. Prefill chunks (many tokens)
     and decode steps (one token) may be mixed. The forward pass returns the logits of each
     sequence's last new token, or of all its new tokens where `all_logits[i]` (empty: none):
-    one row each, in order (`logit_rows`).
+    one row each, in order (`logit_rows`). With `hidden`, the runner also keeps those rows'
+    final hidden states (after the model's last norm) as its `hidden`, until the next pass.
     """
 
     token_ids: list[list[int]]
     start_positions: list[int]
     block_tables: list[list[int]]
     all_logits: list[bool] = field(default_factory=list)
+    hidden: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

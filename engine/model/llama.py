@@ -141,6 +141,7 @@ class LlamaModel:
         self.reduce = reduce or (lambda x: x)
         self.rope = RotaryEmbedding(spec, self.dtype, self.device)
         self.workspace = Workspace(self.device)
+        self.hidden = torch.empty(0, spec.hidden_size, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(
@@ -171,6 +172,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
         rows = rms_norm(x[plan.logit_rows], self.norm, self.spec.rms_norm_eps)
+        self.hidden = rows  # a reference, no copy: read by a pass that asks (ForwardBatch)
         return self.lm_head(rows).float()
 
     def matrices(self) -> list[Matrices]:

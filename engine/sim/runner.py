@@ -66,6 +66,7 @@ class SimRunner:
         self.chunk_cost = self._chunk_cost(full)
         self.time_scale = time_scale
         self._states = StateRows(self.cache.k)
+        self.hidden = torch.empty(0, self.spec.hidden_size)
 
     @property
     def kv_fingerprint(self) -> str:
@@ -78,6 +79,8 @@ class SimRunner:
         layer's hook)."""
         began = time.monotonic()
         logit_states = self._advance(batch)
+        if batch.hidden:
+            self.hidden = self._hidden(logit_states)
         duration = self.profile.latency.step_s(batch) * self.time_scale
         layers = self.spec.num_layers if layer_hook is not None else 1
         for layer in range(layers):
@@ -119,6 +122,13 @@ class SimRunner:
             logits[row, picked.letter] = FALLBACK
             logits[row, picked.token] = CHOSEN
         return logits
+
+    def _hidden(self, row_states: list[int]) -> torch.Tensor:
+        """A made-up hidden state for each row, drawn from its state: the same tokens after the
+        same prefix give the same one."""
+        return torch.stack([torch.randn(self.spec.hidden_size,
+                                        generator=torch.Generator().manual_seed(state % 2**63))
+                            for state in row_states])
 
     def _chunk_cost(self, spec: ModelSpec) -> ChunkCost:
         """Keys per token as the profile prices them; the shape's estimate where it prices no

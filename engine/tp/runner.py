@@ -139,6 +139,11 @@ class TensorParallelRunner:
         self.group.send_batch(batch)
         return self.model.forward(batch, self.local_cache, layer_hook)
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        """Rank 0's: the ranks' sums leave each of them the whole hidden state."""
+        return self.model.hidden
+
     def close(self) -> None:
         """Stop the other ranks (they also stop when this process ends). Once is enough."""
         if self._stopping:

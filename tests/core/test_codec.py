@@ -123,7 +123,7 @@ def raw_task(sampling: list[Any]) -> list[Any]:
     """A GenerationTask as msgpack data, with `sampling`'s first four fields (the rest
     neutral unless given)."""
     return [[1], [*sampling, *NEUTRAL_EXTRAS[len(sampling) - 4:]], 4, [], False, "", 0, None,
-            None, None, 0, None]
+            None, None, 0, None, False]
 
 
 def packed(*items: Any) -> bytes:
@@ -258,8 +258,8 @@ def test_a_role_outside_its_choices_is_malformed(message: list[Any]) -> None:
 
 
 def test_a_finish_reason_outside_its_choices_is_malformed() -> None:
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "banana", 0, None, [], []))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 1, 0, None, [], []))  # not even text
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "banana", 0, None, [], [], b""))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, 1, 0, None, [], [], b""))  # not text
     assert decode(encode(FirstToken("r", 0, 5, "length"))) == FirstToken("r", 0, 5, "length")
 
 
@@ -311,16 +311,20 @@ def test_nested_wrong_shapes_are_malformed(task: Any) -> None:
     assert_malformed(packed(TAG[PrefillRequest], "r", 0, task, "d1", "addr", [], "", ""))
 
 
+EVENT_REST: list[Any] = [None, None, [], [], 0, b""]  # a TokenEvent's fields after its token
+
+
 @pytest.mark.parametrize("events", [
     None, "events", [None],
     [["r", 0, 7, None]],  # the old shape, without an index
-    [["r", 0, 1, 7, None, None, [], [], 5, 6]],  # a field too many
-    [["r", 0, "1", 7, None]],  # str where the index is
-    [["r", 0, 1.0, 7, None]],  # float where the index is
-    [["r", 0, None, 7, None]],  # no index
-    [["r", 0, 1, "7", None]],  # str where the token is
-    [["r", 0, 1, 7, 0]],  # int where the finish reason is
-    [["r", 0, 1, 7, None], "x"], {"r": 1},
+    [["r", 0, 1, 7, None, None, [], [], 5, b"", 6]],  # a field too many
+    [["r", 0, "1", 7, *EVENT_REST]],  # str where the index is
+    [["r", 0, 1.0, 7, *EVENT_REST]],  # float where the index is
+    [["r", 0, None, 7, *EVENT_REST]],  # no index
+    [["r", 0, 1, "7", *EVENT_REST]],  # str where the token is
+    [["r", 0, 1, 7, 0, *EVENT_REST[1:]]],  # int where the finish reason is
+    [["r", 0, 1, 7, *EVENT_REST[:-1], [1.0]]],  # a list where the embedding's bytes are
+    [["r", 0, 1, 7, *EVENT_REST], "x"], {"r": 1},
 ], ids=repr)
 def test_malformed_token_batches_are_malformed(events: Any) -> None:
     assert_malformed(packed(TAG[TokenBatch], events))
@@ -384,13 +388,14 @@ def test_a_codec_with_its_own_types() -> None:
 
 
 def test_a_token_batch_as_decode_sends_it_decodes() -> None:
-    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, [], [], 0],
+    data = packed(TAG[TokenBatch], [["r", 0, 1, 7, None, None, [], [], 0, b""],
                                     ["r", 0, 0, 8, "stop", -0.5, [[8, -0.5]],
-                                     [["first_decode", 0.25]], 16]])
+                                     [["first_decode", 0.25]], 16, b"\x00\x00\x80?"]])
     assert decode(data) == TokenBatch([TokenEvent("r", 0, 1, 7, None),
                                        TokenEvent("r", 0, 0, 8, "stop", -0.5,
                                                   [TopLogprob(8, -0.5)],
-                                                  [StageTime("first_decode", 0.25)], 16)])
+                                                  [StageTime("first_decode", 0.25)], 16,
+                                                  b"\x00\x00\x80?")])
 
 
 def test_leave_and_register_again_are_typed() -> None:
@@ -464,17 +469,25 @@ def test_valid_sampling_at_the_edges_decodes(sampling: list[Any]) -> None:
 @pytest.mark.parametrize(("min_tokens", "output_start"), [(-1, None), (0, -1), (0, 2)])
 def test_a_task_failing_its_own_validation_is_malformed(min_tokens: int,
                                                         output_start: int | None) -> None:
-    task = [[1], [1.0, 1.0, 0, None, *NEUTRAL_EXTRAS], 4, [], False, "", min_tokens,
-            output_start, None, 0]
+    task = raw_task([1.0, 1.0, 0, None])
+    task[6:8] = [min_tokens, output_start]
     assert_malformed(packed(TAG[DecodeRequest], "r", 0, task, "fp", [], ""))
 
 
 def test_a_top_logprob_must_be_a_pair_of_id_and_number() -> None:
-    good = packed(TAG[FirstToken], "r", 0, 5, None, 0, -1, [[5, -1]], [])
+    good = packed(TAG[FirstToken], "r", 0, 5, None, 0, -1, [[5, -1]], [], b"")
     assert decode(good) == FirstToken("r", 0, 5, None, 0, -1.0, [TopLogprob(5, -1.0)])
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [[5]], []))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [["5", -1.0]], []))
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, "low", [], []))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [[5]], [], b""))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, -1.0, [["5", -1.0]], [], b""))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, "low", [], [], b""))
+
+
+def test_an_embedding_must_be_bytes() -> None:
+    vector = b"\x00\x00\x80?\x00\x00\x00@"  # 1.0, 2.0
+    first = decode(packed(TAG[FirstToken], "r", 0, 5, "length", 0, None, [], [], vector))
+    assert isinstance(first, FirstToken) and first.embedding == vector
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "length", 0, None, [], [], [1.0, 2.0]))
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, "length", 0, None, [], [], "text"))
 
 
 @pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), float("nan")], ids=repr)
@@ -491,6 +504,6 @@ def test_a_non_finite_temperature_is_refused_and_says_why(temperature: float) ->
     ["prefill_wait", "0.1"], ["prefill_wait"], [None, 0.1],
 ], ids=repr)
 def test_a_stage_must_be_a_known_name_and_a_finite_duration(stage: list[Any]) -> None:
-    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, None, [], [stage]))
-    event = ["r", 0, 1, 7, None, None, [], [stage]]
+    assert_malformed(packed(TAG[FirstToken], "r", 0, 5, None, 0, None, [], [stage], b""))
+    event = ["r", 0, 1, 7, None, None, [], [stage], 0, b""]
     assert_malformed(packed(TAG[TokenBatch], [event]))

@@ -44,8 +44,10 @@ from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
+from gateway.embedding_request import vector_of
 from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
+from tests.reference import last_hidden_state
 
 PROMPT_LEN = 8
 GREEDY = Sampling(temperature=0.0)
@@ -820,3 +822,26 @@ def test_guesses_that_miss_thin_out(tiny_model_dir: Path, tmp_path: Path,
     assert guesses[0] == 2
     assert 0 < sum(map(bool, guesses[20:])) <= 4 < sum(map(bool, guesses[:20]))
     assert (beat.guessed_tokens, beat.kept_guesses) == (sum(guesses), 0)
+
+
+def test_an_embedding_prefilled_here_comes_with_its_first_token_and_frees_its_blocks(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompt = list(range(3, 73))  # 70 tokens: chunks of 16, and 4 full blocks to cache
+    expected = last_hidden_state(tiny_model_dir, prompt)
+    task = GenerationTask(prompt, GREEDY, 1, [], True, embedding=True)
+    with serving(tiny_model_dir, tmp_path, chunk_tokens=16) as (w, gateway):
+        arrive(w, "running", max_tokens=40)  # decoding beside the prompts' chunks
+        firsts: list[TokenEvent] = []
+        for request_id in ("cold", "warm"):
+            w.handle(PrefillRequest(request_id, 0, task, w.worker_id, w.kv_address))
+            while w.step():
+                pass
+            events = [e for m in sent_to_gateway(w, gateway) if isinstance(m, TokenBatch)
+                      for e in m.events]
+            (first,) = [e for e in events if e.request_id == request_id]
+            assert first.finish_reason == "length"
+            assert torch.allclose(torch.tensor(vector_of(first.embedding)), expected, atol=1e-4)
+            assert all(not e.embedding for e in events if e.request_id != request_id)
+            firsts.append(first)
+        assert [first.cached_tokens for first in firsts] == [0, 64]
+        assert w.scheduler.cache.num_available == 256 and not admitted(w)

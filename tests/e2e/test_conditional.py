@@ -1,7 +1,7 @@
 """Work on the decode worker, end to end on a tiny random Llama: prefill in colocated mode
 (`launch.sh --colocated 2`) and under conditional disaggregation (short prompts stay on
-decode), n > 1 choices forked from one prefill, on either path, and a chat's next turn
-prefilled where its history is cached."""
+decode), n > 1 choices forked from one prefill, on either path, embeddings on either path,
+and a chat's next turn prefilled where its history is cached."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, sse_events, with_decode_cache
+from tests.reference import last_hidden_state
 
 pytestmark = pytest.mark.e2e
 
@@ -112,6 +114,28 @@ def test_conditional_keeps_short_prompts_on_decode_and_sends_long_ones_to_prefil
     after = decisions(conditional)
     assert after["local_short"] - before["local_short"] == len(SHORT)
     assert after["disaggregated"] - before["disaggregated"] == len(LONG)
+
+
+def test_embeddings_are_the_same_on_either_path(colocated: Cluster, conditional: Cluster,
+                                                tokenizer: PreTrainedTokenizerBase,
+                                                tiny_model_dir: Path) -> None:
+    """Short inputs stay on decode and long ones go to prefill under conditional routing;
+    every decode worker prefills them in colocated mode (LONG ones in chunks): the same
+    vectors, transformers' own."""
+    before = decisions(conditional)
+    vectors = []
+    for cluster in (conditional, colocated):
+        reply = cluster.client.post("/v1/embeddings", json={"input": SHORT + LONG,
+                                                            "normalize": False})
+        assert reply.status_code == 200, reply.text
+        vectors.append(torch.tensor([item["embedding"] for item in reply.json()["data"]]))
+    after = decisions(conditional)
+    assert after["local_short"] - before["local_short"] == len(SHORT)
+    assert after["disaggregated"] - before["disaggregated"] == len(LONG)
+    expected = torch.stack([last_hidden_state(tiny_model_dir, tokenizer.encode(text))
+                            for text in SHORT + LONG])
+    for got in vectors:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def settles_to_zero(cluster: Cluster, metric: str, worker: str, within_s: float = 5) -> bool:

@@ -16,6 +16,7 @@ from engine.runner import ModelRunner, load_runner, set_threads
 from engine.sim.runner import SimRunner
 from engine.weights.quant_rows import MeasuredQuantRows
 from engine.weights.spec import kv_fingerprint, load_spec
+from tests.reference import last_hidden_state
 
 
 def test_runner_holds_a_matching_model_cache_and_allocator(tiny_model_dir: Path) -> None:
@@ -29,6 +30,17 @@ def test_runner_holds_a_matching_model_cache_and_allocator(tiny_model_dir: Path)
     assert logits.shape == (1, 49152) and logits.dtype == torch.float32
     assert layers == [0, 1]
     assert runner.cache.read(table, 3)[0].abs().sum() > 0
+
+
+def test_a_pass_that_asks_keeps_each_sequence_s_last_hidden_state(tiny_model_dir: Path) -> None:
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
+    runner = ModelRunner(tiny_model_dir, num_blocks=4, block_size=4)
+    tables = [runner.allocator.allocate(2) for _ in prompts]
+    runner.forward(ForwardBatch(prompts, [0, 0], tables, hidden=True))
+    assert runner.hidden.shape == (2, runner.spec.hidden_size)
+    for prompt, row in zip(prompts, runner.hidden, strict=True):
+        torch.testing.assert_close(row, last_hidden_state(tiny_model_dir, prompt),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_runner_agrees_with_fp32_on_greedy_tokens(tiny_model_dir: Path) -> None:

@@ -26,6 +26,7 @@ from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.embedding_request import EmbeddingRequest, LlamaEmbeddingRequest, OllamaEmbedRequest
 from gateway.llamacpp_request import LlamaCompletionRequest
 from gateway.messages_request import MessagesRequest
 from gateway.ollama_request import OllamaChatRequest, OllamaGenerateRequest, Options
@@ -43,6 +44,7 @@ CHAT, TEXT = ROUTES
 MESSAGES = "/v1/messages"
 NATIVE = "/completion"  # llama.cpp's
 OLLAMA = ("/api/chat", "/api/generate")
+OLLAMA_EMBEDDINGS = {"/api/embed": "embeddings", "/api/embeddings": "embedding"}  # -> the list
 Body = tuple[str, bytes]  # (route, raw body)
 KeyPath = tuple[str | int, ...]  # keys and indices from the top of a JSON value
 
@@ -52,6 +54,8 @@ FIELD_NAMES = sorted(
     | set(MessagesRequest.model_fields) | {"tool_use_id", "input", "input_schema", "name"}
     | set(LlamaCompletionRequest.model_fields) | set(OllamaChatRequest.model_fields)
     | set(OllamaGenerateRequest.model_fields) | set(Options.model_fields)
+    | set(EmbeddingRequest.model_fields) | set(OllamaEmbedRequest.model_fields)
+    | set(LlamaEmbeddingRequest.model_fields)
 )
 VALID_BODIES: dict[str, list[dict[str, Any]]] = {
     CHAT: [
@@ -122,6 +126,18 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
                      "seed": 3, "stop": ["x"], "repeat_penalty": 1.1, "num_ctx": 4096,
                      "mirostat": 0}},
     ],
+    "/v1/embeddings": [
+        {"model": MODEL, "input": "Hi"},
+        {"input": [[1, 2, 3], "two"], "encoding_format": "base64", "dimensions": 8,
+         "truncate_prompt_tokens": 4, "add_special_tokens": False, "normalize": False,
+         "user": "u"},
+    ],
+    "/api/embed": [
+        {"model": f"{MODEL}:latest", "input": ["Hi", "there"], "truncate": False,
+         "dimensions": 8, "options": {"num_ctx": 512}, "keep_alive": "5m"},
+    ],
+    "/api/embeddings": [{"model": MODEL, "prompt": "Hi", "options": {}}],
+    "/embedding": [{"content": ["Hi", [1, 2]], "embd_normalize": 1}, {"input": "Hi"}],
     "/api/generate": [
         {"model": MODEL, "prompt": "Hi", "system": "be brief", "context": [1, 2],
          "options": {"num_predict": -1}, "format": {"type": "object"}},
@@ -328,12 +344,16 @@ def client(real_model_dir: Path) -> Iterator[TestClient]:
 
 def check_reply(client: TestClient, route: str, body: bytes) -> int:
     """Post one body: any reply but a 4xx error in the route's shape or the no-worker 503 is a
-    failure (but Ollama's answer to a body with nothing to generate: the model 'loads').
+    failure (but Ollama's answer to a body with nothing to generate or embed: the model
+    'loads').
     Returns the status code."""
     response = client.post(route, content=body, headers={"content-type": "application/json"})
     assert response.status_code != 500, response.text
     if route in OLLAMA and response.status_code == 200:
         assert response.json()["done_reason"] in ("load", "unload"), response.text
+        return 200
+    if route in OLLAMA_EMBEDDINGS and response.status_code == 200:  # no input: 'loads'
+        assert response.json()[OLLAMA_EMBEDDINGS[route]] == [], response.text
         return 200
     assert 400 <= response.status_code < 500 or is_no_worker(response, route), response.text
     error_message_of(response, route)

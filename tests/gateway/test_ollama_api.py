@@ -42,7 +42,7 @@ def test_errors_under_api_are_ollama_s(client: TestClient) -> None:
     assert missing.status_code == 404 and "llama3" in ollama_error_of(missing)
     assert client.get("/api/chat").status_code == 405
     assert ollama_error_of(client.get("/api/chat"))
-    assert ollama_error_of(client.post("/api/embed", json={})) == "no route /api/embed"
+    assert ollama_error_of(client.post("/api/pull", json={})) == "no route /api/pull"
     assert error_of(client.post("/v1/chat/completions", json={"model": "llama3",
                                                                "messages": HI}))
 

@@ -36,8 +36,10 @@ from core.messages import (
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
+from gateway.embedding_request import vector_of
 from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
 from prefill.worker import PrefillWorker
+from tests.reference import last_hidden_state
 
 LAYERS = 6
 WAIT_S = 5.0
@@ -521,3 +523,46 @@ def test_it_registers_the_cpus_and_threads_it_computes_with(setup) -> None:
     register = worker.registration()
     assert register.role == "prefill" and register.cpus == sorted(os.sched_getaffinity(0))
     assert register.threads == torch.get_num_threads() and register.max_running == 0
+
+
+def embedding_task(prompt: list[int]) -> GenerationTask:
+    return GenerationTask(prompt, Sampling(temperature=0.0), 1, [], True, embedding=True)
+
+
+def test_an_embedding_comes_with_the_first_token_computed_cached_or_in_chunks(setup) -> None:
+    worker, gateway, receiver = setup
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks before the last one
+    expected = last_hidden_state(worker.runner.model_dir, prompt)
+    cold = prefill_one(worker, gateway, receiver, "cold", task=embedding_task(prompt))
+    warm = prefill_one(worker, gateway, receiver, "warm", task=embedding_task(prompt))
+    chunk_by_tokens(worker)
+    to_worker(gateway, PrefillRequest("chunked", 0, replace(embedding_task(prompt),
+                                                               cache_salt="b"),
+                                      "decode-0", receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    while worker.step():
+        pass
+    (chunked,) = firsts(gateway)
+    assert (cold.cached_tokens, warm.cached_tokens, chunked.cached_tokens) == (0, 48, 0)
+    for first in (cold, warm, chunked):
+        assert first.finish_reason == "length"
+        assert torch.allclose(torch.tensor(vector_of(first.embedding)), expected, atol=1e-4)
+    assert received(receiver) == {}  # nothing for decode: the request ends here
+    assert worker.jobs == {} and worker.cache.num_available == 64
+
+
+def test_in_a_batch_only_the_request_that_asks_gets_an_embedding(setup) -> None:
+    worker, gateway, receiver = setup
+    asked = list(range(10, 30))
+    to_worker(gateway, PrefillRequest("asked", 0, embedding_task(asked), "decode-0",
+                                      receiver.address))
+    to_worker(gateway, request("other", receiver.address))
+    time.sleep(0.1)
+    worker.take_control()
+    assert worker.step() and not worker.step()  # one pass for both
+    sent = {first.request_id: first for first in firsts(gateway)}
+    assert sent["other"].embedding == b"" and sent["asked"].embedding
+    expected = last_hidden_state(worker.runner.model_dir, asked)
+    assert torch.allclose(torch.tensor(vector_of(sent["asked"].embedding)), expected, atol=1e-4)
+    assert list(received(receiver)) == ["other"]

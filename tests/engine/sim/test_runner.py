@@ -47,6 +47,16 @@ def test_greedy_tokens_are_the_chain_and_sampling_draws_them_too(folder: Path) -
     assert sample(logits.expand(50, -1), [hot] * 50, generators) == [expected[0]] * 50
 
 
+def test_a_made_up_hidden_state_follows_the_tokens_and_their_prefix(folder: Path) -> None:
+    runner = SimRunner(folder, 32, BLOCK, time_scale=0)
+    prompts = [list(b"The sea"), list(b"The sky"), list(b"The sea")]
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(3)]
+    runner.forward(ForwardBatch(prompts, [0, 0, 0], tables, hidden=True))
+    first, other, again = runner.hidden
+    assert runner.hidden.shape == (3, runner.spec.hidden_size)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
 def test_a_sequence_remembers_only_through_its_kv(folder: Path) -> None:
     """Decoding on a second runner after its KV is copied over continues the chain; a block of
     that KV lost (zeros) derails it."""

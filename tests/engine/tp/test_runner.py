@@ -58,9 +58,13 @@ def test_two_ranks_generate_what_one_process_and_transformers_do(
                 theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=10,
                                             min_new_tokens=10, do_sample=False)
                 assert theirs[0, len(prompt):].tolist() == tokens
-            logits = split.forward(ForwardBatch([prompts[1]], [0], [list(range(8))]))[0]
-            expected = reference(torch.tensor([prompts[1]])).logits[0, -1]
-            assert (logits - expected).abs().max().item() < TOLERANCE
+            logits = split.forward(ForwardBatch([prompts[1]], [0], [list(range(8))],
+                                                hidden=True))[0]
+            expected = reference(torch.tensor([prompts[1]]), output_hidden_states=True)
+            assert (logits - expected.logits[0, -1]).abs().max().item() < TOLERANCE
+            # the last of transformers' hidden states is after the final norm
+            hidden = expected.hidden_states[-1][0, -1]
+            assert (split.hidden[0] - hidden).abs().max().item() < TOLERANCE
     finally:
         split.close()
     assert all(process.poll() is not None for process in split.ranks)

@@ -1,0 +1,125 @@
+"""The bodies of the embedding routes, and what is done to a vector the workers send.
+
+OpenAI's `POST /v1/embeddings` (with vLLM's extras: `truncate_prompt_tokens`,
+`add_special_tokens`, `normalize`, `priority`), Ollama's `POST /api/embed` and its older
+`POST /api/embeddings`, llama.cpp's `POST /embedding` (`content`, `embd_normalize`). A vector
+comes from a worker as float32 bytes (engine/pooling.py); each API cuts it to `dimensions`
+first, then normalizes it its own way.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from gateway.protocol import TokenId, normalize_prompts
+from gateway.validation import RequestModel, invalid_value
+
+MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
+EUCLIDEAN, UNNORMALIZED = 2, -1  # llama.cpp's embd_normalize values
+_INT16_SCALE = 32760.0  # llama.cpp's embd_normalize 0: the largest value scaled to this
+
+
+class EmbeddingRequest(RequestModel):
+    """`POST /v1/embeddings`: one input (text or token ids) or a list of them."""
+
+    input: list[str | list[TokenId]] = Field(max_length=MAX_INPUTS)
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = Field(default=None, max_length=256)  # ignored, as vLLM does
+    # vLLM's: keep the last k tokens of a longer input (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool = True
+    normalize: bool = True
+    priority: int = 0
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: object) -> object:
+        return normalize_prompts(value, "input")
+
+
+class OllamaEmbedRequest(RequestModel):
+    """Ollama's `POST /api/embed`: a text or several; no input only 'loads' the model."""
+
+    # As Ollama reads them, the options' numbers may come as floats: not strict.
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] = Field(default_factory=list)
+    truncate: bool = True  # False: an input longer than the context is an error
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, object] | None = None  # the model's load settings: ignored
+    keep_alive: str | float | None = None  # ignored: the model stays loaded
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
+
+
+class OllamaEmbeddingsRequest(RequestModel):
+    """Ollama's older `POST /api/embeddings`: one text, its vector not normalized."""
+
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    prompt: str = ""  # "": no vector, the model only 'loads'
+    options: dict[str, object] | None = None
+    keep_alive: str | float | None = None
+
+
+class LlamaEmbeddingRequest(RequestModel):
+    """llama.cpp's `POST /embedding` (and `/embeddings`): `content` (or `input`), one text or
+    token list or several; `embd_normalize` picks the norm (2 Euclidean, -1 none, 0 the
+    largest value scaled to int16's range, 1 taxicab, p > 2 the p-norm)."""
+
+    content: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
+    input: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
+    embd_normalize: int = Field(default=EUCLIDEAN, ge=-1, le=64)
+    add_special: bool = True  # llama.cpp's: the tokenizer's BOS and the like
+
+    @field_validator("content", "input", mode="before")
+    @classmethod
+    def _inputs(cls, value: object) -> object:
+        return None if value is None else normalize_prompts(value, "content")
+
+    @model_validator(mode="after")
+    def _given(self) -> LlamaEmbeddingRequest:
+        if self.content is None and self.input is None:
+            raise invalid_value("give content")
+        return self
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        given = self.content if self.content is not None else self.input
+        assert given is not None, "checked as it was read"
+        return given
+
+
+def vector_of(data: bytes) -> list[float]:
+    """The floats a worker sent (little-endian float32)."""
+    return list(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def normalized(vector: list[float], norm: int = EUCLIDEAN) -> list[float]:
+    """`vector` divided by its `norm` (llama.cpp's embd_normalize numbering); a zero vector
+    stays zero."""
+    if norm == UNNORMALIZED:
+        return vector
+    if norm == 0:
+        size = max((abs(x) for x in vector), default=0.0) / _INT16_SCALE
+    elif norm == EUCLIDEAN:
+        size = math.sqrt(math.fsum(x * x for x in vector))
+    else:
+        size = math.fsum(abs(x) ** norm for x in vector) ** (1 / norm)
+    return [x / size for x in vector] if size > 0 else vector
+
+
+def base64_of(vector: list[float]) -> str:
+    """OpenAI's `encoding_format: base64`: the float32 bytes, little-endian, in base64."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

@@ -1,0 +1,209 @@
+"""Embeddings: a text's vector, as OpenAI's `POST /v1/embeddings` returns it here (Ollama's and
+llama.cpp's routes ask the same `Embedder`).
+
+A decoder's embedding of a text is its last token's final hidden state, as vLLM pools a decoder
+it serves for embeddings. Each input runs as a prompt with one token to draw (greedy, never
+shown) on whichever worker prefills it, which sends the hidden state with that token
+(engine/pooling.py); the prefix cache serves it as any prompt. The vector is cut to the
+`dimensions` asked for, then normalized (gateway/embedding_request.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from core.messages import GenerationTask, Sampling
+from gateway.auth import cache_salt
+from gateway.embedding_request import (
+    EUCLIDEAN,
+    UNNORMALIZED,
+    EmbeddingRequest,
+    base64_of,
+    normalized,
+    vector_of,
+)
+from gateway.errors import APIError, bad_request
+from gateway.handle import RequestHandle
+from gateway.openai_api import OpenAIRoutes
+from gateway.reply import wait_for_disconnect
+from gateway.validation import parse_body
+
+WINDOW = 32  # a request's inputs in flight at once: a long list goes through in turns
+Prompt = tuple[str | list[int], bool]  # an input, and whether its text gets special tokens
+
+
+class Embedder:
+    """Vectors of prompts, over `routes`' admission and dispatch."""
+
+    def __init__(self, routes: OpenAIRoutes) -> None:
+        self.routes = routes
+        self.state = routes.state
+
+    async def token_ids(self, inputs: Sequence[str | list[int]], special: bool = True
+                        ) -> list[list[int]]:
+        """Each input's token ids (a text tokenized, given ids checked)."""
+        return [await self.routes.tokenize_with(_token_ids, (text, special)) for text in inputs]
+
+    def room(self) -> int:
+        """The most tokens an input may have: the context, less the token drawn after it."""
+        return self.routes.context_limit() - 1
+
+    def size(self, dimensions: int | None) -> int:
+        """The vector's length a request asks for: its first `dimensions` values (as a
+        Matryoshka model's are read), at most the model's hidden size."""
+        facts = self.state.facts
+        assert facts is not None, "the app's state has the model's facts"
+        hidden = facts.spec.hidden_size
+        if dimensions is not None and dimensions > hidden:
+            raise bad_request(f"dimensions must be at most {hidden}, the model's hidden size",
+                              param="dimensions")
+        return dimensions or hidden
+
+    async def vectors(self, request: Request, route: str, prompts: list[list[int]],
+                      priority: int = 0) -> list[list[float]]:
+        """Each prompt's vector as the model leaves it (not normalized); a 400 for a prompt
+        that is empty or longer than `room()`, the admission's 429 or 503, a 503 when a
+        worker fails it; a client gone first aborts them all (ClientDisconnect)."""
+        await self.state.dispatcher.until_decode_serves()
+        self._check_lengths(prompts)
+        self.routes.admit(sum(len(ids) for ids in prompts[:WINDOW]))
+        salt = cache_salt(request)
+        tasks = [_embedding_task(ids, salt, priority) for ids in prompts]
+        self.state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        self.state.metrics.inflight.inc()
+        outcome = "aborted"
+        try:
+            vectors = await _unless_gone(request, self._all(tasks))
+            outcome = "ok"
+            return vectors
+        except APIError:
+            outcome = "error"
+            raise
+        finally:
+            self.state.metrics.inflight.dec()
+            self.state.metrics.requests.labels(route, outcome).inc()
+
+    def _check_lengths(self, prompts: list[list[int]]) -> None:
+        room = self.room()
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise bad_request(f"input {index} is empty: it must have at least one token",
+                                  param="input")
+            if len(ids) > room:
+                raise bad_request(
+                    f"This model's maximum context length is {room + 1} tokens. However, you "
+                    f"requested {len(ids)} tokens in the input for embedding generation. "
+                    "Please reduce the length of the input.",
+                    param="input", code="context_length_exceeded")
+
+    async def _all(self, tasks: list[GenerationTask]) -> list[list[float]]:
+        vectors: list[list[float]] = []
+        for start in range(0, len(tasks), WINDOW):
+            vectors += await self._window(tasks[start:start + WINDOW])
+        return vectors
+
+    async def _window(self, tasks: list[GenerationTask]) -> list[list[float]]:
+        """The tasks' vectors, all in flight at once; any left unfinished (one failed, the
+        client left) are aborted."""
+        dispatcher = self.state.dispatcher
+        handles: list[RequestHandle] = []
+        waits: list[asyncio.Future[list[float]]] = []
+        try:
+            for task in tasks:
+                handles.append(dispatcher.submit(task))
+            waits = [asyncio.ensure_future(self._vector(handle)) for handle in handles]
+            return list(await asyncio.gather(*waits))
+        finally:
+            for wait in waits:
+                wait.cancel()
+            for handle in handles:
+                dispatcher.abort(handle)
+
+    async def _vector(self, handle: RequestHandle) -> list[float]:
+        timeout = self.state.config.gateway.progress_timeout_s
+        try:
+            event = await asyncio.wait_for(handle.events.get(), timeout)
+        except TimeoutError:
+            raise _failed("the request made no progress in time") from None
+        if event.token_id is None:
+            raise _failed(event.error)
+        if not event.embedding:
+            raise _failed("its worker sent no embedding (a worker of another version?)")
+        return vector_of(event.embedding)
+
+
+class EmbeddingRoutes:
+    """`POST /v1/embeddings`, OpenAI's (and vLLM's)."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+        self.routes = embedder.routes
+
+    async def embeddings(self, request: Request) -> Response:
+        body = parse_body(EmbeddingRequest, await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self.routes.served_model(body.model)
+        size = self.embedder.size(body.dimensions)
+        prompts = await self.embedder.token_ids(body.input, body.add_special_tokens)
+        keep = body.truncate_prompt_tokens
+        if keep is not None:  # vLLM's: the last tokens
+            keep = self.embedder.room() if keep == -1 else keep
+            prompts = [ids[-keep:] if keep else [] for ids in prompts]
+        vectors = await self.embedder.vectors(request, "embeddings", prompts, body.priority)
+        norm = EUCLIDEAN if body.normalize else UNNORMALIZED
+        data = [{"object": "embedding", "index": index,
+                 "embedding": _encoded(normalized(vector[:size], norm), body.encoding_format)}
+                for index, vector in enumerate(vectors)]
+        tokens = sum(len(ids) for ids in prompts)
+        return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list",
+                             "created": int(time.time()), "model": model, "data": data,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    text, special = prompt
+    if isinstance(text, str):
+        return list(tokenizer.encode(text, add_special_tokens=special))
+    vocab = len(tokenizer)
+    if any(token >= vocab for token in text):
+        raise bad_request(f"input token ids must be below {vocab}", param="input")
+    return list(text)
+
+
+def _embedding_task(prompt_ids: list[int], salt: str, priority: int) -> GenerationTask:
+    """A prompt whose embedding is asked for: one token drawn after it, greedily."""
+    return GenerationTask(prompt_ids=prompt_ids, sampling=Sampling(temperature=0.0),
+                          max_tokens=1, stop_token_ids=[], ignore_eos=True, cache_salt=salt,
+                          priority=priority, embedding=True)
+
+
+async def _unless_gone(request: Request, work: Any) -> list[list[float]]:
+    """`work`'s result, unless the client disconnects first (then it is cancelled, and its
+    requests aborted)."""
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    worker = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+        if worker not in done:
+            raise ClientDisconnect
+        result: list[list[float]] = worker.result()
+        return result
+    finally:
+        watcher.cancel()
+        worker.cancel()
+
+
+def _failed(reason: str) -> APIError:
+    return APIError(503, reason, "server_error", code="embedding_failed")
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    return base64_of(vector) if encoding == "base64" else vector
