@@ -107,9 +107,13 @@ class Sampler:
                     ) -> dict[RequestKey, bytes]:
         """The embedding of each prompt prefilled here just now that asked for one, from the
         step's hidden states (the batch kept them: decode/batch.py)."""
-        return {s.key: embedding_bytes(self.runner.hidden[row])
-                for s, row in zip(ready, rows, strict=True)
-                if s.request.task.embedding and s.num_generated == 0}
+        asking = [(s.key, row) for s, row in zip(ready, rows, strict=True)
+                  if s.request.task.embedding and s.num_generated == 0]
+        if not asking:
+            return {}
+        keys, rows_asked = zip(*asking, strict=True)
+        vectors = embedding_bytes(self.runner.hidden[list(rows_asked)])
+        return dict(zip(keys, vectors, strict=True))
 
     def _sample(self, ready: list[DecodeSequence], logits: torch.Tensor,
                 embeddings: dict[RequestKey, bytes]) -> list[TokenEvent]:

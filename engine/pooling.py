@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 
-def embedding_bytes(hidden: torch.Tensor) -> bytes:
-    """One hidden state `[hidden_size]` on the wire."""
-    assert hidden.dim() == 1, "one row"
-    return hidden.float().cpu().numpy().astype("<f4").tobytes()
+def embedding_bytes(hidden: torch.Tensor) -> list[bytes]:
+    """Each row of `hidden` `[rows, hidden_size]` as it goes on the wire (one copy off the
+    device for all of them)."""
+    assert hidden.dim() == 2, "rows of hidden states"
+    return [row.tobytes() for row in hidden.float().cpu().numpy().astype("<f4")]

@@ -10,13 +10,12 @@ first, then normalizes it its own way.
 from __future__ import annotations
 
 import base64
-import math
-import struct
 from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from gateway.protocol import TokenId, normalize_prompts
+from gateway.protocol import INT64_MAX, INT64_MIN, TokenId, normalize_prompts
 from gateway.validation import RequestModel, invalid_value
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
@@ -36,7 +35,7 @@ class EmbeddingRequest(RequestModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool = True
     normalize: bool = True
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -59,7 +58,10 @@ class OllamaEmbedRequest(RequestModel):
 
     @property
     def inputs(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else self.input
+        """The texts to embed: an empty `input` is none, as Ollama reads it."""
+        if isinstance(self.input, str):
+            return [self.input] if self.input else []
+        return self.input
 
 
 class OllamaEmbeddingsRequest(RequestModel):
@@ -82,11 +84,12 @@ class LlamaEmbeddingRequest(RequestModel):
     input: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
     embd_normalize: int = Field(default=EUCLIDEAN, ge=-1, le=64)
     add_special: bool = True  # llama.cpp's: the tokenizer's BOS and the like
+    model: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("content", "input", mode="before")
     @classmethod
     def _inputs(cls, value: object) -> object:
-        return None if value is None else normalize_prompts(value, "content")
+        return None if value is None else normalize_prompts(value, "content or input")
 
     @model_validator(mode="after")
     def _given(self) -> LlamaEmbeddingRequest:
@@ -101,25 +104,23 @@ class LlamaEmbeddingRequest(RequestModel):
         return given
 
 
-def vector_of(data: bytes) -> list[float]:
-    """The floats a worker sent (little-endian float32)."""
-    return list(struct.unpack(f"<{len(data) // 4}f", data))
+def vector_of(data: bytes) -> np.ndarray:
+    """The floats a worker sent (little-endian float32), as float64 for the sums after."""
+    return np.frombuffer(data, dtype="<f4").astype(np.float64)
 
 
-def normalized(vector: list[float], norm: int = EUCLIDEAN) -> list[float]:
+def normalized(vector: np.ndarray, norm: int = EUCLIDEAN) -> np.ndarray:
     """`vector` divided by its `norm` (llama.cpp's embd_normalize numbering); a zero vector
     stays zero."""
-    if norm == UNNORMALIZED:
+    largest = float(np.abs(vector).max(initial=0.0))
+    if norm == UNNORMALIZED or largest == 0.0:
         return vector
     if norm == 0:
-        size = max((abs(x) for x in vector), default=0.0) / _INT16_SCALE
-    elif norm == EUCLIDEAN:
-        size = math.sqrt(math.fsum(x * x for x in vector))
-    else:
-        size = math.fsum(abs(x) ** norm for x in vector) ** (1 / norm)
-    return [x / size for x in vector] if size > 0 else vector
+        return vector * (_INT16_SCALE / largest)
+    scaled = np.abs(vector) / largest  # in [0, 1]: no power of it overflows
+    return vector / (largest * float(np.sum(scaled**norm)) ** (1 / norm))
 
 
-def base64_of(vector: list[float]) -> str:
+def base64_of(vector: np.ndarray) -> str:
     """OpenAI's `encoding_format: base64`: the float32 bytes, little-endian, in base64."""
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")

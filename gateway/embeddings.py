@@ -11,13 +11,15 @@ shown) on whichever worker prefills it, which sends the hidden state with that t
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
+import numpy as np
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from core.messages import GenerationTask, Sampling
@@ -32,12 +34,14 @@ from gateway.embedding_request import (
 )
 from gateway.errors import APIError, bad_request
 from gateway.handle import RequestHandle
-from gateway.openai_api import OpenAIRoutes
+from gateway.openai_api import OpenAIRoutes, client_request_id
 from gateway.reply import wait_for_disconnect
-from gateway.validation import parse_body
+from gateway.validation import RequestModel, parse_body
 
 WINDOW = 32  # a request's inputs in flight at once: a long list goes through in turns
 Prompt = tuple[str | list[int], bool]  # an input, and whether its text gets special tokens
+_Body = TypeVar("_Body", bound=RequestModel)
+_Result = TypeVar("_Result")
 
 
 class Embedder:
@@ -46,6 +50,14 @@ class Embedder:
     def __init__(self, routes: OpenAIRoutes) -> None:
         self.routes = routes
         self.state = routes.state
+
+    async def body(self, request: Request, model: type[_Body]) -> _Body:
+        """The request's body as `model`, read off the event loop (a list of 2,048 inputs
+        takes a while), its unknown fields noted or refused."""
+        data = await self.routes.read_body(request)
+        body = await asyncio.to_thread(parse_body, model, data)
+        self.routes.ignored.check(body)
+        return body
 
     async def token_ids(self, inputs: Sequence[str | list[int]], special: bool = True
                         ) -> list[list[int]]:
@@ -59,25 +71,28 @@ class Embedder:
     def size(self, dimensions: int | None) -> int:
         """The vector's length a request asks for: its first `dimensions` values (as a
         Matryoshka model's are read), at most the model's hidden size."""
-        facts = self.state.facts
-        assert facts is not None, "the app's state has the model's facts"
-        hidden = facts.spec.hidden_size
+        hidden = self.hidden_size
         if dimensions is not None and dimensions > hidden:
             raise bad_request(f"dimensions must be at most {hidden}, the model's hidden size",
                               param="dimensions")
         return dimensions or hidden
 
+    @property
+    def hidden_size(self) -> int:
+        facts = self.state.facts
+        assert facts is not None, "the app's state has the model's facts"
+        return facts.spec.hidden_size
+
     async def vectors(self, request: Request, route: str, prompts: list[list[int]],
-                      priority: int = 0) -> list[list[float]]:
+                      priority: int = 0) -> list[np.ndarray]:
         """Each prompt's vector as the model leaves it (not normalized); a 400 for a prompt
-        that is empty or longer than `room()`, the admission's 429 or 503, a 503 when a
-        worker fails it; a client gone first aborts them all (ClientDisconnect)."""
+        that is empty or longer than `room()`, the admission's 429 or 503 (each window of
+        inputs is admitted as it goes out), a 503 when a worker fails one; a client gone
+        first aborts them all (ClientDisconnect)."""
         await self.state.dispatcher.until_decode_serves()
         self._check_lengths(prompts)
-        self.routes.admit(sum(len(ids) for ids in prompts[:WINDOW]))
         salt = cache_salt(request)
         tasks = [_embedding_task(ids, salt, priority) for ids in prompts]
-        self.state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         self.state.metrics.inflight.inc()
         outcome = "aborted"
         try:
@@ -104,21 +119,24 @@ class Embedder:
                     "Please reduce the length of the input.",
                     param="input", code="context_length_exceeded")
 
-    async def _all(self, tasks: list[GenerationTask]) -> list[list[float]]:
-        vectors: list[list[float]] = []
+    async def _all(self, tasks: list[GenerationTask]) -> list[np.ndarray]:
+        vectors: list[np.ndarray] = []
         for start in range(0, len(tasks), WINDOW):
             vectors += await self._window(tasks[start:start + WINDOW])
         return vectors
 
-    async def _window(self, tasks: list[GenerationTask]) -> list[list[float]]:
-        """The tasks' vectors, all in flight at once; any left unfinished (one failed, the
-        client left) are aborted."""
+    async def _window(self, tasks: list[GenerationTask]) -> list[np.ndarray]:
+        """The tasks' vectors, admitted and sent together (nothing awaited in between, so
+        that no other request slips past the same admission), then all in flight at once;
+        any left unfinished (one failed, the client left) are aborted."""
         dispatcher = self.state.dispatcher
+        self.routes.admit(sum(len(task.prompt_ids) for task in tasks))
         handles: list[RequestHandle] = []
-        waits: list[asyncio.Future[list[float]]] = []
+        waits: list[asyncio.Future[np.ndarray]] = []
         try:
             for task in tasks:
                 handles.append(dispatcher.submit(task))
+            self.state.metrics.prompt_tokens.inc(sum(len(task.prompt_ids) for task in tasks))
             waits = [asyncio.ensure_future(self._vector(handle)) for handle in handles]
             return list(await asyncio.gather(*waits))
         finally:
@@ -127,7 +145,7 @@ class Embedder:
             for handle in handles:
                 dispatcher.abort(handle)
 
-    async def _vector(self, handle: RequestHandle) -> list[float]:
+    async def _vector(self, handle: RequestHandle) -> np.ndarray:
         timeout = self.state.config.gateway.progress_timeout_s
         try:
             event = await asyncio.wait_for(handle.events.get(), timeout)
@@ -136,7 +154,8 @@ class Embedder:
         if event.token_id is None:
             raise _failed(event.error)
         if not event.embedding:
-            raise _failed("its worker sent no embedding (a worker of another version?)")
+            raise _failed("its worker sent no embedding")
+        self.state.metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
         return vector_of(event.embedding)
 
 
@@ -148,8 +167,7 @@ class EmbeddingRoutes:
         self.routes = embedder.routes
 
     async def embeddings(self, request: Request) -> Response:
-        body = parse_body(EmbeddingRequest, await self.routes.read_body(request))
-        self.routes.ignored.check(body)
+        body = await self.embedder.body(request, EmbeddingRequest)
         model = self.routes.served_model(body.model)
         size = self.embedder.size(body.dimensions)
         prompts = await self.embedder.token_ids(body.input, body.add_special_tokens)
@@ -159,13 +177,29 @@ class EmbeddingRoutes:
             prompts = [ids[-keep:] if keep else [] for ids in prompts]
         vectors = await self.embedder.vectors(request, "embeddings", prompts, body.priority)
         norm = EUCLIDEAN if body.normalize else UNNORMALIZED
-        data = [{"object": "embedding", "index": index,
-                 "embedding": _encoded(normalized(vector[:size], norm), body.encoding_format)}
-                for index, vector in enumerate(vectors)]
         tokens = sum(len(ids) for ids in prompts)
-        return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list",
-                             "created": int(time.time()), "model": model, "data": data,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+        def reply() -> dict[str, Any]:
+            data = [{"object": "embedding", "index": index, "embedding": _encoded(
+                normalized(vector[:size], norm), body.encoding_format)}
+                for index, vector in enumerate(vectors)]
+            return {"id": f"embd-{uuid.uuid4().hex}", "object": "list",
+                    "created": int(time.time()), "model": model, "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+        return await json_reply(request, reply)
+
+
+async def json_reply(request: Request, make: Callable[[], object]) -> Response:
+    """`make()`'s JSON, made and written off the event loop (2,048 vectors of 4,096 values take
+    seconds, which no other client's stream should wait for), as JSONResponse writes it; the
+    client's X-Request-Id echoed."""
+    def render() -> bytes:
+        return json.dumps(make(), ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8")
+
+    return Response(await asyncio.to_thread(render), media_type="application/json",
+                    headers=client_request_id(request))
 
 
 def _token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
@@ -185,7 +219,7 @@ def _embedding_task(prompt_ids: list[int], salt: str, priority: int) -> Generati
                           priority=priority, embedding=True)
 
 
-async def _unless_gone(request: Request, work: Any) -> list[list[float]]:
+async def _unless_gone(request: Request, work: Awaitable[_Result]) -> _Result:
     """`work`'s result, unless the client disconnects first (then it is cancelled, and its
     requests aborted)."""
     watcher = asyncio.create_task(wait_for_disconnect(request))
@@ -194,8 +228,7 @@ async def _unless_gone(request: Request, work: Any) -> list[list[float]]:
         done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
         if worker not in done:
             raise ClientDisconnect
-        result: list[list[float]] = worker.result()
-        return result
+        return worker.result()
     finally:
         watcher.cancel()
         worker.cancel()
@@ -205,5 +238,8 @@ def _failed(reason: str) -> APIError:
     return APIError(503, reason, "server_error", code="embedding_failed")
 
 
-def _encoded(vector: list[float], encoding: str) -> list[float] | str:
-    return base64_of(vector) if encoding == "base64" else vector
+def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64_of(vector)
+    values: list[float] = vector.tolist()
+    return values

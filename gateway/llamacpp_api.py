@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.weights.tokenizer import decode_text
 from gateway.embedding_request import LlamaEmbeddingRequest, normalized
-from gateway.embeddings import Embedder
+from gateway.embeddings import Embedder, json_reply
 from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
 from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
@@ -27,7 +27,6 @@ from gateway.prompts import render_chat_text, tokenize_prompt
 from gateway.protocol import TokenizeRequest, parse_tokenize_request
 from gateway.reply import CompletionFormat
 from gateway.state import server_version
-from gateway.validation import parse_body
 
 
 class LlamaCppRoutes:
@@ -62,13 +61,14 @@ class LlamaCppRoutes:
     async def embedding(self, request: Request) -> Response:
         """Each input's vector, normalized as `embd_normalize` says, in llama.cpp's shape: a
         list of `{index, embedding}`, the embedding a list of one vector (the pooled one)."""
-        body = parse_body(LlamaEmbeddingRequest, await self.routes.read_body(request))
-        self.routes.ignored.check(body)
+        body = await self.embedder.body(request, LlamaEmbeddingRequest)
+        self.routes.served_model(body.model)
         prompts = await self.embedder.token_ids(body.inputs, body.add_special)
         vectors = await self.embedder.vectors(request, "embedding", prompts)
         norm = body.embd_normalize
-        return JSONResponse([{"index": index, "embedding": [normalized(vector, norm)]}
-                             for index, vector in enumerate(vectors)])
+        return await json_reply(request, lambda: [
+            {"index": index, "embedding": [normalized(vector, norm).tolist()]}
+            for index, vector in enumerate(vectors)])
 
     async def props(self, request: Request) -> Response:
         """What llama.cpp's clients read of its server: the context and sampling defaults,

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.embedding_request import OllamaEmbeddingsRequest, OllamaEmbedRequest, normalized
-from gateway.embeddings import Embedder
+from gateway.embeddings import Embedder, json_reply
 from gateway.errors import bad_request
 from gateway.model_facts import ModelFacts
 from gateway.ollama_reply import OllamaAsk, loaded, nanoseconds
@@ -107,33 +107,33 @@ class OllamaRoutes:
 
     async def embed(self, request: Request) -> Response:
         """`POST /api/embed`: each input's vector, normalized; an input longer than the
-        context is cut to it unless `truncate` is false. No input: the model 'loads'."""
+        context is cut to it unless `truncate` is false; `dimensions` above the model's are
+        all of them, as Ollama takes them. No input: the model 'loads'."""
         started = time.monotonic()
-        body = parse_body(OllamaEmbedRequest, await self.routes.read_body(request))
-        self.routes.ignored.check(body)
+        body = await self.embedder.body(request, OllamaEmbedRequest)
         model = self._echoed(body.model)
-        size = self.embedder.size(body.dimensions)
+        size = min(body.dimensions or self.embedder.hidden_size, self.embedder.hidden_size)
         prompts = await self.embedder.token_ids(body.inputs)
         if body.truncate:
             prompts = [ids[:self.embedder.room()] for ids in prompts]
         vectors = await self.embedder.vectors(request, "ollama_embed", prompts) if prompts else []
-        return JSONResponse({
-            "model": model, "embeddings": [normalized(v[:size]) for v in vectors],
-            "total_duration": nanoseconds(time.monotonic() - started), "load_duration": 0,
+        took = nanoseconds(time.monotonic() - started)
+        return await json_reply(request, lambda: {
+            "model": model, "embeddings": [normalized(v[:size]).tolist() for v in vectors],
+            "total_duration": took, "load_duration": 0,
             "prompt_eval_count": sum(len(ids) for ids in prompts)})
 
     async def embeddings(self, request: Request) -> Response:
         """`POST /api/embeddings`, the older route: one prompt's vector, not normalized (cut
         to the context); no prompt: an empty one."""
-        body = parse_body(OllamaEmbeddingsRequest, await self.routes.read_body(request))
-        self.routes.ignored.check(body)
+        body = await self.embedder.body(request, OllamaEmbeddingsRequest)
         self._served(body.model)
         if not body.prompt:
             return JSONResponse({"embedding": []})
         (prompt_ids,) = await self.embedder.token_ids([body.prompt])
         prompt_ids = prompt_ids[:self.embedder.room()]
         (vector,) = await self.embedder.vectors(request, "ollama_embeddings", [prompt_ids])
-        return JSONResponse({"embedding": vector})
+        return await json_reply(request, lambda: {"embedding": vector.tolist()})
 
     async def tags(self, request: Request) -> Response:
         """The served models, as Ollama lists those it has."""

@@ -65,8 +65,8 @@ MAX_CHOICES = 16  # n: the most choices one request may ask for
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI allows
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 _INT32_MAX = 2**31 - 1
 TEXT_PART_FIELDS = frozenset({"type", "text", "prompt_cache_breakpoint"})
@@ -216,7 +216,7 @@ class SamplingRequest(RequestModel):
 
     model: str | None = Field(default=None, min_length=1, max_length=256)  # None: the served one
     # Bounded: a 4300-digit int parses, then cannot even be formatted into an error message.
-    max_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX)
@@ -225,7 +225,7 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     stop: list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=_UINT64_MAX)
     ignore_eos: bool | None = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -234,7 +234,7 @@ class SamplingRequest(RequestModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions.
-    min_tokens: int | None = Field(default=None, ge=0, le=_INT64_MAX)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     repeat_penalty: float | None = Field(default=None, gt=0.0)  # llama.cpp's name for it
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -243,7 +243,7 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1,
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
-    priority: int | None = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    priority: int | None = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     response_format: ResponseFormat | None = None  # vLLM takes it on /v1/completions too
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     # vLLM's older names for structured_outputs' fields.
@@ -347,7 +347,7 @@ class ChatCompletionRequest(SamplingRequest):
     """The body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -431,7 +431,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[str | list[int]]
     # 0 with echo: the prompt (and its tokens' logprobs) only, as vLLM's
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=0, le=_INT64_MAX)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=0, le=INT64_MAX)
     echo: bool | None = False  # each choice's text starts with its prompt's
     best_of: int | None = None
     suffix: str | None = None

@@ -234,15 +234,13 @@ class PrefillWorker(Worker):
         if not jobs:
             return
         tokens = self._first_tokens([j.request for j in jobs], logits)
-        for row, (job, token) in enumerate(zip(jobs, tokens, strict=True)):
+        rows = embedding_bytes(hidden) if hidden is not None else [b""] * len(jobs)
+        for job, token, row in zip(jobs, tokens, rows, strict=True):
             request = job.request
             del self.jobs[request.key]
             self.cache.insert(job.chain, job.table)
             self.cache.release(job.table)
-            embedding = b""
-            if hidden is not None and request.task.embedding:
-                embedding = embedding_bytes(hidden[row])
-            self._hand_off(job, token, embedding)
+            self._hand_off(job, token, row if request.task.embedding else b"")
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]

@@ -14,3 +14,9 @@ def last_hidden_state(model_dir: Path, prompt_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         states = model.model(torch.tensor([prompt_ids])).last_hidden_state
     return states[0, -1]
+
+
+def is_hidden_state(embedding: bytes, expected: torch.Tensor, tolerance: float = 1e-4) -> bool:
+    """Whether a worker's embedding bytes (engine/pooling.py) hold `expected`."""
+    got = torch.frombuffer(bytearray(embedding), dtype=torch.float32)
+    return torch.allclose(got, expected, atol=tolerance, rtol=tolerance)

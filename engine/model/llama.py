@@ -141,7 +141,8 @@ class LlamaModel:
         self.reduce = reduce or (lambda x: x)
         self.rope = RotaryEmbedding(spec, self.dtype, self.device)
         self.workspace = Workspace(self.device)
-        self.hidden = torch.empty(0, spec.hidden_size, dtype=self.dtype, device=self.device)
+        self._none_kept = torch.empty(0, spec.hidden_size, dtype=self.dtype, device=self.device)
+        self.hidden = self._none_kept  # the last pass's rows' final hidden states, if it asked
 
     @torch.inference_mode()
     def forward(
@@ -154,13 +155,17 @@ class LlamaModel:
         tokens where the batch asks (`ForwardBatch.all_logits`), in order.
 
         Writes every new token's K/V into `cache`; `layer_hook(i)` runs as soon as layer i's
-        K/V are written (every rank's, in a tensor-parallel worker: after its attention).
+        K/V are written (every rank's, in a tensor-parallel worker: after its attention). Keeps
+        the rows' final hidden states in `hidden` where the batch asks (`ForwardBatch.hidden`).
         """
         assert cache.dtype == self.dtype, f"cache is {cache.dtype}, model is {self.dtype}"
         plan = plan_attention(batch, cache.block_size, cache.dtype,
                               window=self.spec.sliding_window)
         self.check_inputs(plan)
-        return self.run(plan.to(cache.device), cache, layer_hook)
+        logits = self.run(plan.to(cache.device), cache, layer_hook)
+        if not batch.hidden:
+            self.hidden = self._none_kept  # not even a view of the rows: their memory goes
+        return logits
 
     @torch.inference_mode()
     def run(self, plan: AttentionPlan, cache: PagedKVCache,
@@ -172,7 +177,7 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._layer(index, layer, x, step)
         rows = rms_norm(x[plan.logit_rows], self.norm, self.spec.rms_norm_eps)
-        self.hidden = rows  # a reference, no copy: read by a pass that asks (ForwardBatch)
+        self.hidden = rows  # a reference, no copy (`forward` drops it unless asked)
         return self.lm_head(rows).float()
 
     def matrices(self) -> list[Matrices]:

@@ -67,23 +67,25 @@ def test_the_openai_client_gets_the_normalized_last_hidden_state(
     assert close(floats.data[0].embedding, torch.tensor(reply.data[0].embedding))
 
 
-def test_token_ids_dimensions_and_a_cached_prefix(
-        cluster: Cluster, expected: dict[str, torch.Tensor], ids: dict[str, list[int]]) -> None:
-    text = TEXTS[0]
-    for _ in range(2):  # the second time, the prompt's blocks are cached
-        reply = cluster.client.post("/v1/embeddings", json={"input": ids[text],
-                                                            "dimensions": 64})
+def test_token_ids_dimensions_and_a_cached_prefix(cluster: Cluster, real_model_dir: Path,
+                                                  expected: dict[str, torch.Tensor]) -> None:
+    long = [1000 + 37 * i % 4000 for i in range(40)]  # 2 full blocks of 16 before its last token
+    reference = unit(last_hidden_state(real_model_dir, long)[:64])
+    hits = cluster.metric("vllm:prefix_cache_hits_total")
+    for _ in range(2):  # the second time, its first 32 tokens' KV is cached
+        reply = cluster.client.post("/v1/embeddings", json={"input": long, "dimensions": 64})
         assert reply.status_code == 200, reply.text
-        assert close(reply.json()["data"][0]["embedding"], unit(expected[text][:64]))
-    raw = cluster.client.post("/v1/embeddings", json={"input": text, "normalize": False})
-    assert close(raw.json()["data"][0]["embedding"], expected[text])
+        assert close(reply.json()["data"][0]["embedding"], reference)
+    assert cluster.metric("vllm:prefix_cache_hits_total") - hits == 32
+    raw = cluster.client.post("/v1/embeddings", json={"input": TEXTS[0], "normalize": False})
+    assert close(raw.json()["data"][0]["embedding"], expected[TEXTS[0]])
 
 
 def test_ollama_s_routes_and_llama_cpp_s(cluster: Cluster, ollama_client: ollama.Client,
                                         expected: dict[str, torch.Tensor]) -> None:
     embedded = ollama_client.embed(model="SmolLM2-135M-Instruct:latest", input=TEXTS[:2])
     assert embedded.prompt_eval_count and (embedded.total_duration or 0) > 0
-    for text, vector in zip(TEXTS, embedded.embeddings, strict=False):
+    for text, vector in zip(TEXTS[:2], embedded.embeddings, strict=True):
         assert close(list(vector), unit(expected[text]))
     older = ollama_client.embeddings(model="SmolLM2-135M-Instruct", prompt=TEXTS[1])
     assert close(list(older.embedding), expected[TEXTS[1]])  # not normalized
@@ -124,7 +126,7 @@ def test_a_client_gone_mid_list_frees_every_block(cluster: Cluster) -> None:
         httpx.post(f"{cluster.url}/v1/embeddings", json={"input": inputs}, timeout=1.0)
     wait_for(lambda: cluster.idle("prefill-0") and cluster.idle("decode-0"), 30,
              "both workers to hold nothing")
-    assert ended(cluster, "aborted") == aborted + 1 and ended(cluster, "ok") >= 4
+    assert ended(cluster, "aborted") == aborted + 1
 
 
 def ended(cluster: Cluster, outcome: str) -> float:

@@ -36,9 +36,9 @@ from tests.gateway.served_app import (
 def test_a_worker_s_bytes_read_back_and_base64_is_numpy_s_float32() -> None:
     values = np.array([0.5, -1.25, 3.0e-8, 7.0], dtype="<f4")
     vector = vector_of(values.tobytes())
-    assert vector == values.tolist()
+    assert vector.tolist() == values.tolist()
     decoded = np.frombuffer(base64.b64decode(base64_of(vector)), dtype="<f4")
-    assert decoded.tolist() == vector  # as the openai client decodes it
+    assert decoded.tolist() == vector.tolist()  # as the openai client decodes it
 
 
 @pytest.mark.parametrize(("norm", "size"), [
@@ -48,14 +48,22 @@ def test_a_worker_s_bytes_read_back_and_base64_is_numpy_s_float32() -> None:
     (0, 4.0 / 32760),  # the largest value scaled to int16's range
 ])
 def test_each_norm_of_llama_cpp_divides_by_its_size(norm: int, size: float) -> None:
-    got = normalized([3.0, -4.0], norm)
-    assert got == pytest.approx([3.0 / size, -4.0 / size])
+    got = normalized(np.array([3.0, -4.0]), norm)
+    assert got.tolist() == pytest.approx([3.0 / size, -4.0 / size])
 
 
 def test_no_norm_and_a_zero_vector_are_left_as_they_are() -> None:
-    assert normalized([3.0, -4.0], -1) == [3.0, -4.0]
-    assert normalized([0.0, 0.0]) == [0.0, 0.0]
-    assert math.isclose(math.hypot(*normalized([1e-30, 2e-30])), 1.0)
+    assert normalized(np.array([3.0, -4.0]), -1).tolist() == [3.0, -4.0]
+    assert normalized(np.zeros(2)).tolist() == [0.0, 0.0]
+
+
+def test_a_high_norm_of_tiny_or_huge_values_neither_underflows_nor_overflows() -> None:
+    for scale in (1e-30, 1e30):
+        vector = np.array([1.0, -2.0, 0.5]) * scale
+        assert math.isclose(float(np.linalg.norm(normalized(vector))), 1.0)
+        sixty_four = normalized(vector, 64)
+        assert np.all(np.isfinite(sixty_four))
+        assert math.isclose(float(np.sum(np.abs(sixty_four) ** 64)), 1.0)
 
 
 def test_each_input_form_is_a_list_of_inputs() -> None:
@@ -96,6 +104,7 @@ def client(real_model_dir: Path) -> Iterator[TestClient]:
     ("/v1/embeddings", {"model": MODEL, "input": ["Hi", [1, 2]], "dimensions": 8}),
     ("/v1/embeddings", {"input": "x" * 9000, "truncate_prompt_tokens": -1}),
     ("/api/embed", {"model": f"{MODEL}:latest", "input": "x " * 3000}),  # cut to the context
+    ("/api/embed", {"input": ["x"], "dimensions": 100000}),  # all of them, as Ollama's
     ("/api/embeddings", {"model": MODEL, "prompt": "Hi"}),
     ("/embedding", {"content": "Hi"}),
     ("/embeddings", {"content": [[1, 2], "Hi"], "embd_normalize": -1}),
@@ -112,9 +121,10 @@ def test_valid_bodies_reach_dispatch(client: TestClient, route: str,
     ("/v1/embeddings", {"input": "x", "dimensions": 577}, "at most 576"),
     ("/v1/embeddings", {"model": "other", "input": "x"}, "does not exist"),
     ("/api/embed", {"input": "x " * 3000, "truncate": False}, "maximum context length"),
-    ("/api/embed", {"input": "x", "dimensions": 577}, "at most 576"),
     ("/api/embeddings", {"model": "other", "prompt": "x"}, "does not exist"),
     ("/embedding", {}, "give content"),
+    ("/embedding", {"model": "other", "content": "x"}, "does not exist"),
+    ("/v1/embeddings", {"input": "x", "priority": 2**64}, "priority"),
     ("/embedding", {"content": "x", "embd_normalize": -2}, "embd_normalize"),
 ])
 def test_bad_bodies_get_each_api_s_400(client: TestClient, route: str, body: dict[str, Any],
@@ -128,6 +138,7 @@ def test_nothing_to_embed_loads_the_model_as_ollama_does(client: TestClient) -> 
     embed = client.post("/api/embed", json={"model": MODEL})
     assert embed.status_code == 200
     assert embed.json()["embeddings"] == [] and embed.json()["model"] == MODEL
+    assert client.post("/api/embed", json={"input": ""}).json()["embeddings"] == []
     older = client.post("/api/embeddings", json={"model": MODEL, "prompt": ""})
     assert older.json() == {"embedding": []}
 

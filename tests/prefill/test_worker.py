@@ -33,13 +33,13 @@ from core.messages import (
     decode,
     encode,
 )
+from engine.model.batch import ForwardBatch
 from engine.model.chunk_cost import TOKENS_ONLY, ChunkCost
 from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
-from gateway.embedding_request import vector_of
 from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
 from prefill.worker import PrefillWorker
-from tests.reference import last_hidden_state
+from tests.reference import is_hidden_state, last_hidden_state
 
 LAYERS = 6
 WAIT_S = 5.0
@@ -547,22 +547,33 @@ def test_an_embedding_comes_with_the_first_token_computed_cached_or_in_chunks(se
     assert (cold.cached_tokens, warm.cached_tokens, chunked.cached_tokens) == (0, 48, 0)
     for first in (cold, warm, chunked):
         assert first.finish_reason == "length"
-        assert torch.allclose(torch.tensor(vector_of(first.embedding)), expected, atol=1e-4)
+        assert is_hidden_state(first.embedding, expected)
     assert received(receiver) == {}  # nothing for decode: the request ends here
     assert worker.jobs == {} and worker.cache.num_available == 64
 
 
 def test_in_a_batch_only_the_request_that_asks_gets_an_embedding(setup) -> None:
     worker, gateway, receiver = setup
-    asked = list(range(10, 30))
+    asked = list(range(10, 50))  # longer than the other: due later, so its row comes second
+    to_worker(gateway, request("other", receiver.address))
     to_worker(gateway, PrefillRequest("asked", 0, embedding_task(asked), "decode-0",
                                       receiver.address))
-    to_worker(gateway, request("other", receiver.address))
     time.sleep(0.1)
     worker.take_control()
-    assert worker.step() and not worker.step()  # one pass for both
+    forward = worker.runner.forward
+    batches: list[ForwardBatch] = []
+
+    def recording(batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None
+                  ) -> torch.Tensor:
+        batches.append(batch)
+        return forward(batch, layer_hook)
+
+    worker.runner.forward = recording
+    assert worker.step() and not worker.step()
+    (batch,) = batches  # one pass for both, the embedding's row second
+    assert batch.hidden and batch.token_ids == [list(range(10, 40)), asked]
     sent = {first.request_id: first for first in firsts(gateway)}
     assert sent["other"].embedding == b"" and sent["asked"].embedding
     expected = last_hidden_state(worker.runner.model_dir, asked)
-    assert torch.allclose(torch.tensor(vector_of(sent["asked"].embedding)), expected, atol=1e-4)
+    assert is_hidden_state(sent["asked"].embedding, expected)
     assert list(received(receiver)) == ["other"]
