@@ -16,6 +16,7 @@
     python -m bench chunked --long-len 4000 --short-len 50
     python -m bench goodput --quick
     python -m bench peers --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
+    python -m bench embeddings --peer vllm --peer llamacpp --launch "p1d1=--prefill 1 --decode 1"
     python -m bench gpu decode --model /tmp/raging-gpu-models/llama-1b-shape
     python -m bench calibrate --name default
     python -m bench trace write --workload chat --groups 8 --prefix-len 1000 --rate 20 \\
@@ -44,6 +45,7 @@ from bench import attention as decode_attention
 from bench import calibrate as sim_profile
 from bench import chats as chat_turns
 from bench import chunked as chunked_prefill
+from bench import embeddings as embedding_throughput
 from bench import fidelity as greedy_fidelity
 from bench import gguf as gguf_models
 from bench import goodput as slo_goodput
@@ -509,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat_turns.add_parser(commands)
     chunked_prefill.add_parser(commands)
     side_by_side.add_parser(commands)
+    embedding_throughput.add_parser(commands)
     on_gpu.add_parser(commands)
     sim_profile.add_parser(commands)
     request_trace.add_parser(commands)

@@ -438,7 +438,8 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuInfo:
     return CpuInfo(cpu_name(cpuinfo) or "unknown", tuple(sorted(cpu_flags(cpuinfo))))
 
 
-def _concurrencies(text: str) -> tuple[int, ...]:
+def concurrencies_arg(text: str) -> tuple[int, ...]:
+    """--concurrency: "1,32" -> (1, 32); each at least 1."""
     try:
         levels = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError as error:
@@ -479,7 +480,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       help="tokens of each message or prompt (default %(default)s: 155 words, "
                            "203 tokens with SmolLM2's chat template)")
     work.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
-    work.add_argument("--concurrency", type=_concurrencies, default=(1, 32), metavar="C1,C2",
+    work.add_argument("--concurrency", type=concurrencies_arg, default=(1, 32), metavar="C1,C2",
                       help="closed-loop streams, one run each (default: 1,32)")
     work.add_argument("--num-requests", type=int, default=32, help="measured per run")
     work.add_argument("--warmup", type=int, default=1, help="requests sent first, not counted")

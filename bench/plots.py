@@ -1,5 +1,6 @@
 """Benchmark PNGs: serve's latency CDFs and figures against rate; goodput's attainment and TPOT
-CDFs per mode; peers' throughput against concurrency and latency CDFs per target."""
+CDFs per mode; peers' throughput against concurrency and latency CDFs per target; embeddings'
+inputs/s and latency against concurrency."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
 
+from bench.embedding_results import EmbeddingsResults, concurrencies, summarize_run
 from bench.goodput_results import GoodputResults
 from bench.results import Measured, PeersResults, ServeResults, TargetResults
 from bench.stats import GOODPUT_TARGET
@@ -154,3 +156,30 @@ def plot_peers(results: PeersResults, path: Path) -> None:
     _save(figure, path, f"{results.cpu.model}, CPUs {results.cpus}: "
                         f"{results.serve.workload.name}, {results.serve.num_requests} requests "
                         "per run")
+
+
+def _concurrency_axis(axes: Axes, levels: tuple[int, ...]) -> None:
+    """A log axis of concurrencies, ticked at each one measured (not 2x10^0 between them)."""
+    axes.set(xlabel="concurrent requests", xscale="log")
+    axes.set_xticks(levels, [str(level) for level in levels])
+    axes.minorticks_off()
+
+
+def plot_embeddings(results: EmbeddingsResults, path: Path) -> None:
+    """Inputs/s and request latency p50 against concurrency, one line per target."""
+    figure, (throughput, latency) = _panels(2, height=4.5)
+    for target in results.targets:
+        summaries = sorted((summarize_run(run) for run in target.runs),
+                           key=lambda s: s.concurrency)
+        levels = [s.concurrency for s in summaries]
+        throughput.plot(levels, [s.inputs_per_s for s in summaries], "o-", label=target.label)
+        latency.plot(levels, [s.latency_p50_s * 1000 for s in summaries], "o-",
+                     label=target.label)
+    throughput.set(title="throughput", ylabel="inputs/s", ylim=(0, None))
+    latency.set(title="request latency p50", ylabel="ms", ylim=(0, None))
+    for axes in (throughput, latency):
+        _concurrency_axis(axes, concurrencies(results))
+        _legend(axes)
+    plan = results.plan
+    _save(figure, path, f"{results.cpu.model}, CPUs {results.cpus}: {plan.num_inputs} texts of "
+                        f"~{plan.input_tokens} tokens, {plan.batch} per request")
