@@ -1,6 +1,7 @@
 """The gateway's fuzz strategies (tests/gateway/test_fuzz.py) against a whole running cluster:
 bodies that pass validation are served for real, so every reply must be a 2xx with a complete
-answer (llama.cpp's shape on /completion, Ollama's on /api/chat and /api/generate) or a 4xx
+answer (llama.cpp's shape on /completion, Ollama's on /api/chat and /api/generate, each API's
+list of vectors on the embedding routes) or a 4xx
 with error JSON in the route's shape (OpenAI's, Anthropic's on /v1/messages, Ollama's on its
 routes); never a 5xx, and the cluster serves on afterwards.
 
@@ -9,10 +10,14 @@ routes); never a 5xx, and the cluster serves on afterwards.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import struct
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -65,6 +70,8 @@ def check_served(cluster: Cluster, route: str, body: bytes) -> int:
         check_native(raw, response.headers["content-type"])
     elif route in OLLAMA:
         check_ollama(raw)
+    elif route in VECTORS_AT:
+        check_vectors(VECTORS_AT[route](json.loads(raw)))
     elif response.headers["content-type"].startswith("text/event-stream"):
         kind = "event: " if anthropic else "data: "
         events = [line for line in raw.decode().splitlines() if line.startswith(kind)]
@@ -90,6 +97,24 @@ def check_native(raw: bytes, content_type: str) -> None:
         ends = whole if isinstance(whole, list) else [whole]
     for end in ends:
         assert end["stop"] is True and end["stop_type"] in ("limit", "word", "eos"), raw[-500:]
+
+
+# Where each embedding route's reply holds its vectors.
+VECTORS_AT: dict[str, Callable[[Any], list[Any]]] = {
+    "/v1/embeddings": lambda reply: [item["embedding"] for item in reply["data"]],
+    "/embedding": lambda reply: [vector for item in reply for vector in item["embedding"]],
+    "/api/embed": lambda reply: reply["embeddings"],
+    "/api/embeddings": lambda reply: [reply["embedding"]] if reply["embedding"] else [],
+}
+
+
+def check_vectors(vectors: list[Any]) -> None:
+    """Each vector a list of finite numbers (or OpenAI's base64 of them)."""
+    for vector in vectors:
+        if isinstance(vector, str):
+            data = base64.b64decode(vector)
+            vector = list(struct.unpack(f"<{len(data) // 4}f", data))
+        assert vector and all(isinstance(x, float) and math.isfinite(x) for x in vector)
 
 
 def check_ollama(raw: bytes) -> None:
