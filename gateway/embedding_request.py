@@ -1,21 +1,29 @@
 """The bodies of the embedding routes, and what is done to a vector the workers send.
 
 OpenAI's `POST /v1/embeddings` (with vLLM's extras: `truncate_prompt_tokens`,
-`add_special_tokens`, `normalize`, `priority`), Ollama's `POST /api/embed` and its older
-`POST /api/embeddings`, llama.cpp's `POST /embedding` (`content`, `embd_normalize`). A vector
-comes from a worker as float32 bytes (engine/pooling.py); each API cuts it to `dimensions`
-first, then normalizes it its own way.
+`add_special_tokens`, `normalize`, `priority`, and chat `messages`), Ollama's `POST /api/embed`
+and its older `POST /api/embeddings`, llama.cpp's `POST /embedding` (`content`,
+`embd_normalize`). A vector comes from a worker as float32 bytes (engine/pooling.py); each API
+cuts it to `dimensions` first, then normalizes it its own way.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from gateway.protocol import INT64_MAX, INT64_MIN, TokenId, normalize_prompts
+from gateway.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatMessage,
+    TemplateOptions,
+    TokenId,
+    normalize_prompts,
+    unreserved,
+)
 from gateway.validation import RequestModel, invalid_value
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
@@ -24,23 +32,51 @@ _INT16_SCALE = 32760.0  # llama.cpp's embd_normalize 0: the largest value scaled
 
 
 class EmbeddingRequest(RequestModel):
-    """`POST /v1/embeddings`: one input (text or token ids) or a list of them."""
+    """`POST /v1/embeddings`: one input (text or token ids) or a list of them; or, as vLLM
+    takes it, `messages` under the chat template (one vector)."""
 
-    input: list[str | list[TokenId]] = Field(max_length=MAX_INPUTS)
+    input: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
     model: str | None = Field(default=None, min_length=1, max_length=256)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = Field(default=None, max_length=256)  # ignored, as vLLM does
     # vLLM's: keep the last k tokens of a longer input (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    add_special_tokens: bool = True
+    # Default: true for `input`, false for `messages` (the template writes its own), as vLLM's.
+    add_special_tokens: bool | None = None
     normalize: bool = True
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = False  # vLLM's default when embedding messages
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(unreserved)
 
     @field_validator("input", mode="before")
     @classmethod
     def _inputs(cls, value: object) -> object:
-        return normalize_prompts(value, "input")
+        return None if value is None else normalize_prompts(value, "input")
+
+    @model_validator(mode="after")
+    def _input_or_messages(self) -> EmbeddingRequest:
+        if (self.input is None) == (self.messages is None):
+            raise invalid_value("give one of input or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
+                                "true")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS) to a text."""
+        asked = self.add_special_tokens
+        return asked if asked is not None else self.messages is None
+
+    @property
+    def template(self) -> TemplateOptions:
+        return TemplateOptions(self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
 
 
 class OllamaEmbedRequest(RequestModel):

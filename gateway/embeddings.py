@@ -11,6 +11,7 @@ shown) on whichever worker prefills it, which sends the hidden state with that t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -35,6 +36,7 @@ from gateway.embedding_request import (
 from gateway.errors import APIError, bad_request
 from gateway.handle import RequestHandle
 from gateway.openai_api import OpenAIRoutes, client_request_id
+from gateway.prompts import render_chat_prompt
 from gateway.reply import wait_for_disconnect
 from gateway.validation import RequestModel, parse_body
 
@@ -170,7 +172,7 @@ class EmbeddingRoutes:
         body = await self.embedder.body(request, EmbeddingRequest)
         model = self.routes.served_model(body.model)
         size = self.embedder.size(body.dimensions)
-        prompts = await self.embedder.token_ids(body.input, body.add_special_tokens)
+        prompts = await self._prompts(body)
         keep = body.truncate_prompt_tokens
         if keep is not None:  # vLLM's: the last tokens
             keep = self.embedder.room() if keep == -1 else keep
@@ -188,6 +190,14 @@ class EmbeddingRoutes:
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
         return await json_reply(request, reply)
+
+    async def _prompts(self, body: EmbeddingRequest) -> list[list[int]]:
+        """Each input's token ids; or the messages' under the chat template, one prompt."""
+        if body.messages is None:
+            assert body.input is not None, "one of them, as the body was read"
+            return await self.embedder.token_ids(body.input, body.special_tokens)
+        render = functools.partial(render_chat_prompt, options=body.template)
+        return [await self.routes.tokenize_with(render, body.messages)]
 
 
 async def json_reply(request: Request, make: Callable[[], object]) -> Response:

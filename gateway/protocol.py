@@ -81,7 +81,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
-def _unreserved(value: dict[str, Any] | None) -> dict[str, Any] | None:
+def unreserved(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs: template variables, none of apply_chat_template's own arguments."""
     reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
@@ -376,7 +376,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
 
-    _no_reserved_kwargs = field_validator("chat_template_kwargs")(_unreserved)
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(unreserved)
 
     @model_validator(mode="after")
     def _continue_or_cue(self) -> ChatCompletionRequest:
@@ -487,7 +487,7 @@ class TokenizeRequest(RequestModel):
     return_token_strs: bool | None = False
     with_pieces: bool | None = False  # llama.cpp's: each token as its id and its text
 
-    _no_reserved_kwargs = field_validator("chat_template_kwargs")(_unreserved)
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(unreserved)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

@@ -81,6 +81,18 @@ def test_token_ids_dimensions_and_a_cached_prefix(cluster: Cluster, real_model_d
     assert close(raw.json()["data"][0]["embedding"], expected[TEXTS[0]])
 
 
+def test_messages_are_embedded_as_the_chat_template_writes_them(cluster: Cluster) -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    tokens = cluster.client.post("/tokenize", json={"messages": messages,
+                                                    "add_generation_prompt": False})
+    as_ids = cluster.client.post("/v1/embeddings", json={"input": tokens.json()["tokens"]})
+    chat = cluster.client.post("/v1/embeddings", json={"messages": messages})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+    assert chat.json()["data"][0]["embedding"] == as_ids.json()["data"][0]["embedding"]
+
+
 def test_ollama_s_routes_and_llama_cpp_s(cluster: Cluster, ollama_client: ollama.Client,
                                         expected: dict[str, torch.Tensor]) -> None:
     embedded = ollama_client.embed(model="SmolLM2-135M-Instruct:latest", input=TEXTS[:2])

@@ -67,7 +67,7 @@ def test_a_high_norm_of_tiny_or_huge_values_neither_underflows_nor_overflows() -
 
 
 def test_each_input_form_is_a_list_of_inputs() -> None:
-    def inputs(value: Any) -> list[str | list[int]]:
+    def inputs(value: Any) -> list[str | list[int]] | None:
         return parse_body(EmbeddingRequest, _json({"input": value})).input
 
     assert inputs("one") == ["one"]
@@ -78,8 +78,21 @@ def test_each_input_form_is_a_list_of_inputs() -> None:
     assert LlamaEmbeddingRequest.model_validate({"content": [[7]]}).inputs == [[7]]
 
 
+def test_messages_go_under_the_template_without_special_tokens_by_default() -> None:
+    chat = parse_body(EmbeddingRequest, _json({"messages": [{"role": "user", "content": "hi"}],
+                                                "chat_template_kwargs": {"x": 1}}))
+    assert chat.input is None and not chat.special_tokens
+    assert not chat.template.add_generation_prompt and chat.template.kwargs == {"x": 1}
+    assert parse_body(EmbeddingRequest, _json({"input": "hi"})).special_tokens
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({}, "input"),
+    ({}, ""),
+    ({"input": "x", "messages": [{"role": "user", "content": "hi"}]}, ""),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
+      "continue_final_message": True}, ""),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
     ({"input": [[1], [-2]]}, "input"),

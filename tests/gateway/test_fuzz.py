@@ -131,6 +131,9 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
         {"input": [[1, 2, 3], "two"], "encoding_format": "base64", "dimensions": 8,
          "truncate_prompt_tokens": 4, "add_special_tokens": False, "normalize": False,
          "user": "u"},
+        {"messages": [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "Hi"}],
+         "add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False}},
     ],
     "/api/embed": [
         {"model": f"{MODEL}:latest", "input": ["Hi", "there"], "truncate": False,
