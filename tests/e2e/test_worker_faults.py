@@ -16,12 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from bench.launcher import free_port
 from core.turns import turns_file
 from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import TEST_CONFIG, Cluster, greedy_reference, launch, sse_events
+from tests.reference import last_hidden_state
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_TIMEOUT_S = 3.0  # TEST_CONFIG's
@@ -127,14 +129,22 @@ def test_requests_on_a_killed_prefill_worker_finish_on_the_other(
     pid = cluster.pids()["prefill-0"]  # the first that ties go to, whichever registered first
     os.kill(pid, signal.SIGSTOP)  # requests routed to it now wait there
     started = time.monotonic()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
         futures = [pool.submit(complete, cluster, p) for p in prompts]
+        embedded = pool.submit(cluster.client.post, "/v1/embeddings",
+                               json={"input": prompts, "normalize": False})
         time.sleep(1.0)
         os.kill(pid, signal.SIGKILL)
         texts = [f.result(timeout=60) for f in futures]
+        vectors = embedded.result(timeout=60)
     recovered_s = time.monotonic() - started
     for prompt, text in zip(prompts, texts, strict=True):
         assert text == decode_text(tokenizer, reference(tokenizer.encode(prompt), 8)), prompt
+    assert vectors.status_code == 200, vectors.text
+    for prompt, item in zip(prompts, vectors.json()["data"], strict=True):
+        expected = last_hidden_state(tiny_model_dir, tokenizer.encode(prompt))
+        torch.testing.assert_close(torch.tensor(item["embedding"], dtype=torch.float32),
+                                   expected, atol=1e-4, rtol=1e-4)
     retried = cluster.metric("raging_requests_resumed_total")
     assert retried >= 1
     print(f"{len(prompts)} requests, 1 prefill worker killed, {retried:.0f} retried, "
