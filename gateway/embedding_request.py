@@ -86,18 +86,18 @@ class OllamaEmbedRequest(RequestModel):
     model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
 
     model: str | None = Field(default=None, min_length=1, max_length=256)
-    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] = Field(default_factory=list)
+    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] | None = None
     truncate: bool = True  # False: an input longer than the context is an error
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = None  # 0 or less: all of them, as Ollama reads it
     options: dict[str, object] | None = None  # the model's load settings: ignored
     keep_alive: str | float | None = None  # ignored: the model stays loaded
 
     @property
     def inputs(self) -> list[str]:
-        """The texts to embed: an empty `input` is none, as Ollama reads it."""
+        """The texts to embed: an empty or null `input` is none, as Ollama reads it."""
         if isinstance(self.input, str):
             return [self.input] if self.input else []
-        return self.input
+        return self.input or []
 
 
 class OllamaEmbeddingsRequest(RequestModel):
@@ -141,8 +141,14 @@ class LlamaEmbeddingRequest(RequestModel):
 
 
 def vector_of(data: bytes) -> np.ndarray:
-    """The floats a worker sent (little-endian float32), as float64 for the sums after."""
-    return np.frombuffer(data, dtype="<f4").astype(np.float64)
+    """The floats a worker sent (little-endian float32), as float64 for the sums after; a
+    ValueError for none, or for inf or NaN (JSON has neither, nor has a sound model's state)."""
+    if not data or len(data) % 4:
+        raise ValueError(f"its worker sent no embedding ({len(data)} bytes)")
+    vector = np.frombuffer(data, dtype="<f4").astype(np.float64)
+    if not np.isfinite(vector).all():
+        raise ValueError("the model's hidden state is not finite")
+    return vector
 
 
 def normalized(vector: np.ndarray, norm: int = EUCLIDEAN) -> np.ndarray:

@@ -155,10 +155,12 @@ class Embedder:
             raise _failed("the request made no progress in time") from None
         if event.token_id is None:
             raise _failed(event.error)
-        if not event.embedding:
-            raise _failed("its worker sent no embedding")
+        try:
+            vector = vector_of(event.embedding)
+        except ValueError as exc:
+            raise _failed(str(exc)) from None
         self.state.metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
-        return vector_of(event.embedding)
+        return vector
 
 
 class EmbeddingRoutes:

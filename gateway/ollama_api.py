@@ -112,7 +112,8 @@ class OllamaRoutes:
         started = time.monotonic()
         body = await self.embedder.body(request, OllamaEmbedRequest)
         model = self._echoed(body.model)
-        size = min(body.dimensions or self.embedder.hidden_size, self.embedder.hidden_size)
+        hidden = self.embedder.hidden_size
+        size = min(body.dimensions, hidden) if body.dimensions and body.dimensions > 0 else hidden
         prompts = await self.embedder.token_ids(body.inputs)
         if body.truncate:
             prompts = [ids[:self.embedder.room()] for ids in prompts]

@@ -41,6 +41,13 @@ def test_a_worker_s_bytes_read_back_and_base64_is_numpy_s_float32() -> None:
     assert decoded.tolist() == vector.tolist()  # as the openai client decodes it
 
 
+@pytest.mark.parametrize("data", [b"", b"\x00\x00\x80", np.array([1.0, np.inf], "<f4").tobytes(),
+                                  np.array([np.nan], "<f4").tobytes()], ids=repr)
+def test_no_vector_or_one_not_finite_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        vector_of(data)
+
+
 @pytest.mark.parametrize(("norm", "size"), [
     (2, 5.0),  # Euclidean: sqrt(9 + 16)
     (1, 7.0),  # taxicab
@@ -118,6 +125,7 @@ def client(real_model_dir: Path) -> Iterator[TestClient]:
     ("/v1/embeddings", {"input": "x" * 9000, "truncate_prompt_tokens": -1}),
     ("/api/embed", {"model": f"{MODEL}:latest", "input": "x " * 3000}),  # cut to the context
     ("/api/embed", {"input": ["x"], "dimensions": 100000}),  # all of them, as Ollama's
+    ("/api/embed", {"input": ["x"], "dimensions": -1}),  # also all of them
     ("/api/embeddings", {"model": MODEL, "prompt": "Hi"}),
     ("/embedding", {"content": "Hi"}),
     ("/embeddings", {"content": [[1, 2], "Hi"], "embd_normalize": -1}),
@@ -151,7 +159,9 @@ def test_nothing_to_embed_loads_the_model_as_ollama_does(client: TestClient) -> 
     embed = client.post("/api/embed", json={"model": MODEL})
     assert embed.status_code == 200
     assert embed.json()["embeddings"] == [] and embed.json()["model"] == MODEL
-    assert client.post("/api/embed", json={"input": ""}).json()["embeddings"] == []
+    nothings: list[object] = ["", None, []]
+    for nothing in nothings:
+        assert client.post("/api/embed", json={"input": nothing}).json()["embeddings"] == []
     older = client.post("/api/embeddings", json={"model": MODEL, "prompt": ""})
     assert older.json() == {"embedding": []}
 
