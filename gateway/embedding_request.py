@@ -21,6 +21,7 @@ from gateway.protocol import (
     ChatMessage,
     TemplateOptions,
     TokenId,
+    check_template_flags,
     normalize_prompts,
     unreserved,
 )
@@ -62,9 +63,7 @@ class EmbeddingRequest(RequestModel):
     def _input_or_messages(self) -> EmbeddingRequest:
         if (self.input is None) == (self.messages is None):
             raise invalid_value("give one of input or messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
-                                "true")
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
         return self
 
     @property

@@ -91,6 +91,16 @@ def unreserved(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def check_template_flags(add_generation_prompt: bool | None,
+                         continue_final_message: bool | None) -> None:
+    """A request's chat template may end in the assistant's cue or leave the last message
+    open, not both."""
+    if continue_final_message and add_generation_prompt:
+        raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
+                            "true: set add_generation_prompt to false to continue the last "
+                            "message")
+
+
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -380,10 +390,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _continue_or_cue(self) -> ChatCompletionRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
-                           "true: set add_generation_prompt to false to continue the last "
-                           "message")
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise invalid_value("continue_final_message needs the last message to be the "
                            "assistant's")
@@ -493,9 +500,7 @@ class TokenizeRequest(RequestModel):
     def _prompt_or_messages(self) -> TokenizeRequest:
         if sum(given is not None for given in (self.prompt, self.content, self.messages)) != 1:
             raise invalid_value("give one of prompt, content or messages")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
-                           "true")
+        check_template_flags(self.add_generation_prompt, self.continue_final_message)
         return self
 
     @property
