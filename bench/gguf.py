@@ -72,6 +72,9 @@ MIXES: dict[str, dict[str, Kind]] = {
               "ffn_gate": Kind.Q5_K, "ffn_up": Kind.Q3_K, "ffn_down": Kind.Q6_K,
               "matrices": Kind.Q8_0},
 }
+_TOKENS, _TOKEN_TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
+_MERGES = "tokenizer.ggml.merges"
+TokenizerField = tuple[Any, GGUFValueType, GGUFValueType | None]  # value, type, array type
 # where a block's fp16 scale and (for types with one) its fp16 min are, in bytes
 _SCALE_BYTES: dict[Kind, tuple[int, int | None]] = {
     Kind.Q4_0: (0, None), Kind.Q4_1: (0, 2), Kind.Q5_0: (0, None), Kind.Q5_1: (0, 2),
@@ -123,17 +126,20 @@ def _write(args: argparse.Namespace) -> int:
 
 def write_random_gguf(path: Path, shape: dict[str, int], seed: int = 0, mix: str = "q4_1",
                       scale: float = WEIGHT_SCALE, architecture: str = "llama",
-                      llama3_rope: dict[str, Any] | None = None) -> None:
+                      llama3_rope: dict[str, Any] | None = None, vocab: int | None = None
+                      ) -> None:
     """A Llama-family model of `shape` with random weights of deviation `scale`: its matrices
     in the quant types of `mix` (`MIXES`), its norms ones; SmolLM2's tokenizer. A "qwen2" has
     biases on q, k and v and an output matrix of its own; a "qwen3" q and k norms (drawn
     around one), heads of 128 as every Qwen3 has, and an output matrix; a "llama" and a
     "mistral" share the embedding. `llama3_rope`: Llama 3's rope scaling, written as
-    llama.cpp's converter writes it (a divisor per frequency, `rope_freqs.weight`)."""
-    tokenizer = GGUFReader(packaged_gguf(DEFAULT_MODEL))
-    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    llama.cpp's converter writes it (a divisor per frequency, `rope_freqs.weight`). `vocab`:
+    the tokenizer cut to its first `vocab` tokens and the merges among them, for a file that
+    transformers and a preparation read in a fraction of the seconds the whole one takes."""
+    tokenizer = tokenizer_fields(vocab)
     writer = GGUFWriter(path, architecture)
     head_dim = QWEN3_HEAD_DIM if architecture == "qwen3" else shape["hidden"] // shape["heads"]
+    vocab = len(tokenizer[_TOKENS][0])
     _add_metadata(writer, shape, vocab, tokenizer, head_dim)
     tensors = list(_tensor_plan(shape, vocab, MIXES[mix], architecture, head_dim))
     if llama3_rope is not None:
@@ -236,7 +242,7 @@ def _calibration(kind: Kind) -> tuple[float, float]:
 
 
 def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
-                  tokenizer: GGUFReader, head_dim: int) -> None:
+                  tokenizer: dict[str, TokenizerField], head_dim: int) -> None:
     writer.add_name(f"random {writer.arch} {shape['layers']}x{shape['hidden']}")
     writer.add_context_length(4096)
     writer.add_embedding_length(shape["hidden"])
@@ -250,10 +256,28 @@ def _add_metadata(writer: GGUFWriter, shape: dict[str, int], vocab: int,
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    for key, field in tokenizer.fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for key, (value, value_type, sub_type) in tokenizer.items():
+        writer.add_key_value(key, value, value_type, sub_type)
+
+
+@cache
+def tokenizer_fields(vocab: int | None = None) -> dict[str, TokenizerField]:
+    """SmolLM2's tokenizer as the packaged GGUF holds it (key -> value, type, array type),
+    or cut to its first `vocab` tokens: their types, and the merges of two of them into a
+    third (a byte-level BPE of its own; SmolLM2's special tokens and bytes come first)."""
+    reader = GGUFReader(packaged_gguf(DEFAULT_MODEL))
+    fields = {key: (field.contents(), field.types[0],
+                    field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None)
+              for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    if vocab is None:
+        return fields
+    tokens = fields[_TOKENS][0][:vocab]
+    kept = set(tokens)
+    merges = [merge for merge in fields[_MERGES][0]
+              if all(part in kept for part in (*merge.split(" "), merge.replace(" ", "")))]
+    cut = {_TOKENS: tokens, _TOKEN_TYPES: fields[_TOKEN_TYPES][0][:vocab], _MERGES: merges}
+    return {key: (cut.get(key, value), value_type, sub_type)
+            for key, (value, value_type, sub_type) in fields.items()}
 
 
 def _measure_all(args: argparse.Namespace) -> int:

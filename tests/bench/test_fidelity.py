@@ -9,7 +9,7 @@ import torch
 from bench.fidelity import Answer, Verdict, judge, markdown, measure, reference_answers
 from bench.gguf import SHAPES, write_random_gguf
 from engine.weights.folder import model_folder
-from tests.engine.weights.test_gguf import LLAMA3_ROPE
+from tests.engine.weights.test_gguf import LLAMA3_ROPE, SMALL_VOCAB
 
 
 def test_dense_products_pick_every_token_transformers_picked(tiny_model_dir: Path) -> None:
@@ -26,7 +26,8 @@ def test_a_ggufs_answers_come_from_the_file_itself(tmp_path: Path) -> None:
     transformers reads them from the file, with the folder's config: Llama 3's rope scaling,
     which transformers leaves out of the file, included."""
     gguf = tmp_path / "random.gguf"
-    write_random_gguf(gguf, SHAPES["tiny"], seed=6, scale=0.2, llama3_rope=LLAMA3_ROPE)
+    write_random_gguf(gguf, SHAPES["tiny"], seed=6, scale=0.2, llama3_rope=LLAMA3_ROPE,
+                      vocab=SMALL_VOCAB)
     folder = model_folder(str(gguf), tmp_path / "models")
     answers = reference_answers(folder, torch.float32, 4, ["Hello"], gguf=gguf)
     verdicts = measure(folder, torch.float32, answers, "quant")

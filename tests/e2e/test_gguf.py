@@ -10,13 +10,14 @@ import pytest
 
 from bench.gguf import SHAPES, write_random_gguf
 from tests.e2e.cluster import TEST_CONFIG, greedy_reference, launch
+from tests.engine.weights.test_gguf import SMALL_VOCAB
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_gguf_file_is_served_from_its_quant_blocks(tmp_path: Path) -> None:
     gguf = tmp_path / "random-tiny.gguf"
-    write_random_gguf(gguf, SHAPES["tiny"], seed=5, scale=0.2)
+    write_random_gguf(gguf, SHAPES["tiny"], seed=5, scale=0.2, vocab=SMALL_VOCAB)
     reference = greedy_reference(gguf)
     config = {**TEST_CONFIG, "model": {**TEST_CONFIG["model"], "weights": "quant",
                                        "cache_dir": str(tmp_path / "models")}}
@@ -24,7 +25,7 @@ def test_a_gguf_file_is_served_from_its_quant_blocks(tmp_path: Path) -> None:
     with launch(tmp_path / "run", gguf, prefill=1, decode=1, config=config) as cluster:
         for prompt in prompts:
             body = {"model": cluster.model, "prompt": prompt, "max_tokens": 12,
-                    "temperature": 0, "ignore_eos": True}
+                    "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
             answer = cluster.client.post("/v1/completions", json=body).json()
             text = cluster.client.post("/detokenize", json={
                 "model": cluster.model, "tokens": reference(prompt, 12)}).json()

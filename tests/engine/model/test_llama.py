@@ -52,9 +52,9 @@ def tiny(tiny_model_dir: Path) -> Fixture:
     return Fixture(tiny_model_dir)
 
 
-def random_prompt(length: int, seed: int) -> list[int]:
+def random_prompt(length: int, seed: int, vocab: int = 49152) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 49152, (length,), generator=generator).tolist()
+    return torch.randint(3, vocab, (length,), generator=generator).tolist()
 
 
 def assert_close(logits: torch.Tensor, expected: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,11 @@ def test_the_tables_are_exact_in_every_fresh_process(tmp_path: Path) -> None:
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}).save_pretrained(
                     tmp_path)
     command = [sys.executable, "-c", FRESH_PROCESS_TABLE, str(tmp_path)]
-    errors = [float(subprocess.run(command, capture_output=True, text=True, check=True,
-                                   timeout=120).stdout) for _ in range(20)]
+
+    def error(_: int) -> float:
+        return float(subprocess.run(command, capture_output=True, text=True, check=True,
+                                    timeout=120).stdout)
+
+    with ThreadPoolExecutor(2) as pool:  # two processes at once: each is mostly torch's import
+        errors = list(pool.map(error, range(20)))
     assert max(errors) < 1e-6, errors

@@ -21,6 +21,7 @@ from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.tp.runner import TensorParallelRunner
 from tests.engine.model.test_llama import TOLERANCE, random_prompt
+from tests.engine.weights.test_gguf import SMALL_VOCAB
 
 BLOCKS, BLOCK_SIZE = 32, 16
 
@@ -133,14 +134,14 @@ def _state(pid: int) -> str:
 @pytest.mark.kernels
 def test_two_ranks_multiply_a_ggufs_quant_blocks_split(tmp_path: Path) -> None:
     gguf = tmp_path / "random.gguf"
-    write_random_gguf(gguf, SHAPES["tiny"], seed=2, scale=0.2)
+    write_random_gguf(gguf, SHAPES["tiny"], seed=2, scale=0.2, vocab=SMALL_VOCAB)
     folder = resolve_model(str(gguf), tmp_path)
     split = TensorParallelRunner(folder, BLOCKS, BLOCK_SIZE, torch.float32, 2,
                                  weights="quant")
     try:
         assert all(not m.matrices and m.quant for m in split.model.matrices())
         alone = ModelRunner(folder, BLOCKS, BLOCK_SIZE, weights="quant")
-        prompts = [random_prompt(n, seed=n) for n in (9, 33)]
+        prompts = [random_prompt(n, seed=n, vocab=SMALL_VOCAB) for n in (9, 33)]
         assert greedy(split, prompts, 8) == greedy(alone, prompts, 8)
     finally:
         split.close()

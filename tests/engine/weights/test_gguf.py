@@ -29,6 +29,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}
 
 
+# the random files' tokenizer: SmolLM2's first 1,024 tokens (transformers parses the whole one
+# in seconds, and once per part it reads)
+SMALL_VOCAB = 1024
 RandomGguf = tuple[Path, Path, str]  # the file, its prepared folder, its mix
 
 
@@ -45,7 +48,7 @@ def random_ggufs(tmp_path_factory: pytest.TempPathFactory
             path = folder / f"random-{family}.gguf"
             shape = SHAPES["tiny" if mix == "q4_1" else "small"]  # K-quants: rows of 256
             write_random_gguf(path, shape, seed=3, scale=0.2,  # logits far apart
-                              architecture=family, mix=mix)
+                              architecture=family, mix=mix, vocab=SMALL_VOCAB)
             made[family, mix] = path, model_folder(str(path), folder / "models"), mix
         return made[family, mix]
 
@@ -101,7 +104,7 @@ def test_a_random_gguf_gives_the_logits_transformers_computes(
                                                      dtype=torch.float32).eval()
     if mix != "q4_1":
         reference.load_state_dict(converted_weights(folder, reference), strict=False)
-    prompt = random_prompt(40, seed=1)
+    prompt = random_prompt(40, seed=1, vocab=SMALL_VOCAB)
     logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
     for _ in range(4):
         with torch.inference_mode():
@@ -170,12 +173,13 @@ def test_a_llama_3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
     transformers given that config."""
     scaling = LLAMA3_ROPE
     gguf = tmp_path / "llama-3.gguf"
-    write_random_gguf(gguf, SHAPES["tiny"], seed=4, scale=0.2, llama3_rope=scaling)
+    write_random_gguf(gguf, SHAPES["tiny"], seed=4, scale=0.2, llama3_rope=scaling,
+                      vocab=SMALL_VOCAB)
     folder = model_folder(str(gguf), tmp_path / "models")
     assert json.loads((folder / "config.json").read_text())["rope_parameters"] == \
         {"rope_theta": 10000.0, **scaling}
     runner = ModelRunner(folder, 16, 16)
-    prompt = random_prompt(60, seed=2)
+    prompt = random_prompt(60, seed=2, vocab=SMALL_VOCAB)
     logits = runner.forward(ForwardBatch([prompt], [0], [[0, 1, 2, 3]]))[0]
     plain, scaled = (AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **config).eval()
