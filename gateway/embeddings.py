@@ -16,7 +16,8 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
@@ -39,6 +40,9 @@ from gateway.openai_api import OpenAIRoutes, client_request_id
 from gateway.prompts import render_chat_prompt
 from gateway.reply import wait_for_disconnect
 from gateway.validation import RequestModel, parse_body
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 WINDOW = 32  # a request's inputs in flight at once: a long list goes through in turns
 Prompt = tuple[str | list[int], bool]  # an input, and whether its text gets special tokens
@@ -91,14 +95,19 @@ class Embedder:
         that is empty or longer than `room()`, the admission's 429 or 503 (each window of
         inputs is admitted as it goes out), a 503 when a worker fails one; a client gone
         first aborts them all (ClientDisconnect)."""
+        arrived = time.monotonic()
         await self.state.dispatcher.until_decode_serves()
         self._check_lengths(prompts)
         salt = cache_salt(request)
         tasks = [_embedding_task(ids, salt, priority) for ids in prompts]
+        span = self.routes.open_span(request, arrived, {
+            "raging.prompt_tokens": sum(len(ids) for ids in prompts),
+            "raging.inputs": len(prompts)})
+        sent = _Sent(arrived, self._traceparent(span))
         self.state.metrics.inflight.inc()
         outcome = "aborted"
         try:
-            vectors = await _unless_gone(request, self._all(tasks))
+            vectors = await _unless_gone(request, self._all(tasks, sent))
             outcome = "ok"
             return vectors
         except APIError:
@@ -107,6 +116,18 @@ class Embedder:
         finally:
             self.state.metrics.inflight.dec()
             self.state.metrics.requests.labels(route, outcome).inc()
+            self._end_span(span, outcome, sent)
+
+    def _traceparent(self, span: Span | None) -> str:
+        tracer = self.state.tracer
+        return "" if tracer is None or span is None else tracer.traceparent(span)
+
+    def _end_span(self, span: Span | None, outcome: str, sent: _Sent) -> None:
+        tracer = self.state.tracer
+        if tracer is None or span is None:
+            return
+        tracer.close(span, time.monotonic(), {
+            "raging.outcome": outcome, "raging.request_id": sent.first_request_id})
 
     def _check_lengths(self, prompts: list[list[int]]) -> None:
         room = self.room()
@@ -121,13 +142,13 @@ class Embedder:
                     "Please reduce the length of the input.",
                     param="input", code="context_length_exceeded")
 
-    async def _all(self, tasks: list[GenerationTask]) -> list[np.ndarray]:
+    async def _all(self, tasks: list[GenerationTask], sent: _Sent) -> list[np.ndarray]:
         vectors: list[np.ndarray] = []
         for start in range(0, len(tasks), WINDOW):
-            vectors += await self._window(tasks[start:start + WINDOW])
+            vectors += await self._window(tasks[start:start + WINDOW], sent)
         return vectors
 
-    async def _window(self, tasks: list[GenerationTask]) -> list[np.ndarray]:
+    async def _window(self, tasks: list[GenerationTask], sent: _Sent) -> list[np.ndarray]:
         """The tasks' vectors, admitted and sent together (nothing awaited in between, so
         that no other request slips past the same admission), then all in flight at once;
         any left unfinished (one failed, the client left) are aborted."""
@@ -137,7 +158,8 @@ class Embedder:
         waits: list[asyncio.Future[np.ndarray]] = []
         try:
             for task in tasks:
-                handles.append(dispatcher.submit(task))
+                handles += dispatcher.submit_choices(task, 1, sent.arrived, sent.traceparent)
+            sent.first_request_id = sent.first_request_id or handles[0].request_id
             self.state.metrics.prompt_tokens.inc(sum(len(task.prompt_ids) for task in tasks))
             waits = [asyncio.ensure_future(self._vector(handle)) for handle in handles]
             return list(await asyncio.gather(*waits))
@@ -148,6 +170,27 @@ class Embedder:
                 dispatcher.abort(handle)
 
     async def _vector(self, handle: RequestHandle) -> np.ndarray:
+        """The handle's vector; it ends as vLLM counts an engine request's end ("stop" once its
+        vector came, else "error", or "abort": the client left, or another input failed)."""
+        ending = "abort"
+        try:
+            vector = await self._received_vector(handle)
+            ending = "stop"
+            return vector
+        except APIError:
+            ending = "error"
+            raise
+        finally:
+            self._count_end(handle, ending)
+
+    def _count_end(self, handle: RequestHandle, ending: str) -> None:
+        metrics = self.state.metrics
+        metrics.vllm.finished(ending, len(handle.task.prompt_ids), 0, None)
+        if ending == "stop":
+            metrics.e2e.observe(time.monotonic() - handle.timing.arrived)
+            metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
+
+    async def _received_vector(self, handle: RequestHandle) -> np.ndarray:
         timeout = self.state.config.gateway.progress_timeout_s
         try:
             event = await asyncio.wait_for(handle.events.get(), timeout)
@@ -159,8 +202,17 @@ class Embedder:
             vector = vector_of(event.embedding)
         except ValueError as exc:
             raise _failed(str(exc)) from None
-        self.state.metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
         return vector
+
+
+@dataclass
+class _Sent:
+    """What every input of one request goes out with: the request's arrival and its span's
+    traceparent; and the first input's id, which names the request's span."""
+
+    arrived: float
+    traceparent: str
+    first_request_id: str = ""
 
 
 class EmbeddingRoutes:

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core.messages import GenerationTask, Grammar, Sampling, Thinking, TokenBias
+from core.tracing import Attributes
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.background import KEPT_LOGS, EventLog
@@ -312,7 +313,8 @@ class OpenAIRoutes:
         waits = self._waited_thought(in_thought, params)
         tasks = [generation_task(params, ids, most, cache_salt(request), bad_words, waits)
                  for ids, most in zip(prompts, max_tokens, strict=True)]
-        span = self._open_span(request, served.arrived, prompt_tokens, params.n)
+        span = self.open_span(request, served.arrived,
+                              {"raging.prompt_tokens": prompt_tokens, "raging.choices": params.n})
         handles = self._submit(tasks, params.n, served.arrived, span)
         self.state.metrics.prompt_tokens.inc(prompt_tokens)
         logprobs = params.logprobs is not None
@@ -414,16 +416,15 @@ class OpenAIRoutes:
         text = decode_text(self.state.tokenizer, prompt_ids, params.skip_special_tokens)
         return Echo(text, prompt_ids, prompt_only=params.max_tokens == 0)
 
-    def _open_span(self, request: Request, arrived: float, prompt_tokens: int,
-                   n: int) -> Span | None:
+    def open_span(self, request: Request, arrived: float, attributes: Attributes
+                  ) -> Span | None:
         """The request's span (a child of the client's `traceparent`, if it sent one); None
         when tracing is off."""
         tracer = self.state.tracer
         if tracer is None:
             return None
         return tracer.open(f"{request.method} {request.url.path}",
-                           request.headers.get("traceparent"), arrived,
-                           {"raging.prompt_tokens": prompt_tokens, "raging.choices": n})
+                           request.headers.get("traceparent"), arrived, attributes)
 
     def _check_token_ids(self, params: GenerationParams) -> None:
         """400 for stop_token_ids, allowed_token_ids or logit_bias keys outside the vocabulary."""

@@ -107,12 +107,17 @@ def test_ollama_s_routes_and_llama_cpp_s(cluster: Cluster, ollama_client: ollama
     assert close(vector, expected[TEXTS[2]] / taxicab)
 
 
-def test_more_inputs_than_a_window_come_back_in_order(client: openai.OpenAI) -> None:
+def test_more_inputs_than_a_window_come_back_in_order(cluster: Cluster,
+                                                      client: openai.OpenAI) -> None:
+    """Each input is an engine request as vLLM counts them: each ends "stop"."""
+    before = finished(cluster)
     inputs = [[100 + i, 200 + 2 * i, 300 + 3 * i] for i in range(WINDOW + 8)]
     together = client.embeddings.create(model="SmolLM2-135M-Instruct", input=inputs)
     for index in (0, WINDOW - 1, WINDOW + 7):
         alone = client.embeddings.create(model="SmolLM2-135M-Instruct", input=[inputs[index]])
         assert close(together.data[index].embedding, torch.tensor(alone.data[0].embedding))
+    grown = {reason: count - before[reason] for reason, count in finished(cluster).items()}
+    assert grown == {"stop": WINDOW + 8 + 3, "abort": 0, "error": 0}
 
 
 def test_too_long_an_input_is_refused_or_cut_as_asked(cluster: Cluster) -> None:
@@ -133,18 +138,30 @@ def test_too_long_an_input_is_refused_or_cut_as_asked(cluster: Cluster) -> None:
 
 def test_a_client_gone_mid_list_frees_every_block(cluster: Cluster) -> None:
     inputs = [[1000 + (i * 7 + j) % 3000 for j in range(400)] for i in range(200)]
-    aborted = ended(cluster, "aborted")
+    aborted, before = ended(cluster, "aborted"), finished(cluster)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster.url}/v1/embeddings", json={"input": inputs}, timeout=1.0)
     wait_for(lambda: cluster.idle("prefill-0") and cluster.idle("decode-0"), 30,
              "both workers to hold nothing")
     assert ended(cluster, "aborted") == aborted + 1
+    grown = {reason: count - before[reason] for reason, count in finished(cluster).items()}
+    # the inputs sent (whole windows) each ended, the unfinished ones aborted
+    assert grown["abort"] > 0 and grown["error"] == 0, grown
+    assert (grown["stop"] + grown["abort"]) % WINDOW == 0, grown
 
 
 def prefix_cache_hits(cluster: Cluster) -> float:
     """vLLM's count of prompt tokens found cached, over every request so far."""
     model = cluster.client.get("/v1/models").json()["data"][0]["id"]
     return cluster.metric("vllm:prefix_cache_hits_total", f'model_name="{model}"')
+
+
+def finished(cluster: Cluster) -> dict[str, float]:
+    """vLLM's count of engine requests ended, by how, over every request so far."""
+    model = cluster.client.get("/v1/models").json()["data"][0]["id"]
+    return {reason: cluster.metric("vllm:request_success_total",
+                                   f'finished_reason="{reason}",model_name="{model}"')
+            for reason in ("stop", "abort", "error")}
 
 
 def ended(cluster: Cluster, outcome: str) -> float:

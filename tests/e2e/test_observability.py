@@ -267,3 +267,33 @@ def test_requests_without_a_traceparent_each_start_a_trace_of_their_own(
     trace_ids = {spans[("raging-gateway", "POST /v1/completions")].trace_id
                  for spans in (first, second)}
     assert len(trace_ids) == 2 and CLIENT_TRACE not in trace_ids
+
+
+def test_an_embedding_request_is_one_trace_over_each_inputs_prefill(
+        traced: tuple[Cluster, Receiver]) -> None:
+    """Two inputs, each a request of its own to the prefill worker, under the gateway's span,
+    itself under the client's."""
+    cluster, receiver = traced
+    response = cluster.client.post("/v1/embeddings", json={"input": [LONG, LONG + "again"]},
+                                   headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    assert response.status_code == 200, response.text
+
+    def mine(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        """The embedding's span (the only one of that name) and its children."""
+        roots = {s.span_id for s in spans if s.name == "POST /v1/embeddings"}
+        return [s for s in spans if s.span_id in roots or s.parent_id in roots]
+
+    receiver.wait_for(lambda spans: len(mine(spans)) >= 3, "the embedding's spans")
+    time.sleep(1.5)  # a span exported late, twice, or one too many would be here by now
+    spans = mine(receiver.spans)
+    (root,) = [s for s in spans if s.name == "POST /v1/embeddings"]
+    children = [s for s in spans if s is not root]
+    assert root.trace_id == CLIENT_TRACE and root.parent_id == CLIENT_SPAN
+    assert root.attributes["raging.outcome"] == "ok" and root.attributes["raging.inputs"] == 2
+    computes = [s for s in children if s.name == "prefill.compute"]
+    assert len(computes) == 2 and {s.service for s in computes} == {"raging-prefill"}
+    assert {s.name for s in children} == {"prefill.queue", "prefill.compute"}, children
+    assert root.attributes["raging.request_id"] in {
+        s.attributes["raging.request_id"] for s in computes}
+    assert sum(s.attributes["raging.prompt_tokens"] for s in computes) == \
+        root.attributes["raging.prompt_tokens"]
