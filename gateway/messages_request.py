@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.protocol import ChatCompletionRequest, SamplingRequest, chat_request_of
+from gateway.chat_request import chat_request_of
+from gateway.protocol import ChatCompletionRequest, SamplingRequest
 from gateway.validation import (
     RequestModel,
     invalid_value,

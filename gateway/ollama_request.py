@@ -20,13 +20,13 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gateway.chat_request import chat_request_of
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     Penalty,
     TokenId,
-    chat_request_of,
     completion_request_of,
 )
 from gateway.validation import RequestModel, invalid_value, parse_body

@@ -20,6 +20,7 @@ from core.tracing import Attributes
 from engine.weights.tokenizer import decode_text
 from gateway.auth import cache_salt
 from gateway.background import KEPT_LOGS, EventLog
+from gateway.chat_request import parse_chat_request
 from gateway.errors import (
     APIError,
     bad_request,
@@ -42,7 +43,6 @@ from gateway.protocol import (
     ChatCompletionRequest,
     TemplateOptions,
     TokenizeRequest,
-    parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,

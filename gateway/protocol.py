@@ -1,15 +1,16 @@
 """The OpenAI request schema for /v1/chat/completions and /v1/completions (and /tokenize,
 /detokenize).
 
-Request bodies are parsed into pydantic models (`parse_chat_request`, `parse_completion_request`),
-any malformed body becoming a 400 `APIError` (gateway/validation.py), then reduced to the
-internal `GenerationParams` (gateway/params.py). Every field the official OpenAI client sends is
-known: used, accepted and ignored (hints with no effect here), or refused as "not supported yet"
-unless it asks for nothing (null, empty, the default). vLLM's cheap extensions (min_p,
-bad_words, allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented;
+Request bodies are parsed into pydantic models (`parse_completion_request`; a chat body in
+gateway/chat_request.py, which checks its tools too), any malformed body becoming a 400
+`APIError` (gateway/validation.py), then reduced to the internal `GenerationParams`
+(gateway/params.py). Every field the official OpenAI client sends is known: used, accepted and
+ignored (hints with no effect here), or refused as "not supported yet" unless it asks for
+nothing (null, empty, the default). vLLM's cheap extensions (min_p, bad_words,
+allowed_token_ids, skip_special_tokens, chat template options, ...) are implemented;
 structured outputs are read in gateway/structured_outputs.py. Another API's request becomes
-one of these (`chat_request_of`, `completion_request_of`). Prompts become token ids in
-gateway/prompts.py.
+one of these (`completion_request_of`, gateway/chat_request.py's `chat_request_of`). Prompts
+become token ids in gateway/prompts.py.
 """
 
 from __future__ import annotations
@@ -30,19 +31,16 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from core.messages import MAX_LOGPROBS, Grammar
-from gateway.errors import bad_request
 from gateway.structured_outputs import (
     ResponseFormat,
     StructuredOutputs,
     choice_grammar,
-    grammar_problem,
     json_grammar,
     one_grammar,
     rules_grammar,
     schema_or_text,
     text_grammar,
 )
-from gateway.tools import tool_plan
 from gateway.validation import (
     MAX_NAME_CHARS,
     RequestModel,
@@ -547,43 +545,15 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
 
 
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    """Parse a /v1/chat/completions body; any invalid body raises a 400 `APIError`."""
-    request = parse_body(ChatCompletionRequest, body)
-    check_tool_request(request)
-    return request
-
-
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Parse a /v1/completions body; any invalid body raises a 400 `APIError`."""
     return parse_body(CompletionRequest, body)
 
 
-def check_tool_request(request: ChatCompletionRequest) -> None:
-    """400 for tool fields that disagree, or (when a call is forced) a function whose
-    parameters the workers could not compile into a grammar."""
-    plan = tool_plan(request)
-    if plan is None or not plan.grammar:
-        return
-    if request.grammar is not None:
-        raise bad_request("Invalid 'tool_choice': a forced call cannot be combined with "
-                          "structured outputs", param="tool_choice")
-    problem = grammar_problem(Grammar("json_schema", plan.grammar))
-    if problem is not None:
-        param = "functions" if plan.legacy else "tools"
-        raise bad_request(f"Invalid '{param}': a function's parameters are not a usable JSON "
-                          f"schema: {problem}", param=param)
-
-
-def chat_request_of(fields: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
-    """The chat request another API's request became, from its `fields`; a 400 as chat would
-    give it, naming that request's own field (`params`: chat's top-level field -> its own)."""
-    return request_of(ChatCompletionRequest, fields, params, check_tool_request)
-
-
 def completion_request_of(fields: dict[str, Any], params: Mapping[str, str]
                           ) -> CompletionRequest:
-    """The completion request another API's request became, as `chat_request_of`."""
+    """The completion request another API's request became, from its `fields`; a 400 as
+    /v1/completions would give it, naming that request's own field."""
     return request_of(CompletionRequest, fields, params)
 
 

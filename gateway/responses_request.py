@@ -25,12 +25,12 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.chat_request import chat_request_of
 from gateway.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     FunctionDefinition,
     SamplingRequest,
-    chat_request_of,
 )
 from gateway.validation import (
     RequestModel,

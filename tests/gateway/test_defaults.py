@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from core.config import GenerationDefaults, load_config
+from gateway.chat_request import parse_chat_request
 from gateway.defaults import resolve_defaults
 from gateway.params import generation_params
-from gateway.protocol import parse_chat_request, parse_completion_request
+from gateway.protocol import parse_completion_request
 
 CONFIGURED = GenerationDefaults(temperature=0.3, top_p=0.8, top_k=10, min_p=0.02,
                                 repetition_penalty=1.05, max_tokens=300)

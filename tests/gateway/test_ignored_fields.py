@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
+from gateway.chat_request import parse_chat_request
 from gateway.errors import APIError
 from gateway.ignored_fields import MAX_FIELD_LABELS, IgnoredFields, field_label, unknown_fields
 from gateway.metrics import Metrics
-from gateway.protocol import parse_chat_request
 
 
 def chat_body(**fields: object) -> bytes:

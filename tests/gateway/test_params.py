@@ -9,11 +9,11 @@ import pytest
 
 from core.config import GenerationDefaults
 from core.messages import JSON_OBJECT
+from gateway.chat_request import parse_chat_request
 from gateway.params import GenerationParams, generation_params
 from gateway.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatMessage,
-    parse_chat_request,
     parse_completion_request,
 )
 from tests.gateway.test_protocol import chat, completion, raises_400

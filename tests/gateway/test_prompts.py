@@ -11,6 +11,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
+from gateway.chat_request import parse_chat_request
 from gateway.errors import APIError
 from gateway.prompts import (
     bad_words_token_ids,
@@ -18,7 +19,7 @@ from gateway.prompts import (
     render_chat_prompt,
     tokenize_prompt,
 )
-from gateway.protocol import TemplateOptions, parse_chat_request
+from gateway.protocol import TemplateOptions
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
 

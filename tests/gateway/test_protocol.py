@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
+from gateway.chat_request import parse_chat_request
 from gateway.errors import (
     APIError,
 )
 from gateway.ignored_fields import unknown_fields
 from gateway.params import generation_params
-from gateway.protocol import parse_chat_request, parse_completion_request
+from gateway.protocol import parse_completion_request
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
 LONG = "Z" * 50_000

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from core.messages import JSON_OBJECT, Grammar
+from gateway.chat_request import parse_chat_request
 from gateway.params import GenerationParams, generation_params
-from gateway.protocol import parse_chat_request
 from tests.gateway.test_params import NEUTRAL
 from tests.gateway.test_protocol import chat, raises_400
 

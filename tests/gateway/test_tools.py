@@ -14,9 +14,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from xgrammar.testing import _is_grammar_accept_string
 
 from engine.weights.tokenizer import decode_text
+from gateway.chat_request import parse_chat_request
 from gateway.errors import APIError
 from gateway.prompts import render_chat_prompt
-from gateway.protocol import parse_chat_request
 from gateway.tool_parsers import HermesParser, NamedParser, RequiredParser
 from gateway.tools import (
     FALLBACK_PROMPT,

@@ -23,13 +23,13 @@ from openai.types.chat import completion_create_params as chat_params
 from pydantic import BaseModel
 from starlette.testclient import TestClient
 
+from gateway.chat_request import parse_chat_request
 from gateway.protocol import (
     TEXT_PART_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     StreamOptions,
-    parse_chat_request,
     parse_completion_request,
 )
 from tests.gateway.served_app import (
