@@ -173,7 +173,8 @@ class Llama3JsonParser:
 
 class RequiredParser:
     """`tool_choice: required`: the grammar forces a JSON array of `{"name", "arguments"}`
-    objects, parsed once whole (an output cut short by max_tokens stays text)."""
+    objects, parsed once whole. An output cut short by max_tokens keeps the calls it completed
+    (a model may repeat its call until the limit); one with none stays text."""
 
     def __init__(self) -> None:
         self.buffer = ""
@@ -184,14 +185,33 @@ class RequiredParser:
 
     def finish(self) -> list[Piece]:
         text, self.buffer = self.buffer, ""
+        calls = _leading_calls(text)
+        if calls:
+            return list(calls)
+        return [text] if text else []
+
+
+def _leading_calls(text: str) -> list[CallPiece]:
+    """The whole calls a JSON array of calls begins with, as far as it goes; none when an
+    element is not a call."""
+    decoder = json.JSONDecoder()
+    rest = text.lstrip()
+    if not rest.startswith("["):
+        return []
+    calls: list[CallPiece] = []
+    rest = rest[1:].lstrip()
+    while rest and not rest.startswith("]"):
         try:
-            data: Any = json.loads(text)
+            data: Any
+            data, end = decoder.raw_decode(rest)
         except ValueError:
-            return [text] if text else []
-        calls = [parse_call(item) for item in data] if isinstance(data, list) else [None]
-        if not calls or any(call is None for call in calls):
-            return [text]
-        return [call for call in calls if call is not None]
+            return calls  # cut in the middle of an element
+        call = parse_call(data)
+        if call is None:
+            return []
+        calls.append(call)
+        rest = rest[end:].lstrip().removeprefix(",").lstrip()
+    return calls
 
 
 class NamedParser:

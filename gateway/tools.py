@@ -283,6 +283,7 @@ class ToolStream:
         self.legacy = legacy
         self.count = 0  # calls started
         self.dropping = False  # inside a call beyond the first when parallel calls are off
+        self.after_call = False  # no text but whitespace since the last call
 
     def feed(self, text: str) -> ToolOutput:
         return self._output(self.parser.feed(text))
@@ -299,8 +300,11 @@ class ToolStream:
         for piece in pieces:
             if isinstance(piece, CallPiece):
                 self._add_call(output, piece)
-            elif not (self.count and piece.isspace()):  # no blank text between calls
-                output.content += piece
+                self.after_call = True
+            else:  # no whitespace after a call, however the text came in pieces
+                text = piece.lstrip() if self.after_call else piece
+                self.after_call = self.after_call and not text
+                output.content += text
         return output
 
     def _add_call(self, output: ToolOutput, piece: CallPiece) -> None:

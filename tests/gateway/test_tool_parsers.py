@@ -120,6 +120,11 @@ REQUIRED_CASES: list[tuple[str, str, Calls]] = [
     (f"[{WEATHER}]", "", [WEATHER_CALL]),
     (f'[{WEATHER}, {{"name": "get_time", "arguments": {{}}}}]', "", [WEATHER_CALL, TIME_CALL]),
     (f"[{WEATHER[:20]}", f"[{WEATHER[:20]}", []),  # cut short by max_tokens
+    # cut short in a repeated call: the whole calls before it are kept
+    (f"[{WEATHER}, {WEATHER}, {WEATHER[:20]}", "", [WEATHER_CALL, WEATHER_CALL]),
+    (f"[ {WEATHER} ,", "", [WEATHER_CALL]),
+    (f'[{WEATHER}, {{"city": "Paris"}}, {WEATHER[:9]}', f'[{WEATHER}, {{"city": "Paris"}}, '
+     f"{WEATHER[:9]}", []),  # an element that is no call: all text
     ("[]", "[]", []),
 ]
 

@@ -277,6 +277,22 @@ def test_a_reply_cut_short_keeps_its_finish_reason_and_text() -> None:
     assert no_call.whole("Just text.", "stop") == ("Just text.", {}, "stop")
 
 
+def test_a_reply_cut_in_a_repeated_call_keeps_the_calls_it_completed() -> None:
+    call = '{"name": "get_time", "arguments": {}}'
+    deltas, content, reason = stream_all(ToolStream(RequiredParser()),
+                                         [f"[{call}, {call}, {call[:12]}"], "length")
+    assert (len(deltas), content, reason) == (2, "", "length")
+
+
+def test_text_after_a_call_is_the_same_streamed_or_whole() -> None:
+    output = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n Done.\n'
+    whole, _, _ = ToolStream(HermesParser()).whole(output, "stop")
+    assert whole == "Done.\n"
+    for chunks in ([output], list(output), [output[:-7], output[-7:-5], output[-5:]]):
+        _, content, _ = stream_all(ToolStream(HermesParser()), chunks)
+        assert content == whole, chunks
+
+
 def test_whole_reply_has_null_content_and_whole_calls() -> None:
     content, fields, reason = ToolStream(HermesParser()).whole(
         '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "stop")
