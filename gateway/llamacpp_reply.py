@@ -119,11 +119,12 @@ def _token(piece: Piece) -> dict[str, Any]:
 
 def _timings(generation: Generation) -> dict[str, float]:
     """llama.cpp's timings: the prompt's (from arrival to the first token) and the output's
-    (from the first token to the last), in ms, with their rates."""
+    (from the first token to the last), in ms, with their rates; `predicted_n` counts every
+    token, the first too, as llama.cpp's does (it equals `tokens_predicted`)."""
     prompt_s, predicted_s = generation.phases()
     prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
     prompt_n = generation.prompt_tokens - generation.handle.cached_tokens
-    predicted_n = max(generation.completion_tokens - 1, 0)  # the first came with the prompt
+    predicted_n = generation.completion_tokens
     return {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
             "prompt_per_token_ms": _per(prompt_ms, prompt_n),
             "prompt_per_second": _rate(prompt_n, prompt_ms),

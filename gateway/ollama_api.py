@@ -31,14 +31,13 @@ from gateway.ollama_request import (
     parse_ollama_chat,
     parse_ollama_generate,
 )
-from gateway.openai_api import OpenAIRoutes, Served
+from gateway.openai_api import OLLAMA_TAG, OpenAIRoutes, Served
 from gateway.params import GenerationParams, generation_params
 from gateway.prompts import tokenize_prompt
 from gateway.reply import ChatFormat, CompletionFormat, Format
 from gateway.state import server_version, utc_text
 from gateway.validation import RequestModel, parse_body
 
-_TAG = ":latest"
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API these routes follow
 _KEPT_UNTIL = "2318-08-23T00:00:00Z"  # /api/ps's expiry of a model that is never unloaded
 
@@ -128,7 +127,7 @@ class OllamaRoutes:
         """`POST /api/embeddings`, the older route: one prompt's vector, not normalized (cut
         to the context); no prompt: an empty one."""
         body = await self.embedder.body(request, OllamaEmbeddingsRequest)
-        self._served(body.model)
+        self.routes.served_model(body.model)
         if not body.prompt:
             return JSONResponse({"embedding": []})
         (prompt_ids,) = await self.embedder.token_ids([body.prompt])
@@ -156,7 +155,7 @@ class OllamaRoutes:
         asked = body.model or body.name
         if asked is None:
             raise bad_request("model is required", param="model")
-        name = self._served(asked)
+        name = self.routes.served_model(asked)
         facts = self._facts()
         return JSONResponse({
             "license": "", "modelfile": f"# served by raging\nFROM {self.state.model_name}\n",
@@ -171,17 +170,10 @@ class OllamaRoutes:
         raging's own beside it."""
         return JSONResponse({"version": OLLAMA_API_VERSION, "raging": server_version()})
 
-    def _served(self, model: str | None) -> str:
-        """The served name a request gave, with Ollama's `:latest` tag or without."""
-        if model is not None and model.endswith(_TAG) and (
-                model[:-len(_TAG)] in self.state.served_names):
-            model = model[:-len(_TAG)]
-        return self.routes.served_model(model)
-
     def _echoed(self, model: str | None) -> str:
         """The model name a reply echoes: the request's own (a served one), or the first
         served name, tagged, where it gave none."""
-        served = self._served(model)
+        served = self.routes.served_model(model)
         return model if model is not None else _tagged(served)
 
     def _check_capabilities(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
@@ -255,4 +247,4 @@ def _details(facts: ModelFacts) -> dict[str, Any]:
 
 
 def _tagged(name: str) -> str:
-    return name if ":" in name else name + _TAG
+    return name if ":" in name else name + OLLAMA_TAG

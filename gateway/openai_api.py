@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 _Result = TypeVar("_Result")
+OLLAMA_TAG = ":latest"  # Ollama's name of a model's one version
 _PROMPT_END_TOKENS = 8  # the prompt's last tokens, read for a `<think>` left open
 
 
@@ -268,11 +269,14 @@ class OpenAIRoutes:
         return b"".join(chunks)
 
     def served_model(self, model: str | None) -> str:
-        """The served name a request gave, or the first one where it gave none (as vLLM and
-        llama.cpp do); a 404 for a name this server does not serve."""
+        """The served name a request gave (bare, or with Ollama's `:latest` tag, which its
+        /api/tags lists and Ollama's own /v1 routes take too), or the first one where it gave
+        none (as vLLM and llama.cpp do); a 404 for a name this server does not serve."""
         names = self.state.served_names
         if model is None:
             return names[0]
+        if model.endswith(OLLAMA_TAG) and model.removesuffix(OLLAMA_TAG) in names:
+            return model.removesuffix(OLLAMA_TAG)
         if model not in names:
             served = ", ".join(f"'{name}'" for name in names)
             raise not_found(f"The model '{model[:100]}' does not exist; this server serves "

@@ -45,7 +45,7 @@ def test_a_greedy_completion_is_the_openai_route_s(cluster: Cluster) -> None:
     assert whole["tokens_evaluated"] == openai["usage"]["prompt_tokens"]
     assert whole["prompt"] == PROMPT and whole["generation_settings"]["temperature"] == 0
     timings = whole["timings"]
-    assert timings["predicted_n"] == 11 and timings["predicted_ms"] > 0
+    assert timings["predicted_n"] == 12 and timings["predicted_ms"] > 0
     assert timings["prompt_n"] + whole["tokens_cached"] == whole["tokens_evaluated"]
 
 

@@ -90,6 +90,18 @@ def test_bad_tokenize_bodies_are_400(client: TestClient, route: str, body: dict[
 def test_tokenize_names_an_unknown_model(client: TestClient) -> None:
     reply = client.post("/tokenize", json={"model": "gpt-4o", "prompt": "x"})
     assert reply.status_code == 404 and error_of(reply)["code"] == "model_not_found"
+    for other in ("gpt-4o:latest", f"{MODEL}:v2", f"{MODEL}:"):
+        assert client.post("/tokenize", json={"model": other, "prompt": "x"}).status_code == 404
+
+
+def test_a_served_name_is_taken_with_ollamas_latest_tag_on_every_route(
+        client: TestClient) -> None:
+    """As /api/tags lists it, and as Ollama's own /v1 routes take it."""
+    tagged = client.post("/tokenize", json={"model": f"{MODEL}:latest", "prompt": "x"})
+    assert tagged.json()["tokens"] == client.post(
+        "/tokenize", json={"model": MODEL, "prompt": "x"}).json()["tokens"]
+    body = {**valid_body("/v1/chat/completions"), "model": f"{MODEL}:latest"}
+    assert is_no_worker(client.post("/v1/chat/completions", json=body))  # past the name
 
 
 def test_version_and_ping(client: TestClient) -> None:
