@@ -133,12 +133,29 @@ def _with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
 
 def parse_body(model: type[_Model], body: bytes) -> _Model:
     """The `model` request of a JSON `body`; any invalid body raises a 400 `APIError`."""
+    body = replace_lone_surrogates(body)
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
     _reject_duplicate_keys(body)
     return request
+
+
+# One escape of a JSON string: a surrogate pair, a lone surrogate, or any other (an escaped
+# backslash among them, so that the text after it is never read as an escape)
+_ESCAPE = re.compile(rb"\\(u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                     rb"|(u[dD][89a-fA-F][0-9a-fA-F]{2})|.)", re.DOTALL)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def replace_lone_surrogates(body: bytes) -> bytes:
+    """`body` with each escaped surrogate that is not half of a pair (a browser's script that
+    cut a string inside an emoji sends one) as U+FFFD, as a text decoder reads a broken
+    character; pairs, and everything else, untouched."""
+    if not _SURROGATE.search(body):
+        return body
+    return _ESCAPE.sub(lambda m: b"\\ufffd" if m.group(2) else m.group(0), body)
 
 
 def _reject_duplicate_keys(body: bytes) -> None:
