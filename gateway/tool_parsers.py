@@ -3,7 +3,8 @@
 Each parser is fed text deltas and returns `Piece`s as soon as they are certain: plain text
 (a `str`) or a `CallPiece`, the first piece of a call carrying its name. Text that might be the
 start of a call is held back until it is clearly not; `finish` settles what is left (a call
-that does not parse is returned as the text it was). Formats:
+that does not parse, or names a function the request did not offer, is returned as the text
+it was). Formats:
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the text
   (Hermes, Qwen, and the fallback prompt of gateway/tools.py ask for it);
 - `llama3_json`: the whole output one or more `{"name": ..., "parameters": {...}}` objects
@@ -67,9 +68,10 @@ class HermesParser:
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, offered: frozenset[str] | None = None) -> None:
         self.buffer = ""
         self.inside = False
+        self.offered = offered  # the functions a call may name (None: any)
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
@@ -102,7 +104,7 @@ class HermesParser:
             call = parse_call(json.loads(body))
         except ValueError:
             call = None
-        if call is not None:
+        if call is not None and _offered(call, self.offered):
             return call
         return self.OPEN + body + (self.CLOSE if closed else "")
 
@@ -124,9 +126,10 @@ class Llama3JsonParser:
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, offered: frozenset[str] | None = None) -> None:
         self.buffer = ""
         self.verdict: Literal["undecided", "text", "calls"] = "undecided"
+        self.offered = offered  # the functions a call may name (None: any)
 
     def feed(self, text: str) -> list[Piece]:
         if self.verdict == "text":
@@ -164,7 +167,7 @@ class Llama3JsonParser:
             except ValueError:
                 return None
             call = parse_call(data, "parameters")
-            if call is None:
+            if call is None or not _offered(call, self.offered):
                 return None
             calls.append(call)
             rest = rest[end:].strip().removeprefix(";").strip()
@@ -232,15 +235,21 @@ class NamedParser:
         return [CallPiece("{}", self.name)] if self.name is not None else []
 
 
+def _offered(call: CallPiece, offered: frozenset[str] | None) -> bool:
+    return offered is None or call.name in offered
+
+
 def _append_text(pieces: list[Piece], text: str) -> None:
     if text:
         pieces.append(text)
 
 
-def auto_parser(name: ParserName) -> ToolCallParser | None:
-    """The configured parser for `tool_choice: auto`; None when none is configured."""
+def auto_parser(name: ParserName, offered: frozenset[str]) -> ToolCallParser | None:
+    """The configured parser for `tool_choice: auto`, finding calls of the `offered`
+    functions only (a call of any other, which a small model may make up, stays text); None
+    when none is configured."""
     if name == "hermes":
-        return HermesParser()
+        return HermesParser(offered)
     if name == "llama3_json":
-        return Llama3JsonParser()
+        return Llama3JsonParser(offered)
     return None

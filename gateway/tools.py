@@ -101,7 +101,7 @@ class ToolPlan:
             assert self.forced is not None
             parser = NamedParser(self.forced)
         elif self.mode == "auto":
-            parser = auto_parser(self.parser)
+            parser = auto_parser(self.parser, frozenset(f.name for f in self.functions))
         return None if parser is None else ToolStream(parser, self.parallel, self.legacy)
 
 

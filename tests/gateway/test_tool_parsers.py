@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -65,14 +64,19 @@ HERMES_CASES: list[tuple[str, str, Calls]] = [
     ("a < b and <tool_ca", "a < b and <tool_ca", []),
     ('<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>', "", [TIME_CALL]),
     ("<tool_call>{\"name\": \"get_time\"}</tool_call>", "", [TIME_CALL]),
+    # a function the request did not offer: the call stays text, the offered one is a call
+    ('<tool_call>{"name": "launch", "arguments": {}}</tool_call> then '
+     f"<tool_call>{WEATHER}</tool_call>",
+     '<tool_call>{"name": "launch", "arguments": {}}</tool_call> then ', [WEATHER_CALL]),
 ]
+OFFERED = frozenset({"get_weather", "get_time"})
 
 
 @pytest.mark.parametrize(("output", "text", "calls"), HERMES_CASES)
 def test_hermes_finds_the_same_calls_however_the_output_is_split(
         output: str, text: str, calls: Calls) -> None:
     for chunks in splits(output):
-        assert run(HermesParser(), chunks) == (text, calls), chunks
+        assert run(HermesParser(OFFERED), chunks) == (text, calls), chunks
 
 
 def test_hermes_streams_text_at_once_and_holds_back_only_a_possible_tag() -> None:
@@ -98,6 +102,8 @@ LLAMA_CASES: list[tuple[str, str, Calls]] = [
     ("<|python_ta", "<|python_ta", []),
     ("<|pytho and text", "<|pytho and text", []),
     ("{cut sho", "{cut sho", []),
+    ('{"name": "get_time", "parameters": {}}; {"name": "launch", "parameters": {}}',
+     '{"name": "get_time", "parameters": {}}; {"name": "launch", "parameters": {}}', []),
 ]
 
 
@@ -105,7 +111,7 @@ LLAMA_CASES: list[tuple[str, str, Calls]] = [
 def test_llama3_json_finds_the_same_calls_however_the_output_is_split(
         output: str, text: str, calls: Calls) -> None:
     for chunks in splits(output):
-        assert run(Llama3JsonParser(), chunks) == (text, calls), chunks
+        assert run(Llama3JsonParser(OFFERED), chunks) == (text, calls), chunks
 
 
 def test_llama3_json_streams_text_once_a_call_is_ruled_out() -> None:
@@ -163,6 +169,7 @@ def test_parse_call(data: object, key: str, expected: CallPiece | None) -> None:
 
 @pytest.mark.parametrize(("name", "kind"), [("hermes", HermesParser),
                                             ("llama3_json", Llama3JsonParser)])
-def test_auto_parser_by_name(name: str, kind: Callable[[], ToolCallParser]) -> None:
-    assert isinstance(auto_parser(name), kind)  # type: ignore[arg-type]  # a name from config
-    assert auto_parser("") is None
+def test_auto_parser_by_name(name: str, kind: type) -> None:
+    made = auto_parser(name, OFFERED)  # type: ignore[arg-type]  # a name from config
+    assert isinstance(made, kind)
+    assert auto_parser("", OFFERED) is None
