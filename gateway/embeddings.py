@@ -90,12 +90,12 @@ class Embedder:
         return facts.spec.hidden_size
 
     async def vectors(self, request: Request, route: str, prompts: list[list[int]],
-                      priority: int = 0) -> list[np.ndarray]:
+                      arrived: float, priority: int = 0) -> list[np.ndarray]:
         """Each prompt's vector as the model leaves it (not normalized); a 400 for a prompt
         that is empty or longer than `room()`, the admission's 429 or 503 (each window of
         inputs is admitted as it goes out), a 503 when a worker fails one; a client gone
-        first aborts them all (ClientDisconnect)."""
-        arrived = time.monotonic()
+        first aborts them all (ClientDisconnect). `arrived`: when the HTTP request came in,
+        before its body was read and its inputs tokenized."""
         await self.state.dispatcher.until_decode_serves()
         self._check_lengths(prompts)
         salt = cache_salt(request)
@@ -110,12 +110,13 @@ class Embedder:
             vectors = await _unless_gone(request, self._all(tasks, sent))
             outcome = "ok"
             return vectors
-        except APIError:
-            outcome = "error"
+        except APIError:  # refused before any input went out: as chat's, never counted
+            outcome = "error" if sent.first_request_id else "unavailable"
             raise
         finally:
             self.state.metrics.inflight.dec()
-            self.state.metrics.requests.labels(route, outcome).inc()
+            if outcome != "unavailable":
+                self.state.metrics.requests.labels(route, outcome).inc()
             self._end_span(span, outcome, sent)
 
     def _traceparent(self, span: Span | None) -> str:
@@ -126,8 +127,8 @@ class Embedder:
         tracer = self.state.tracer
         if tracer is None or span is None:
             return
-        tracer.close(span, time.monotonic(), {
-            "raging.outcome": outcome, "raging.request_id": sent.first_request_id})
+        named = {"raging.request_id": sent.first_request_id} if sent.first_request_id else {}
+        tracer.close(span, time.monotonic(), {"raging.outcome": outcome, **named})
 
     def _check_lengths(self, prompts: list[list[int]]) -> None:
         room = self.room()
@@ -156,39 +157,35 @@ class Embedder:
         self.routes.admit(sum(len(task.prompt_ids) for task in tasks))
         handles: list[RequestHandle] = []
         waits: list[asyncio.Future[np.ndarray]] = []
+        endings: dict[str, str] = {}  # request id -> how it ended, once it has
         try:
             for task in tasks:
                 handles += dispatcher.submit_choices(task, 1, sent.arrived, sent.traceparent)
             sent.first_request_id = sent.first_request_id or handles[0].request_id
             self.state.metrics.prompt_tokens.inc(sum(len(task.prompt_ids) for task in tasks))
-            waits = [asyncio.ensure_future(self._vector(handle)) for handle in handles]
+            waits = [asyncio.ensure_future(self._vector(handle, endings)) for handle in handles]
             return list(await asyncio.gather(*waits))
         finally:
             for wait in waits:
                 wait.cancel()
-            for handle in handles:
+            for handle in handles:  # each sent input counted once, as vLLM counts its ends
                 dispatcher.abort(handle)
+                self.state.metrics.vllm.finished(endings.get(handle.request_id, "abort"),
+                                                 len(handle.task.prompt_ids), 0, None)
 
-    async def _vector(self, handle: RequestHandle) -> np.ndarray:
-        """The handle's vector; it ends as vLLM counts an engine request's end ("stop" once its
-        vector came, else "error", or "abort": the client left, or another input failed)."""
-        ending = "abort"
+    async def _vector(self, handle: RequestHandle, endings: dict[str, str]) -> np.ndarray:
+        """The handle's vector; `endings` says how it ended ("stop" once its vector came,
+        "error" when it failed; left out: aborted, as the client left or another failed)."""
         try:
             vector = await self._received_vector(handle)
-            ending = "stop"
-            return vector
         except APIError:
-            ending = "error"
+            endings[handle.request_id] = "error"
             raise
-        finally:
-            self._count_end(handle, ending)
-
-    def _count_end(self, handle: RequestHandle, ending: str) -> None:
+        endings[handle.request_id] = "stop"
         metrics = self.state.metrics
-        metrics.vllm.finished(ending, len(handle.task.prompt_ids), 0, None)
-        if ending == "stop":
-            metrics.e2e.observe(time.monotonic() - handle.timing.arrived)
-            metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
+        metrics.e2e.observe(time.monotonic() - handle.timing.arrived)
+        metrics.vllm.prefilled(len(handle.task.prompt_ids), handle.cached_tokens)
+        return vector
 
     async def _received_vector(self, handle: RequestHandle) -> np.ndarray:
         timeout = self.state.config.gateway.progress_timeout_s
@@ -223,6 +220,7 @@ class EmbeddingRoutes:
         self.routes = embedder.routes
 
     async def embeddings(self, request: Request) -> Response:
+        arrived = time.monotonic()
         body = await self.embedder.body(request, EmbeddingRequest)
         model = self.routes.served_model(body.model)
         size = self.embedder.size(body.dimensions)
@@ -231,7 +229,8 @@ class EmbeddingRoutes:
         if keep is not None:  # vLLM's: the last tokens
             keep = self.embedder.room() if keep == -1 else keep
             prompts = [ids[-keep:] if keep else [] for ids in prompts]
-        vectors = await self.embedder.vectors(request, "embeddings", prompts, body.priority)
+        vectors = await self.embedder.vectors(request, "embeddings", prompts, arrived,
+                                              body.priority)
         norm = EUCLIDEAN if body.normalize else UNNORMALIZED
         tokens = sum(len(ids) for ids in prompts)
 

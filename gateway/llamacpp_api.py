@@ -61,10 +61,11 @@ class LlamaCppRoutes:
     async def embedding(self, request: Request) -> Response:
         """Each input's vector, normalized as `embd_normalize` says, in llama.cpp's shape: a
         list of `{index, embedding}`, the embedding a list of one vector (the pooled one)."""
+        arrived = time.monotonic()
         body = await self.embedder.body(request, LlamaEmbeddingRequest)
         self.routes.served_model(body.model)
         prompts = await self.embedder.token_ids(body.inputs, body.add_special)
-        vectors = await self.embedder.vectors(request, "embedding", prompts)
+        vectors = await self.embedder.vectors(request, "embedding", prompts, arrived)
         norm = body.embd_normalize
         return await json_reply(request, lambda: [
             {"index": index, "embedding": [normalized(vector, norm).tolist()]}

@@ -116,7 +116,8 @@ class OllamaRoutes:
         prompts = await self.embedder.token_ids(body.inputs)
         if body.truncate:
             prompts = [ids[:self.embedder.room()] for ids in prompts]
-        vectors = await self.embedder.vectors(request, "ollama_embed", prompts) if prompts else []
+        vectors = await self.embedder.vectors(request, "ollama_embed", prompts,
+                                              started) if prompts else []
         took = nanoseconds(time.monotonic() - started)
         return await json_reply(request, lambda: {
             "model": model, "embeddings": [normalized(v[:size]).tolist() for v in vectors],
@@ -126,13 +127,15 @@ class OllamaRoutes:
     async def embeddings(self, request: Request) -> Response:
         """`POST /api/embeddings`, the older route: one prompt's vector, not normalized (cut
         to the context); no prompt: an empty one."""
+        arrived = time.monotonic()
         body = await self.embedder.body(request, OllamaEmbeddingsRequest)
         self.routes.served_model(body.model)
         if not body.prompt:
             return JSONResponse({"embedding": []})
         (prompt_ids,) = await self.embedder.token_ids([body.prompt])
         prompt_ids = prompt_ids[:self.embedder.room()]
-        (vector,) = await self.embedder.vectors(request, "ollama_embeddings", [prompt_ids])
+        (vector,) = await self.embedder.vectors(request, "ollama_embeddings", [prompt_ids],
+                                                arrived)
         return await json_reply(request, lambda: {"embedding": vector.tolist()})
 
     async def tags(self, request: Request) -> Response:

@@ -239,8 +239,7 @@ class OpenAIRoutes:
         name = request.path_params["model"]
         if not name:
             return await self.models(request)
-        self.served_model(name)
-        return JSONResponse(self._model_card(name))
+        return JSONResponse(self._model_card(self.served_model(name)))
 
     def _model_card(self, name: str) -> dict[str, object]:
         """As vLLM's, with `root` the model itself and the defaults a request gets; and as
@@ -275,7 +274,7 @@ class OpenAIRoutes:
         names = self.state.served_names
         if model is None:
             return names[0]
-        if model.endswith(OLLAMA_TAG) and model.removesuffix(OLLAMA_TAG) in names:
+        if model not in names and model.removesuffix(OLLAMA_TAG) in names:
             return model.removesuffix(OLLAMA_TAG)
         if model not in names:
             served = ", ".join(f"'{name}'" for name in names)

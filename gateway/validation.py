@@ -133,11 +133,13 @@ def _with_param_renamed(error: APIError, params: Mapping[str, str]) -> APIError:
 
 def parse_body(model: type[_Model], body: bytes) -> _Model:
     """The `model` request of a JSON `body`; any invalid body raises a 400 `APIError`."""
-    body = replace_lone_surrogates(body)
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        repaired = replace_lone_surrogates(body)  # only where the parser refused the body
+        if repaired == body:
+            raise validation_error(exc) from None
+        return parse_body(model, repaired)
     _reject_duplicate_keys(body)
     return request
 

@@ -147,7 +147,8 @@ def test_a_client_gone_mid_list_frees_every_block(cluster: Cluster) -> None:
     grown = {reason: count - before[reason] for reason, count in finished(cluster).items()}
     # the inputs sent (whole windows) each ended, the unfinished ones aborted
     assert grown["abort"] > 0 and grown["error"] == 0, grown
-    assert (grown["stop"] + grown["abort"]) % WINDOW == 0, grown
+    sent = grown["stop"] + grown["abort"]
+    assert sent % WINDOW == 0 or sent == len(inputs), grown
 
 
 def prefix_cache_hits(cluster: Cluster) -> float:

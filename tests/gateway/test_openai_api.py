@@ -102,6 +102,14 @@ def test_a_served_name_is_taken_with_ollamas_latest_tag_on_every_route(
         "/tokenize", json={"model": MODEL, "prompt": "x"}).json()["tokens"]
     body = {**valid_body("/v1/chat/completions"), "model": f"{MODEL}:latest"}
     assert is_no_worker(client.post("/v1/chat/completions", json=body))  # past the name
+    assert client.get(f"/v1/models/{MODEL}:latest").json()["id"] == MODEL
+
+
+def test_a_served_name_with_a_tag_of_its_own_is_itself(real_model_dir: Path) -> None:
+    with serve_without_workers(real_model_dir, **{
+            "gateway.served_model_name": ["m", "m:latest"]}) as served:
+        assert served.get("/v1/models/m:latest").json()["id"] == "m:latest"
+        assert served.get("/v1/models/m").json()["id"] == "m"
 
 
 def test_version_and_ping(client: TestClient) -> None:
