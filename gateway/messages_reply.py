@@ -68,8 +68,10 @@ class ContentBlocks:
         return [*events, self._delta({"type": f"{kind}_delta", kind: text})]
 
     def start_call(self, call_id: str, name: str, arguments: str) -> list[Event]:
-        events = [*self._close(), *self._start({"type": "tool_use", "id": call_id, "name": name,
-                                                "input": {}})]
+        """A tool_use block, its id Anthropic's spelling of the call's (`toolu_...`)."""
+        tool_use_id = "toolu_" + call_id.removeprefix("call_")
+        events = [*self._close(), *self._start({"type": "tool_use", "id": tool_use_id,
+                                                "name": name, "input": {}})]
         self.inputs[len(self.blocks) - 1] = ""
         return events + self.add_arguments(arguments)
 

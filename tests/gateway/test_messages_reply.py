@@ -52,19 +52,19 @@ def test_calls_close_the_text_and_stream_their_input_as_json() -> None:
     assert kinds(started) == ["content_block_stop", "content_block_start",
                               "content_block_delta"]
     assert started[1]["index"] == 1 and started[1]["content_block"] == {
-        "type": "tool_use", "id": "call_1", "name": "weather", "input": {}}
+        "type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}
     assert started[2]["delta"] == {"type": "input_json_delta", "partial_json": '{"city"'}
     events += started + blocks.add_arguments(': "Paris"}')
     events += blocks.start_call("call_2", "weather", '{"city": "Rome"}') + blocks.finish()
     assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2]
     content = blocks.content()
     assert content[1:] == [
-        {"type": "tool_use", "id": "call_1", "name": "weather", "input": {"city": "Paris"}},
-        {"type": "tool_use", "id": "call_2", "name": "weather", "input": {"city": "Rome"}}]
+        {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "toolu_2", "name": "weather", "input": {"city": "Rome"}}]
     text, first, second = accumulated(events)
     assert isinstance(text, TextBlock) and text.text == "Looking."
     assert isinstance(first, ToolUseBlock) and first.input == {"city": "Paris"}
-    assert isinstance(second, ToolUseBlock) and second.id == "call_2"
+    assert isinstance(second, ToolUseBlock) and second.id == "toolu_2"
 
 
 def test_a_call_cut_off_mid_input_has_an_empty_input() -> None:
