@@ -37,6 +37,7 @@ from gateway.llamacpp_api import LlamaCppRoutes
 from gateway.ollama_api import OllamaRoutes
 from gateway.openai_api import OpenAIRoutes
 from gateway.page import page_routes
+from gateway.request_id import RequestIdMiddleware
 from gateway.state import GatewayState, server_version
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def build_app(state: GatewayState) -> Starlette:
         ],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             ClientDisconnect: _client_gone, Exception: _unexpected_error},
-        middleware=[*_cors(state.config.gateway.allowed_origins), *auth.middleware(keys)],
+        middleware=[Middleware(RequestIdMiddleware),
+                    *_cors(state.config.gateway.allowed_origins), *auth.middleware(keys)],
         lifespan=_lifespan(state),
     )
 

@@ -36,7 +36,7 @@ from gateway.embedding_request import (
 )
 from gateway.errors import APIError, bad_request
 from gateway.handle import RequestHandle
-from gateway.openai_api import OpenAIRoutes, client_request_id
+from gateway.openai_api import OpenAIRoutes
 from gateway.prompts import render_chat_prompt
 from gateway.reply import wait_for_disconnect
 from gateway.validation import RequestModel, parse_body
@@ -242,7 +242,7 @@ class EmbeddingRoutes:
                     "created": int(time.time()), "model": model, "data": data,
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-        return await json_reply(request, reply)
+        return await json_reply(reply)
 
     async def _prompts(self, body: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids; or the messages' under the chat template, one prompt."""
@@ -253,16 +253,14 @@ class EmbeddingRoutes:
         return [await self.routes.tokenize_with(render, body.messages)]
 
 
-async def json_reply(request: Request, make: Callable[[], object]) -> Response:
+async def json_reply(make: Callable[[], object]) -> Response:
     """`make()`'s JSON, made and written off the event loop (2,048 vectors of 4,096 values take
-    seconds, which no other client's stream should wait for), as JSONResponse writes it; the
-    client's X-Request-Id echoed."""
+    seconds, which no other client's stream should wait for), as JSONResponse writes it."""
     def render() -> bytes:
         return json.dumps(make(), ensure_ascii=False, allow_nan=False, indent=None,
                           separators=(",", ":")).encode("utf-8")
 
-    return Response(await asyncio.to_thread(render), media_type="application/json",
-                    headers=client_request_id(request))
+    return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
 def _token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:

@@ -67,7 +67,7 @@ class LlamaCppRoutes:
         prompts = await self.embedder.token_ids(body.inputs, body.add_special)
         vectors = await self.embedder.vectors(request, "embedding", prompts, arrived)
         norm = body.embd_normalize
-        return await json_reply(request, lambda: [
+        return await json_reply(lambda: [
             {"index": index, "embedding": [normalized(vector, norm).tolist()]}
             for index, vector in enumerate(vectors)])
 

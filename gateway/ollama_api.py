@@ -119,7 +119,7 @@ class OllamaRoutes:
         vectors = await self.embedder.vectors(request, "ollama_embed", prompts,
                                               started) if prompts else []
         took = nanoseconds(time.monotonic() - started)
-        return await json_reply(request, lambda: {
+        return await json_reply(lambda: {
             "model": model, "embeddings": [normalized(v[:size]).tolist() for v in vectors],
             "total_duration": took, "load_duration": 0,
             "prompt_eval_count": sum(len(ids) for ids in prompts)})
@@ -136,7 +136,7 @@ class OllamaRoutes:
         prompt_ids = prompt_ids[:self.embedder.room()]
         (vector,) = await self.embedder.vectors(request, "ollama_embeddings", [prompt_ids],
                                                 arrived)
-        return await json_reply(request, lambda: {"embedding": vector.tolist()})
+        return await json_reply(lambda: {"embedding": vector.tolist()})
 
     async def tags(self, request: Request) -> Response:
         """The served models, as Ollama lists those it has."""

@@ -132,7 +132,7 @@ class OpenAIRoutes:
         if log is None:
             raise bad_request("only a response made with background and stream true is "
                               f"streamed again (the last {KEPT_LOGS} ended ones)", param="stream")
-        return self._following(log, after, client_request_id(request))
+        return self._following(log, after)
 
     async def delete_response(self, request: Request) -> Response:
         """`DELETE /v1/responses/{id}`: forget a kept response (cancelled first, if it is a
@@ -380,27 +380,24 @@ class OpenAIRoutes:
                        stream: bool) -> Response:
         """The reply as asked for: a stream, the whole of it, or (a background response) the
         announcement that it is queued, while it runs on."""
-        echoed = client_request_id(request)
         if served.response is not None and served.response.request.background:
             assert isinstance(reply, ResponsesReply)
             announced = reply.announce()
             if not stream:
                 self.state.background.start(served.response.owner, reply.id,
                                             reply.in_background(), settle=reply.settle)
-                return JSONResponse(announced, headers=echoed)
+                return JSONResponse(announced)
             log = EventLog()
             self.state.background.start(served.response.owner, reply.id,
                                         reply.streamed_in_background(log), log,
                                         functools.partial(reply.settle, log=log))
-            return self._following(log, -1, echoed)
+            return self._following(log, -1)
         if stream:
             return StreamingResponse(reply.stream(), media_type=reply.media_type,
-                                     headers={"Cache-Control": "no-cache", **echoed})
-        response = await reply.whole(request)
-        response.headers.update(echoed)
-        return response
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(request)
 
-    def _following(self, log: EventLog, after: int, headers: dict[str, str]) -> Response:
+    def _following(self, log: EventLog, after: int) -> Response:
         """A background stream's events after sequence number `after`, as they come: the
         client going away stops only its own following."""
         quiet_s = self.state.config.gateway.keepalive_s
@@ -410,7 +407,7 @@ class OpenAIRoutes:
                 yield KEEPALIVE_EVENT if event is None else event
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
+                                 headers={"Cache-Control": "no-cache"})
 
     def _echo(self, params: GenerationParams, prompt_ids: list[int]) -> Echo | None:
         """What the request's choices start with (`echo`): its prompt, as text and tokens."""
@@ -485,15 +482,6 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
         grammar=params.grammar, thinking=waits, priority=params.priority,
         prompt_logprobs=params.logprobs if echoed_logprobs else None,
     )
-
-
-def client_request_id(request: Request) -> dict[str, str]:
-    """The client's X-Request-Id to echo back, if it is a sane one. It is only echoed: the
-    server names requests itself, so two requests with the same id never share state."""
-    value = request.headers.get("x-request-id", "")
-    if 0 < len(value) <= 128 and value.isascii() and value.isprintable():
-        return {"X-Request-Id": value}
-    return {}
 
 
 
