@@ -484,8 +484,6 @@ def generation_task(params: GenerationParams, prompt_ids: list[int], max_tokens:
     )
 
 
-
-
 def stream_resumed_after(query: Mapping[str, str]) -> int | None:
     """For GET /v1/responses/{id}: None unless `stream` is true; else the sequence number
     the events start after (`starting_after`; -1, before the first, without one)."""
