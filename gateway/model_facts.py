@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.weights.files import has_output_head
 from engine.weights.spec import ModelSpec
 
 _DTYPE_LEVELS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -21,11 +22,12 @@ class ModelFacts:
     weights_bytes: int  # of the folder's weight files (the dense ones)
     digest: str  # names this copy of the model (see `model_facts`)
     modified_at: float  # when its weights were last written (Unix time)
+    generates: bool = True  # False: an embedding model without an output head
 
     @property
     def parameter_count(self) -> int:
         """The weights' count, from the architecture: embeddings, each layer's attention,
-        MLP and norms, the final norm, and the output head unless it is the embeddings."""
+        MLP and norms, the final norm, and the output head if it has one of its own."""
         spec = self.spec
         hidden, q_width = spec.hidden_size, spec.num_heads * spec.head_dim
         kv_width = spec.num_kv_heads * spec.head_dim
@@ -35,7 +37,8 @@ class ModelFacts:
         if spec.qk_norm:
             attention += 2 * spec.head_dim
         layer = attention + 3 * hidden * spec.intermediate_size + 2 * hidden
-        head = 0 if spec.tie_word_embeddings else spec.vocab_size * hidden
+        own_head = self.generates and not spec.tie_word_embeddings
+        head = spec.vocab_size * hidden if own_head else 0
         return spec.vocab_size * hidden + spec.num_layers * layer + hidden + head
 
     @property
@@ -62,4 +65,5 @@ def model_facts(folder: Path, spec: ModelSpec, dtype: str) -> ModelFacts:
     digest = hashlib.sha256(b"\n".join(named)).hexdigest()
     return ModelFacts(spec, str(json.loads(config).get("model_type", "")), dtype,
                       sum(stat.st_size for _, stat in stats), f"sha256:{digest}",
-                      max((stat.st_mtime for _, stat in stats), default=0.0))
+                      max((stat.st_mtime for _, stat in stats), default=0.0),
+                      has_output_head(folder, spec.tie_word_embeddings))

@@ -181,8 +181,12 @@ class OllamaRoutes:
 
     def _check_capabilities(self, body: OllamaChatRequest | OllamaGenerateRequest) -> None:
         """400s as Ollama's for a model that cannot: thinking without a reasoning parser,
-        tools without a tool-call parser (their calls could only come back as text)."""
+        tools without a tool-call parser (their calls could only come back as text), any text
+        from an embedding model."""
         gateway, name = self.state.config.gateway, self._echoed(body.model)
+        if not self._facts().generates:
+            kind = "chat" if isinstance(body, OllamaChatRequest) else "generate"
+            raise bad_request(f"'{name}' does not support {kind}", param="model")
         if body.think not in (None, False) and not gateway.reasoning_parser:
             raise bad_request(f"'{name}' does not support thinking (the gateway runs no "
                               "reasoning parser)", param="think")
@@ -230,7 +234,10 @@ class OllamaRoutes:
                 f"{family}.vocab_size": spec.vocab_size}
 
     def _capabilities(self) -> list[str]:
-        """completion always; tools with a tool-call parser; thinking with a reasoning one."""
+        """completion, with tools where a tool-call parser runs and thinking where a reasoning
+        one does; embedding alone for an embedding model without an output head."""
+        if not self._facts().generates:
+            return ["embedding"]
         gateway = self.state.config.gateway
         return ["completion", *(["tools"] if gateway.tool_call_parser else []),
                 *(["thinking"] if gateway.reasoning_parser else [])]

@@ -304,6 +304,7 @@ class OpenAIRoutes:
 
     async def serve(self, request: Request, fmt: Format, prompts: list[list[int]],
                      params: GenerationParams, served: Served) -> Response:
+        self._check_generates(served.model)
         await self.state.dispatcher.until_decode_serves()
         limit = self.context_limit()
         max_tokens = [check_context(len(ids), params.max_tokens, limit, params.default_max_tokens)
@@ -425,6 +426,14 @@ class OpenAIRoutes:
             return None
         return tracer.open(f"{request.method} {request.url.path}",
                            request.headers.get("traceparent"), arrived, attributes)
+
+    def _check_generates(self, model: str) -> None:
+        """400 for text from an embedding model that has no output head, as vLLM's for a
+        pooling model."""
+        facts = self.state.facts
+        if facts is not None and not facts.generates:
+            raise bad_request(f"The model '{model}' has no output head (an embedding model): "
+                              "it serves /v1/embeddings, not text generation", param="model")
 
     def _check_token_ids(self, params: GenerationParams) -> None:
         """400 for stop_token_ids, allowed_token_ids or logit_bias keys outside the vocabulary."""

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.kernels.cpu.build import build_problem, chosen_isa, has_compiler, kernels, use_isa
 from engine.kernels.isa import cpu_flags, runnable_levels
 from engine.locate import resolve_model
-from engine.weights.load import EMBED
+from engine.weights.files import EMBED
 from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
@@ -196,6 +196,19 @@ def tiny_qwen3_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight.normal_(1, 0.5)
     model.save_pretrained(folder)
+    with_tokenizer(folder, real_model_dir)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_embedding_dir(tiny_qwen3_dir: Path, real_model_dir: Path,
+                             tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3's decoder alone, as embedding models ship (Qwen3-Embedding-8B's): its
+    weights named without `model.`, no output head, embeddings not tied."""
+    from transformers import Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3-embedding")
+    Qwen3ForCausalLM.from_pretrained(tiny_qwen3_dir).model.save_pretrained(folder)
     with_tokenizer(folder, real_model_dir)
     return folder
 

@@ -22,7 +22,7 @@ from engine.model.linear import (
 )
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model.workspace import Workspace
-from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.files import EMBED, LM_HEAD
 from engine.weights.quant_blocks import QuantMatrix, dequantize
 from engine.weights.spec import ModelSpec
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from core.config import WeightsMode
-from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.files import EMBED, LM_HEAD
 from engine.weights.quant_blocks import QuantMatrix, dequantize
 
 log = logging.getLogger(__name__)

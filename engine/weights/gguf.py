@@ -21,9 +21,8 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from engine.weights.files import QUANT_FILE, READY_MARKER, WEIGHTS_FILE
+from engine.weights.files import EMBED, LM_HEAD, QUANT_FILE, READY_MARKER, WEIGHTS_FILE
 from engine.weights.gguf_blocks import conversion, quant_blocks_of
-from engine.weights.load import EMBED, LM_HEAD
 from engine.weights.rope_scaling import llama3_scaling
 from engine.weights.spec import SUPPORTED_MODEL_TYPES
 

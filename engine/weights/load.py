@@ -4,31 +4,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.weights.files import WEIGHTS_FILE, WEIGHTS_INDEX
-
-EMBED = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The files holding the model's weights, as Hugging Face names them: the shards of
-    `model.safetensors.index.json`, else `model.safetensors`."""
-    folder = Path(folder)
-    index = folder / WEIGHTS_INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    if not (folder / WEIGHTS_FILE).exists():
-        raise ValueError(f"{folder} has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX}")
-    return [folder / WEIGHTS_FILE]
+from engine.weights.files import EMBED, LM_HEAD, causal_name, is_bare, weight_files
 
 
 def load_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -36,12 +17,16 @@ def load_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     Tensors already in `dtype` stay views of the memory-mapped file, so processes loading the
     same folder share its page cache. A missing `lm_head.weight` (tied embeddings) is the
-    embedding tensor itself. A folder prepared from a GGUF holds only its weights that are
-    not quant blocks (engine.weights.gguf).
+    embedding tensor itself, and so is a missing one of a checkpoint that does not tie them
+    but was saved from the decoder alone (an embedding model's: its names are given as a
+    causal LM's). A folder prepared from a GGUF holds only its weights that are not quant
+    blocks (engine.weights.gguf).
     """
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
         weights.update(_load_file(path, dtype))
+    bare = is_bare(set(weights))
+    weights = {causal_name(name, bare): tensor for name, tensor in weights.items()}
     if EMBED in weights:
         weights.setdefault(LM_HEAD, weights[EMBED])
     return weights

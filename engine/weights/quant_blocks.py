@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.kernels.cpu.build import kernels_for
-from engine.weights.files import QUANT_FILE
-from engine.weights.load import EMBED, LM_HEAD, load_weights
+from engine.weights.files import EMBED, LM_HEAD, QUANT_FILE
+from engine.weights.load import load_weights
 
 QUANT_BLOCK = 32  # values per quant block
 QUANT_BLOCK_BYTES = {4: 20, 8: 34}  # by bits per value: Q4_1, Q8_0

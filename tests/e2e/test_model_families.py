@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.cluster import greedy_reference, launch
+from tests.reference import last_hidden_state
 
 pytestmark = pytest.mark.e2e
 
@@ -40,3 +42,22 @@ def test_a_cluster_streams_what_transformers_generates(family_dir: Path, tmp_pat
             text = cluster.client.post("/detokenize", json={"model": cluster.model,
                                                             "tokens": expected}).json()
             assert answer["choices"][0]["text"] == text["prompt"]
+
+
+def test_an_embedding_model_saved_without_its_head_serves_embeddings(
+        tiny_qwen3_embedding_dir: Path, tmp_path: Path) -> None:
+    """Qwen3-Embedding's checkpoints hold the decoder alone (names without `model.`; the 8B's
+    no output head, untied): its prompts come back as transformers' last hidden state,
+    normalized; text is refused."""
+    prompts = [[5 + 3 * i + j for j in range(n)] for i, n in enumerate((1, 16, 37))]
+    with launch(tmp_path / "run", tiny_qwen3_embedding_dir, prefill=1, decode=1) as cluster:
+        body = {"model": cluster.model, "input": prompts}
+        reply = cluster.client.post("/v1/embeddings", json=body)
+        assert reply.status_code == 200, reply.text
+        for prompt, item in zip(prompts, reply.json()["data"], strict=True):
+            expected = last_hidden_state(tiny_qwen3_embedding_dir, prompt)
+            torch.testing.assert_close(torch.tensor(item["embedding"]),
+                                       expected / expected.norm(), atol=1e-4, rtol=1e-4)
+        chat = {"model": cluster.model, "messages": [{"role": "user", "content": "Hi"}]}
+        refused = cluster.client.post("/v1/chat/completions", json=chat)
+        assert refused.status_code == 400 and "/v1/embeddings" in refused.text

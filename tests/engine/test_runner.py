@@ -32,14 +32,18 @@ def test_runner_holds_a_matching_model_cache_and_allocator(tiny_model_dir: Path)
     assert runner.cache.read(table, 3)[0].abs().sum() > 0
 
 
-def test_a_pass_that_asks_keeps_each_sequence_s_last_hidden_state(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("folder", ["tiny_model_dir", "tiny_qwen3_embedding_dir"])
+def test_a_pass_that_asks_keeps_each_sequence_s_last_hidden_state(
+        folder: str, request: pytest.FixtureRequest) -> None:
+    """Of a causal LM, and of an embedding model saved from its decoder alone."""
+    model_dir = request.getfixturevalue(folder)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300]]
-    runner = ModelRunner(tiny_model_dir, num_blocks=4, block_size=4)
+    runner = ModelRunner(model_dir, num_blocks=4, block_size=4)
     tables = [runner.allocator.allocate(2) for _ in prompts]
     runner.forward(ForwardBatch(prompts, [0, 0], tables, hidden=True))
     assert runner.hidden.shape == (2, runner.spec.hidden_size)
     for prompt, row in zip(prompts, runner.hidden, strict=True):
-        torch.testing.assert_close(row, last_hidden_state(tiny_model_dir, prompt),
+        torch.testing.assert_close(row, last_hidden_state(model_dir, prompt),
                                    atol=1e-4, rtol=1e-4)
 
 

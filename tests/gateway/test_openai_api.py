@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -15,6 +16,7 @@ from gateway.state import server_version
 from tests.gateway.served_app import (
     MAX_MODEL_LEN,
     MODEL,
+    error_message_of,
     error_of,
     is_no_worker,
     serve_without_workers,
@@ -222,3 +224,33 @@ def test_a_background_response_where_none_are_kept_is_a_400(real_model_dir: Path
         assert "keeps none" in error_of(reply)["message"]
         foreground = client.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
         assert is_no_worker(foreground)  # past every check: only the workers are missing
+
+
+TEXT_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/completions": {"prompt": "Hi"},
+    "/v1/responses": {"input": "Hi"},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    "/completion": {"prompt": "Hi"},
+    "/api/chat": {"messages": [{"role": "user", "content": "Hi"}]},
+    "/api/generate": {"prompt": "Hi"},
+}
+EMBEDDING_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/embeddings": {"input": "Hi"}, "/api/embed": {"input": "Hi"},
+    "/embedding": {"content": "Hi"}}
+
+
+def test_an_embedding_model_without_an_output_head_embeds_and_refuses_text(
+        tiny_qwen3_embedding_dir: Path) -> None:
+    """Qwen3-Embedding-8B's checkpoint has no output head: every route that generates is a
+    400 in its API's shape, as vLLM's for a pooling model, and Ollama's names what it can."""
+    with serve_without_workers(tiny_qwen3_embedding_dir) as embedder:
+        for route, body in TEXT_BODIES.items():
+            refused = embedder.post(route, json={"model": MODEL, **body})
+            assert refused.status_code == 400, (route, refused.text)
+            message = error_message_of(refused, route)
+            assert "/v1/embeddings" in message or "does not support" in message, message
+        for route, body in EMBEDDING_BODIES.items():
+            assert is_no_worker(embedder.post(route, json={"model": MODEL, **body}), route)
+        shown = embedder.post("/api/show", json={"model": MODEL}).json()
+    assert shown["capabilities"] == ["embedding"]

@@ -9,7 +9,7 @@ import torch
 
 from engine.weights import choice
 from engine.weights.choice import available_memory, choose_weights
-from engine.weights.load import EMBED, LM_HEAD
+from engine.weights.files import EMBED, LM_HEAD
 from engine.weights.quant_blocks import QuantMatrix, dequantize, quantize
 
 Q = "model.layers.0.self_attn.q_proj.weight"

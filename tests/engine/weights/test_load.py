@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights.files import WEIGHTS_INDEX
-from engine.weights.load import EMBED, LM_HEAD, load_weights, weight_files
+from engine.weights.files import EMBED, LM_HEAD, WEIGHTS_INDEX, weight_files
+from engine.weights.load import load_weights
 
 
 def mapped_files(tensor: torch.Tensor) -> list[str]:
@@ -77,3 +77,15 @@ def test_sharded_weights_are_the_files_their_index_names(tiny_model_dir: Path,
     assert torch.equal(weights[EMBED], tensors[EMBED])
     assert set(weights) == {*names, LM_HEAD}
 
+
+
+def test_a_bare_decoder_loads_under_a_causal_lm_s_names(tiny_qwen3_dir: Path,
+                                                        tiny_qwen3_embedding_dir: Path) -> None:
+    """An embedding model saved from its decoder alone (Qwen3-Embedding's): the same tensors
+    under the names of the causal LM it came from, the embeddings standing for the head."""
+    causal = load_weights(tiny_qwen3_dir, torch.float32)
+    bare = load_weights(tiny_qwen3_embedding_dir, torch.float32)
+    assert set(bare) == set(causal)
+    assert bare[LM_HEAD] is bare[EMBED]
+    for name in causal.keys() - {LM_HEAD}:
+        assert torch.equal(bare[name], causal[name]), name

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.weights.files import QUANT_FILE
-from engine.weights.load import EMBED, LM_HEAD, load_weights
+from engine.weights.files import EMBED, LM_HEAD, QUANT_FILE
+from engine.weights.load import load_weights
 from engine.weights.quant_blocks import (
     QUANT_BLOCK_BYTES,
     QuantMatrix,
