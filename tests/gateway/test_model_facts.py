@@ -41,3 +41,9 @@ def test_the_digest_changes_with_the_files(tiny_model_dir: Path, tmp_path: Path)
     weights = tmp_path / "model.safetensors"
     os.utime(weights, ns=(0, weights.stat().st_mtime_ns + 1))
     assert model_facts(tmp_path, spec, "float32").digest != before
+
+
+def test_an_embedding_model_without_a_head_counts_none(tiny_qwen3_embedding_dir: Path) -> None:
+    facts = model_facts(tiny_qwen3_embedding_dir, load_spec(tiny_qwen3_embedding_dir), "float32")
+    assert not facts.generates
+    assert facts.parameter_count == saved_parameters(tiny_qwen3_embedding_dir)
