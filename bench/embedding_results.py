@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.launcher import ProcessMemory
-from bench.report import table
+from bench.report import first_and_last, table
 from bench.results import CpuInfo, PeerInfo
 from bench.stats import percentile
 from bench.summary import error_kind
@@ -269,14 +269,8 @@ def _peer_lines(results: EmbeddingsResults) -> list[str]:
     return lines
 
 
-def _first_and_last(text: str) -> str:
-    """The first and last non-blank lines of `text` (an error and the end of its log)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
-
-
 def _failure_lines(results: EmbeddingsResults) -> list[str]:
-    return [f"- {label} FAILED: {_first_and_last(why)}" for label, why in results.failed.items()]
+    return [f"- {label} FAILED: {first_and_last(why)}" for label, why in results.failed.items()]
 
 
 def embeddings_markdown(results: EmbeddingsResults) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
 import sys
 import time
@@ -38,7 +37,7 @@ from bench.client import RequestResult, StreamError, read_stream, request_body
 from bench.launcher import PURE_DISAGG, launched
 from bench.load import LoadRun
 from bench.plots import cdf
-from bench.report import table, write_json
+from bench.report import ms_cell, table, write_json
 from bench.serve import open_client
 from bench.sim_streams import expected_text
 from bench.stats import Distribution, Slo
@@ -333,10 +332,6 @@ def run(plan: ReplayPlan) -> list[PolicyRun]:
     return runs
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
-
-
 def _routes_cell(routes: dict[str, float]) -> str:
     paths = ("disaggregated", "local_short", "local_saturated", "local_cached")
     pulls = sum(v for k, v in routes.items() if k.startswith("pull_from_"))
@@ -348,8 +343,8 @@ def summary_row(row: PolicySummary) -> list[str]:
     figures = row.summary
     return [f"`{row.policy}`", f"{figures.goodput_requests_per_s:.2f}",
             f"{figures.slo_attainment:.1%}",
-            f"{_ms(figures.ttft_s.p50)} / {_ms(figures.ttft_s.p99)}",
-            f"{_ms(figures.tpot_s.p50)} / {_ms(figures.tpot_s.p99)}",
+            f"{ms_cell(figures.ttft_s.p50)} / {ms_cell(figures.ttft_s.p99)}",
+            f"{ms_cell(figures.tpot_s.p50)} / {ms_cell(figures.tpot_s.p99)}",
             f"{figures.requests_per_s:.2f}", f"{row.cached_prompt_share:.0%}",
             _routes_cell(row.routes), str(figures.failed), str(row.wrong)]
 

@@ -80,13 +80,14 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
-def _ms(value: float) -> str:
+def ms_cell(value: float) -> str:
+    """Seconds as whole milliseconds in a table cell; "-" for none (NaN)."""
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
 
 def _stats_row(name: str, pick: Callable[[Measured], Distribution],
                runs: list[Measured]) -> list[str]:
-    cells = [" / ".join(_ms(v) for v in (d.mean, d.p50, d.p90, d.p99))
+    cells = [" / ".join(ms_cell(v) for v in (d.mean, d.p50, d.p90, d.p99))
              for d in (pick(m) for m in runs)]
     return [f"{name} mean / p50 / p90 / p99 (ms)", *cells]
 
@@ -148,8 +149,8 @@ def _memory_rows(runs: list[tuple[TargetResults, Measured]]) -> list[list[str]]:
 
 def _sweep_markdown(results: ServeResults) -> str:
     rows = [[t.label, f"{m.load.rate:g}", f"{100 * m.summary.slo_attainment:.1f} %",
-             f"{m.summary.output_tokens_per_s:.1f}", _ms(m.summary.ttft_s.p99),
-             _ms(m.summary.tpot_s.p99)]
+             f"{m.summary.output_tokens_per_s:.1f}", ms_cell(m.summary.ttft_s.p99),
+             ms_cell(m.summary.tpot_s.p99)]
             for t in results.targets for m in t.runs]
     verdicts = [f"- {t.label}: " + ("none" if (r := t.goodput_rate()) is None else f"{r:g} req/s")
                 for t in results.targets]
@@ -230,7 +231,8 @@ def _slo_line(results: GoodputResults) -> str:
 
 def _unloaded_table(results: GoodputResults) -> str:
     rows = [[m.mode, f"`{' '.join(m.flags)}`",
-             " / ".join(_ms(ttft) for _, ttft in m.unloaded.ttft_points), _ms(m.unloaded.tpot_s)]
+             " / ".join(ms_cell(ttft) for _, ttft in m.unloaded.ttft_points),
+             ms_cell(m.unloaded.tpot_s)]
             for m in results.modes]
     lengths = " / ".join(f"{n:,}" for n, _ in results.modes[0].unloaded.ttft_points)
     return table(["mode", "launch.sh flags", f"TTFT at {lengths} tokens (ms)", "TPOT (ms)"], rows)
@@ -244,7 +246,7 @@ def _goodput_table(results: GoodputResults) -> str:
         for mode in results.modes:
             point = results.at_compare_rate(mode, workload.name)
             p99 = "-" if point is None else \
-                f"{_ms(point.summary.ttft_s.p99)} / {_ms(point.summary.tpot_s.p99)}"
+                f"{ms_cell(point.summary.ttft_s.p99)} / {ms_cell(point.summary.tpot_s.p99)}"
             cells.append(f"{results.goodput(mode, workload.name).describe()} ({p99})")
         rows.append([f"{workload.name} (p99s at {rate:g} req/s)", *cells])
     return table(["workload", *(m.mode for m in results.modes)], rows)
@@ -252,8 +254,8 @@ def _goodput_table(results: GoodputResults) -> str:
 
 def _runs_table(results: GoodputResults) -> str:
     rows = [[w.name, m.mode, f"{p.rate:g}", f"{len(p.run.results)} / {p.summary.failed}",
-             f"{100 * p.attainment:.0f} %", _ms(p.summary.ttft_s.p99),
-             _ms(p.summary.tpot_s.p99), f"{p.summary.output_tokens_per_s:.0f}"]
+             f"{100 * p.attainment:.0f} %", ms_cell(p.summary.ttft_s.p99),
+             ms_cell(p.summary.tpot_s.p99), f"{p.summary.output_tokens_per_s:.0f}"]
             for w in results.plan.workloads for m in results.modes
             for p in results.points(m, w.name)]
     return table(["workload", "mode", "rate (req/s)", "sent / failed", "SLO attainment",
@@ -326,7 +328,7 @@ def _isa_cell(row: dict[str, Any]) -> str:
     return ", ".join(names) if names else "-"
 
 
-def _first_and_last(text: str) -> str:
+def first_and_last(text: str) -> str:
     """The first and last non-blank lines of `text` (an error and the end of its log)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
@@ -339,7 +341,7 @@ def _across(runs: dict[int, dict[str, Any]], levels: tuple[int, ...],
 
 
 def _ms_of(key: str) -> Callable[[dict[str, Any]], str]:
-    return lambda figures: _ms(figures[key])
+    return lambda figures: ms_cell(figures[key])
 
 
 def _ratio_to(reference: str) -> Callable[[dict[str, Any]], str]:
@@ -381,7 +383,7 @@ def peers_markdown(results: PeersResults) -> str:
     how = [f"- {label}: {info.version}, serving {info.serves}: `{' '.join(info.command)}`"
            + (f" with {' '.join(f'{k}={v}' for k, v in info.env.items())}" if info.env else "")
            for label, info in results.peers.items()]
-    failed = [f"- {label} FAILED: {_first_and_last(why)}"
+    failed = [f"- {label} FAILED: {first_and_last(why)}"
               for label, why in results.failed.items()]
     parts = [title, machine, table(header, rows), "\n".join(how + failed)]
     if serve.targets:

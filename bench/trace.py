@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.load import arrival_offsets
 from bench.workloads import WORKLOADS, Workload, build
+from core.codec import is_int
 
 REQUIRED = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group")
 OPTIONAL = ("prefix_tokens",)
@@ -94,18 +95,14 @@ def _check_types(raw: dict[str, Any]) -> None:
     if not _is_number(raw["arrival_s"]):
         raise ValueError("arrival_s must be a number")
     for key in ("prompt_tokens", "output_tokens", *OPTIONAL):
-        if key in raw and not _is_int(raw[key]):
+        if key in raw and not is_int(raw[key]):
             raise ValueError(f"{key} must be an integer")
     if raw["prefix_group"] is not None and not isinstance(raw["prefix_group"], str):
         raise ValueError("prefix_group must be a string or null")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: object) -> bool:
-    return _is_int(value) or isinstance(value, float)
+    return is_int(value) or isinstance(value, float)
 
 
 def parse_trace(text: str, where: str = "trace") -> tuple[TraceRequest, ...]:

@@ -38,7 +38,7 @@ class Codec(Generic[T]):
             raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except (ValueError, msgpack.UnpackException) as exc:
             raise MalformedMessage(f"not msgpack: {exc}") from None
-        if not isinstance(raw, list) or not raw or not _is_int(raw[0]):
+        if not isinstance(raw, list) or not raw or not is_int(raw[0]):
             raise MalformedMessage("missing type tag")
         if not 0 <= raw[0] < len(self.types):
             raise MalformedMessage(f"unknown type tag {raw[0]}")
@@ -193,11 +193,12 @@ def literal_values(hint: Any) -> tuple[Any, ...] | None:
 
 def _matches(hint: Any, value: Any) -> bool:
     if hint is int:
-        return _is_int(value)
+        return is_int(value)
     if hint is float:
-        return isinstance(value, float) or _is_int(value)
+        return isinstance(value, float) or is_int(value)
     return isinstance(value, hint)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int, not a bool (which JSON and msgpack tell apart, and Python does not)."""
     return isinstance(value, int) and not isinstance(value, bool)

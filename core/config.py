@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from core.codec import literal_values
+from core.codec import is_int, literal_values
 from core.netaddr import is_local_endpoint
 
 T = TypeVar("T")
@@ -574,5 +574,5 @@ def _is_instance(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     return isinstance(value, hint)

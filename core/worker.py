@@ -34,17 +34,23 @@ from core.config import Config, Role
 from core.cpus import pinned_cpus
 from core.curve import keys_for
 from core.health import HealthServer, HealthState
+from core.logs import about
 from core.messages import (
     Alive,
+    DecodeRequest,
     Drain,
     Drained,
     Heartbeat,
     Held,
     Leave,
     Message,
+    PrefillRequest,
     Register,
     RegisterAgain,
     RegisterReply,
+    RequestFailed,
+    RequestKey,
+    choice_keys,
 )
 from core.pulse import Pulse
 from core.tracing import make_tracer
@@ -52,6 +58,16 @@ from core.turns import CpuTurns
 
 log = logging.getLogger(__name__)
 _IDLE_POLL_MS = 20
+
+
+def retry_elsewhere(control: ControlClient, request: PrefillRequest | DecodeRequest,
+                    reason: str, spared: RequestKey | None = None) -> None:
+    """The request's KV did not reach its decode worker whole, through no fault of its own:
+    the gateway may serve each of its choices again (but `spared`)."""
+    for key in choice_keys(request):
+        if key != spared:
+            log.warning("request %s: %s", key.request_id, reason, extra=about(key))
+            control.send(RequestFailed(*key, reason, retry=True))
 
 
 class RegistrationRefused(RuntimeError):

@@ -12,7 +12,8 @@ import logging
 
 from core.channels import ControlClient
 from core.logs import about
-from core.messages import DecodeRequest, RequestFailed, RequestKey, choice_keys
+from core.messages import DecodeRequest, RequestFailed, RequestKey
+from core.worker import retry_elsewhere
 from decode.phases import Phases
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.sampling.grammar import Constraint, Grammars
@@ -54,12 +55,9 @@ class Admission:
 
     def queue_compiled(self) -> None:
         """Queue the sequences whose grammar has compiled since."""
-        for key, (sequence, forks) in list(self.phases.compiling.items()):
-            grammar = sequence.request.task.grammar
-            assert grammar is not None, "only a grammar waits to compile"
-            if self.grammars.ready(grammar):
-                del self.phases.compiling[key]
-                self.queue(sequence, forks)
+        for sequence, forks in self.grammars.take_ready(
+                self.phases.compiling, lambda waiting: waiting[0].request.task.grammar):
+            self.queue(sequence, forks)
 
     def abort_compiling(self, key: RequestKey) -> None:
         """Its other choices (n > 1) go on waiting for the grammar, the first in its place."""
@@ -96,6 +94,4 @@ class Admission:
     def fail_handoff(self, request: DecodeRequest, reason: str) -> None:
         """Its KV did not arrive whole: not the request's fault, so the gateway may serve
         each of its choices again."""
-        for key in choice_keys(request):
-            log.warning("request %s: %s", key.request_id, reason, extra=about(key))
-            self.control.send(RequestFailed(*key, reason, retry=True))
+        retry_elsewhere(self.control, request, reason)

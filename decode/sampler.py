@@ -26,7 +26,7 @@ from decode.scheduler import DecodeScheduler, DecodeSequence, decode_seed
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.sampler import Draw, History, draw, make_generator
-from engine.sampling.stopping import banned_tokens, finish_reason
+from engine.sampling.stopping import finish_reason, history_of
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +155,8 @@ class Sampler:
         return running
 
     def _history(self, sequence: DecodeSequence) -> History:
-        """Its tokens, for the penalties; EOS and stop tokens banned under min_tokens; the
-        tokens its grammar allows."""
-        task = sequence.request.task
-        banned = banned_tokens(task, sequence.num_generated, self.runner.spec.eos_token_ids)
-        constraint = sequence.constraint
-        allowed = None if constraint is None else constraint.allowed()
-        return History(sequence.tokens, task.prompt_len, banned, allowed)
+        return history_of(sequence.request.task, sequence.tokens, sequence.num_generated,
+                          self.runner.spec.eos_token_ids, sequence.constraint)
 
     def _advance(self, sequence: DecodeSequence, token: Draw, embedding: bytes = b""
                  ) -> TokenEvent:

@@ -104,21 +104,13 @@ class DecodeWorker(Worker):
         self.sampler.guess_next_tokens()
         admitted, running = self.scheduler.schedule()
         for sequence in admitted:
-            if sequence.received_kv is not None:
-                self._write_received_kv(sequence)
-                # a choice with no first token yet draws it from its prompt's last token
-                sequence.num_cached = min(sequence.num_cached, len(sequence.tokens) - 1)
-                if sequence.num_generated:  # else (a pulled prefix) the rest is computed first
-                    self.sampler.fork(sequence, drawing=False)
+            if sequence.received_kv is not None:  # else resumed after preemption: recomputed
+                self._take_received_kv(sequence)
         batch = self.scheduler.chunk(running)
         if not batch:
             return False
         now = time.monotonic()
-        prompt_tokens = 0
-        for sequence in batch:
-            if sequence.num_generated == 0:  # its prompt is computed here
-                sequence.timeline.start(now)
-                prompt_tokens += sequence.num_scheduled
+        prompt_tokens = _start_prompts(batch, now)
         scored = [is_scored(s) for s in batch]
         decoding_rows = decode_rows(batch, scored)  # before the step clears the drafts
         with self.turns:
@@ -137,9 +129,10 @@ class DecodeWorker(Worker):
         share_prefix(asked, self.scheduler.cache, self.runner.cache, self.sender,
                      self.identity.fingerprint, self.chunk_bytes, self.host)
 
-    def _write_received_kv(self, sequence: DecodeSequence) -> None:
-        if sequence.received_kv is None:
-            return  # resumed after preemption: recomputed in the step
+    def _take_received_kv(self, sequence: DecodeSequence) -> None:
+        """Write the KV it received into its blocks; fork its other choices once it has its
+        first token."""
+        assert sequence.received_kv is not None
         for part in sequence.received_kv:
             self.runner.cache.write(sequence.blocks, part.token_start, part.k, part.v,
                                     part.layer_start)
@@ -147,6 +140,10 @@ class DecodeWorker(Worker):
         if sequence.num_generated == 0:  # a pulled prefix: the rest is computed here
             sequence.num_reused = sequence.num_cached
         sequence.received_kv = None
+        # a choice with no first token yet draws it from its prompt's last token
+        sequence.num_cached = min(sequence.num_cached, len(sequence.tokens) - 1)
+        if sequence.num_generated:  # else (a pulled prefix) the rest is computed first
+            self.sampler.fork(sequence, drawing=False)
 
     def _abort(self, key: RequestKey) -> None:
         sequence = self.scheduler.find(key)
@@ -196,3 +193,13 @@ class DecodeWorker(Worker):
         self.sender.close()
         super().close()
 
+
+def _start_prompts(batch: list[DecodeSequence], now: float) -> int:
+    """Start the timeline of each sequence whose prompt this step computes; how many of its
+    tokens the step computes."""
+    prompt_tokens = 0
+    for sequence in batch:
+        if sequence.num_generated == 0:
+            sequence.timeline.start(now)
+            prompt_tokens += sequence.num_scheduled
+    return prompt_tokens

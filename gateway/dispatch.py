@@ -203,7 +203,7 @@ class Dispatcher:
         self._resume_lost_tokens()
         self._resume_unheld()
         self._resume_waiting()
-        for worker in self.registry.drained():
+        for worker in self.registry.free_to_leave():
             self.control.send(worker.worker_id, Drained())
 
     def _resume_lost_tokens(self) -> None:

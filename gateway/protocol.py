@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from core.codec import is_int
 from core.messages import MAX_LOGPROBS, Grammar
 from gateway.structured_outputs import (
     ResponseFormat,
@@ -97,10 +98,6 @@ def check_template_flags(add_generation_prompt: bool | None,
         raise invalid_value("continue_final_message and add_generation_prompt cannot both be "
                             "true: set add_generation_prompt to false to continue the last "
                             "message")
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class StreamOptions(RequestModel):
@@ -534,7 +531,7 @@ def normalize_prompts(value: object, field: str = "prompt") -> list[str | list[i
         raise invalid_value(forms)
     if not value:
         raise invalid_value(f"{field} must not be an empty list")
-    if all(_is_token_id(item) for item in value):
+    if all(is_int(item) for item in value):
         return [value]
     if not all(isinstance(item, str) or _is_token_list(item) for item in value):
         raise invalid_value(forms)
@@ -542,7 +539,7 @@ def normalize_prompts(value: object, field: str = "prompt") -> list[str | list[i
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:

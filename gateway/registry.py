@@ -247,7 +247,7 @@ class Registry:
             worker.draining = True
             self._note("draining", worker, why)
 
-    def drained(self) -> list[WorkerInfo]:
+    def free_to_leave(self) -> list[WorkerInfo]:
         """The draining workers with no request in flight on them: they may leave."""
         return [w for w in self.workers.values() if w.draining and not w.active]
 

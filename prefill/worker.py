@@ -15,7 +15,6 @@ from core.messages import (
     Abort,
     FinishReason,
     FirstToken,
-    GenerationTask,
     Heartbeat,
     Held,
     Message,
@@ -27,7 +26,7 @@ from core.messages import (
     choice_keys,
 )
 from core.timeline import Timeline
-from core.worker import Worker, WorkerIdentity
+from core.worker import Worker, WorkerIdentity, retry_elsewhere
 from engine.kv.allocator import blocks_needed
 from engine.kv.block_hash import block_hashes
 from engine.kv.prefix_cache import PrefixCache, capacity
@@ -35,8 +34,8 @@ from engine.model.batch import ForwardBatch
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.grammar import Grammars
-from engine.sampling.sampler import Draw, History, draw, make_generator
-from engine.sampling.stopping import banned_tokens, finish_reason
+from engine.sampling.sampler import Draw, draw, make_generator
+from engine.sampling.stopping import finish_reason, history_of
 from kvtransfer import make_sender
 from kvtransfer.share import share_prefix
 from prefill.handoff import LayerStream
@@ -125,16 +124,14 @@ class PrefillWorker(Worker):
             log.warning("request %s: %s", request.request_id, problem, extra=about(request.key))
             self.control.send(RequestFailed(request.request_id, request.epoch, problem))
             return
-        self.scheduler.add(request, time.monotonic())
-        self.arrivals[request.key] = time.monotonic()
+        arrived = time.monotonic()
+        self.scheduler.add(request, arrived)
+        self.arrivals[request.key] = arrived
 
     def _schedule_compiled(self) -> None:
         """Queue the requests whose grammar has compiled since."""
-        for key, request in list(self.compiling.items()):
-            assert request.task.grammar is not None, "only a grammar waits to compile"
-            if self.grammars.ready(request.task.grammar):
-                del self.compiling[key]
-                self._schedule(request)
+        for request in self.grammars.take_ready(self.compiling, lambda r: r.task.grammar):
+            self._schedule(request)
 
     def step(self) -> bool:
         self._schedule_compiled()
@@ -245,15 +242,10 @@ class PrefillWorker(Worker):
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
         generators = [make_generator(r.task.sampling.seed, self.runner.device) for r in batch]
-        return draw(logits, params, generators, [self._history(r.task) for r in batch])
-
-    def _history(self, task: GenerationTask) -> History:
-        """The prompt, for the penalties; EOS and stop tokens banned under min_tokens; the
-        tokens its grammar allows."""
         eos = self.runner.spec.eos_token_ids
-        constraint = self.grammars.constraint(task, eos)
-        allowed = None if constraint is None else constraint.allowed()
-        return History(task.prompt_ids, task.prompt_len, banned_tokens(task, 0, eos), allowed)
+        histories = [history_of(r.task, r.task.prompt_ids, 0, eos,
+                                self.grammars.constraint(r.task, eos)) for r in batch]
+        return draw(logits, params, generators, histories)
 
     def _hand_off(self, job: _Job, token: Draw, embedding: bytes) -> None:
         """First token to the gateway, then to decode after the KV (unless it ends the request),
@@ -280,10 +272,8 @@ class PrefillWorker(Worker):
                         first_finish: FinishReason | None = None) -> None:
         """The request's KV could not be handed off: each of its choices may be served again,
         but its own when its first token finished it (`first_finish`)."""
-        for key in choice_keys(request):
-            if key != request.key or first_finish is None:
-                log.warning("request %s: %s", key.request_id, failure, extra=about(key))
-                self.control.send(RequestFailed(*key, failure, retry=True))
+        retry_elsewhere(self.control, request, failure,
+                        request.key if first_finish is not None else None)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(

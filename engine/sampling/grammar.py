@@ -7,19 +7,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import xgrammar as xgr
 
-from core.messages import GenerationTask, Grammar
+from core.messages import GenerationTask, Grammar, RequestKey
 from engine.sampling.stopping import stop_tokens
 from engine.sampling.thought import ThoughtGate, opening
 from engine.weights.tokenizer import load_tokenizer
 
+Waiting = TypeVar("Waiting")
 log = logging.getLogger(__name__)
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -124,6 +126,18 @@ class Grammars:
     def ready(self, grammar: Grammar) -> bool:
         """Whether `grammar` has compiled (or failed to); starts it when new."""
         return self.prepare(grammar).done()
+
+    def take_ready(self, waiting: dict[RequestKey, Waiting],
+                   grammar_of: Callable[[Waiting], Grammar | None]) -> list[Waiting]:
+        """Take out of `waiting` (what waits for its grammar, in order) those whose grammar
+        has compiled since."""
+        ready = []
+        for key, item in list(waiting.items()):
+            grammar = grammar_of(item)
+            assert grammar is not None, "only a grammar waits to compile"
+            if self.ready(grammar):
+                ready.append(waiting.pop(key))
+        return ready
 
     def compiled(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar, waiting for it if need be; GrammarError if it has none."""
