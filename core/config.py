@@ -158,8 +158,9 @@ class GatewayConfig:
                                            "is stalled: not routed to")
     progress_timeout_s: float = setting(300.0, "a request with no new token this long fails")
     worker_wait_s: float = setting(30.0, "when the last decode worker dies (and is restarted), "
-                                         "requests wait this long for one to join before they "
-                                         "fail (new ones: 503); 0: they fail at once")
+                                         "requests wait for one to join until this long after "
+                                         "(then they fail; new ones: 503 at once); 0: they fail "
+                                         "at once")
     keepalive_s: float = setting(10.0, "an SSE comment this often while a stream waits")
     # Longer than clients keep theirs (httpx and the openai client: 5 s), so that no client
     # sends on a connection being closed.

@@ -81,6 +81,7 @@ class Dispatcher:
         self.registry = router.registry
         self.worker_wait_s = worker_wait_s
         self.waiting: dict[str, float] = {}  # request id -> until when it waits for a worker
+        self.decode_gone_at: float | None = None  # when the decode pool that served emptied
         self.observe_stage = observe_stage
         self.observe_route = observe_route
         self.count_message = count_message
@@ -92,12 +93,21 @@ class Dispatcher:
 
     async def until_decode_serves(self, poll_s: float = 0.1) -> None:
         """Return once a decode worker serves, or at once when none ever did (a cluster still
-        starting); while the pool that served is empty, wait up to `worker_wait_s` for a worker
-        to join. Either way a request submitted after it gets its route or its 503."""
-        deadline = time.monotonic() + self.worker_wait_s
-        while (not self.registry.serving("decode") and self.registry.was_ready
-               and time.monotonic() < deadline):
+        starting); while the pool that served is empty, wait for a worker to join until
+        `worker_wait_s` after it emptied (a restart's window, not each request's). Either way a
+        request submitted after it gets its route or its 503."""
+        while (gone_at := self._decode_gone_at()) is not None \
+                and time.monotonic() < gone_at + self.worker_wait_s:
             await asyncio.sleep(poll_s)
+
+    def _decode_gone_at(self) -> float | None:
+        """When the decode pool that served emptied (now, if it just did); None while a decode
+        worker serves, or before the cluster ever served."""
+        if self.registry.serving("decode") or not self.registry.was_ready:
+            self.decode_gone_at = None
+        elif self.decode_gone_at is None:
+            self.decode_gone_at = time.monotonic()
+        return self.decode_gone_at
 
     def submit(self, task: GenerationTask) -> RequestHandle:
         """Route the request and send it; 503 when no decode worker is available."""
@@ -203,6 +213,7 @@ class Dispatcher:
         self._resume_lost_tokens()
         self._resume_unheld()
         self._resume_waiting()
+        self._decode_gone_at()  # noted each round, so a request long after waits no more
         for worker in self.registry.free_to_leave():
             self.control.send(worker.worker_id, Drained())
 

@@ -1083,6 +1083,32 @@ def test_a_new_request_waits_no_longer_than_the_wait(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_the_wait_counts_from_when_the_pool_emptied_not_from_each_request(
+        tmp_path: Path) -> None:
+    """A request that comes after the wait has run out since the last decode worker went is
+    refused at once: the wait is a restart's window, not each request's."""
+    async def body() -> None:
+        async with gateway(tmp_path, worker_wait_s=0.3) as gw:
+            _, decode = await pair(gw)
+            gw.tasks.append(asyncio.create_task(gw.dispatcher.watch_liveness(0.02)))
+            decode.send(Leave("d1", "i0"))
+            await until(lambda: "d1" not in gw.registry.workers, "the leave")
+            await asyncio.sleep(0.5)  # no request meanwhile: the watch notes the empty pool
+            began = time.monotonic()
+            await gw.dispatcher.until_decode_serves(poll_s=0.01)
+            assert time.monotonic() - began < 0.05
+            d1 = await gw.worker("d1", "decode", instance_id="i1")
+            assert gw.dispatcher.submit(TASK).assignment.decode_worker == "d1"
+            await until(lambda: gw.dispatcher.decode_gone_at is None, "serving noted")
+            d1.send(Leave("d1", "i1"))  # a second outage has a window of its own
+            await until(lambda: "d1" not in gw.registry.workers, "the second leave")
+            began = time.monotonic()
+            await gw.dispatcher.until_decode_serves(poll_s=0.01)
+            assert 0.2 <= time.monotonic() - began < 1.0
+
+    asyncio.run(body())
+
+
 def test_a_drained_worker_finishes_its_requests_and_leaves_without_a_resume(
         tmp_path: Path) -> None:
     async def body() -> None:
