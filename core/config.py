@@ -124,6 +124,15 @@ class EngineConfig:
     cpu_turns_dir: str = setting("", "a folder of lock files through which workers on the same "
                                      "CPUs compute in turn (core/turns.py; launch.sh gives its "
                                      "run folder's); empty: each computes when it likes")
+    cpu_turn_patience_s: float = setting(3.0, "a worker waits this long at most for its turn; "
+                                              "past it, it computes beside the holder (stopped "
+                                              "or wedged) until that one lets go; keep it below "
+                                              "gateway.stall_timeout_s")
+
+    def __post_init__(self) -> None:
+        if self.cpu_turn_patience_s <= 0:
+            raise ValueError(f"engine.cpu_turn_patience_s must be > 0, "
+                             f"not {self.cpu_turn_patience_s}")
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class Worker(ABC):
         # where each one's threads fill them (with fewer, two can compute at once)
         fills = identity.threads == 0 or identity.threads >= len(self.cpus)
         self.turns = CpuTurns(config.engine.cpu_turns_dir if self.cpus and fills else "",
-                              self.cpus)
+                              self.cpus, config.engine.cpu_turn_patience_s)
 
     def registration(self) -> Register:
         i = self.identity

@@ -78,13 +78,15 @@ def test_a_wedged_decode_worker_flips_readiness_and_is_taken_back(cluster: Clust
 def test_streams_on_a_decode_worker_wedged_in_a_step_go_on_elsewhere(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     """A decode worker's loop stuck in its step (waiting for its CPU's turn, a lock the test
-    holds) while its thread's liveness beats go on, as a deadlocked loop would be: the gateway
+    holds, with a patience longer than the test) while its thread's liveness beats go on, as a
+    deadlocked loop would be: the gateway
     calls it stalled within the stall timeout and /health names it, its streams go on on the
     other decode worker whole, and let go, it is taken back holding nothing."""
     first, second = sorted(os.sched_getaffinity(0))[:2]
     both = f"{first},{second}"  # decode-0 is pinned to `first`, decode-1 to `second`
     config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"],
-                                         "stall_timeout_s": STALL_TIMEOUT_S}}
+                                         "stall_timeout_s": STALL_TIMEOUT_S},
+              "engine": {**TEST_CONFIG.get("engine", {}), "cpu_turn_patience_s": 600.0}}
     flags = ["--prefill-cpus", both, "--decode-cpus", both]
     with launch(tmp_path, tiny_model_dir, decode=2, config=config, flags=flags) as cluster:
         workers = cluster.client.get("/v1/cluster").json()["workers"]
@@ -117,6 +119,38 @@ def test_streams_on_a_decode_worker_wedged_in_a_step_go_on_elsewhere(
     print(f"decode-0 wedged: stalled {took:.1f} s after the first requests "
           f"(timeout {STALL_TIMEOUT_S:g} s), all {len(prompts)} streams whole "
           f"{time.monotonic() - wedged_at:.1f} s after the wedge")
+
+
+def test_a_turn_kept_by_a_stuck_holder_stalls_no_worker_sharing_its_cpus(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A process that keeps the turn of the CPUs every worker computes on (stopped, or wedged
+    in a step: here the test, holding the lock): past their patience the workers compute beside
+    it, so none is called stalled and every stream finishes whole while it still holds it."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    config = {**TEST_CONFIG, "gateway": {**TEST_CONFIG["gateway"],
+                                         "stall_timeout_s": STALL_TIMEOUT_S},
+              "engine": {**TEST_CONFIG.get("engine", {}), "cpu_turn_patience_s": 0.5},
+              "prefill": {**TEST_CONFIG["prefill"], "threads": 0},  # threads filling the CPUs
+              "decode": {**TEST_CONFIG["decode"], "threads": 0}}     # take turns on them
+    with launch(tmp_path, tiny_model_dir, config=config, cpus=cpus) as cluster:
+        workers = cluster.client.get("/v1/cluster").json()["workers"]
+        assert all(w["cpus"] == cpus for w in workers)  # one turn for both workers
+        prompts = [f"Tale {i}: long ago" for i in range(6)]
+        turn = os.open(turns_file(tmp_path / "turns", cpus), os.O_RDWR)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            held_at = time.monotonic()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                results = list(pool.map(lambda p: stream_text(cluster, p, 60), prompts))
+            time.sleep(max(0.0, held_at + STALL_TIMEOUT_S + 1 - time.monotonic()))
+            health = cluster.client.get("/health").json()
+        finally:
+            os.close(turn)
+        assert health["stalled"] == [] and health["status"] == "ok"
+        assert_uninterrupted(tiny_model_dir, prompts, 60, results)
+        assert cluster.metric("raging_requests_resumed_total") == 0
+        assert "has got nowhere" not in cluster.log("gateway")
+        assert "computing beside its holder" in cluster.log("decode-0")
 
 
 @pytest.mark.parametrize("cluster", [(2, 1)], indirect=True)
@@ -335,6 +369,7 @@ def test_a_decode_worker_restarted_on_its_fixed_kv_port_gets_kv_again(
         os.kill(pid, signal.SIGKILL)
         within(30, lambda: cluster.pids()["decode-0"] != pid)
         assert [complete(cluster, p) for p in prompts[1:3]] == expected[1:3]
+        time.sleep(1.5)  # the counters come with heartbeats (every 0.5 s): the last of them
         settled = cluster.metric("raging_kv_transfer_failures_total", failures)
         assert [complete(cluster, p) for p in prompts[3:]] == expected[3:]
         assert cluster.metric("raging_kv_transfer_failures_total", failures) == settled
