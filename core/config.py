@@ -112,6 +112,9 @@ class ModelConfig:
                              f"not {self.quant_rows}")
 
 
+_LONGEST_WAIT_S = 86400.0  # a day: longer is forever, which a timed wait cannot take
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How a worker's kernels run: on its CPU (engine.kernels.isa), or on a GPU."""
@@ -130,9 +133,9 @@ class EngineConfig:
                                               "gateway.stall_timeout_s")
 
     def __post_init__(self) -> None:
-        if self.cpu_turn_patience_s <= 0:
-            raise ValueError(f"engine.cpu_turn_patience_s must be > 0, "
-                             f"not {self.cpu_turn_patience_s}")
+        if not 0 < self.cpu_turn_patience_s <= _LONGEST_WAIT_S:
+            raise ValueError(f"engine.cpu_turn_patience_s must be in (0, {_LONGEST_WAIT_S:g}] "
+                             f"s, not {self.cpu_turn_patience_s}")
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ threads the scheduler left out. Taking turns, each step runs alone, at the full 
 CPUs: at c=32 that layout went from 113 to 129 output tokens/s (docs/scheduling.md). Workers
 on different CPU sets hold different files and never wait for each other.
 
-A turn is waited for `patience_s` at most. A holder that keeps it longer is stopped or wedged
-in a step (a legitimate step is a forward pass, well under that): the waiting worker computes
-beside it until it lets go, rather than stall with it. Otherwise one stuck process would stall
-every worker on its CPUs, and the gateway would declare them all stalled.
+A turn is waited for `patience_s` at most: past it the waiting worker computes beside the
+holder until it lets go. A holder stopped or wedged in a step would otherwise stall every worker
+on its CPUs, and the gateway would declare them all stalled. A step is one forward pass, a
+fraction of a second for the default model on two cores; a larger model's long prefill steps can
+take longer than the patience, and the steps of the others then overlap them (raise
+`engine.cpu_turn_patience_s`, below the gateway's stall timeout, to keep them apart).
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ class CpuTurns:
             self.skipped += 1
             if self._warned_at != self._taker.stuck_since:  # once a wait
                 self._warned_at = self._taker.stuck_since
-                log.warning("the turn of CPUs %s was held over %g s: computing beside its "
-                            "holder (stopped or wedged?) until it lets go",
-                            ",".join(map(str, self.cpus)), self.patience_s)
+                log.info("the turn of CPUs %s was held over %g s (a long step, or a stopped "
+                         "or wedged holder): computing beside its holder until it lets go",
+                         ",".join(map(str, self.cpus)), self.patience_s)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
@@ -103,9 +105,15 @@ class _TurnTaker:
                 self.state.notify_all()
             self.wanted = True
             deadline = self.stuck_since + patience_s
-            self.state.wait_for(lambda: self.taken, max(0.0, deadline - time.monotonic()))
-            self.wanted = False
-            taken, self.taken = self.taken, False
+            try:
+                self.state.wait_for(lambda: self.taken, max(0.0, deadline - time.monotonic()))
+            except BaseException:  # re-raised: a turn taken meanwhile must not stay held
+                if self.taken:
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                raise
+            finally:
+                self.wanted = False
+                taken, self.taken = self.taken, False
             return taken
 
     def give_back(self) -> None:

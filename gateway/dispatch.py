@@ -333,6 +333,7 @@ class Dispatcher:
             log.error("refused %s: %s", worker_id, reply.reason)
         elif previous is not None and previous.instance_id != message.instance_id:
             self._fail_worker_requests(previous, f"{worker_id} restarted")
+        self._decode_gone_at()  # a pool serving again: the next outage's wait is its own
         self._resume_waiting()
 
     def _on_leave(self, worker_id: str, message: Leave) -> None:

@@ -64,9 +64,9 @@ class OllamaRoutes:
         body = await asyncio.to_thread(parse_ollama_chat, await self.routes.read_body(request))
         self.routes.ignored.check(body)
         model = self._echoed(body.model)
+        self._check_capabilities(body)  # first, as Ollama's: a load says the model can
         if not body.messages:
             return JSONResponse(loaded(model, "chat", body.unloads))
-        self._check_capabilities(body)
         chat = await asyncio.to_thread(body.chat_request)
         prompt_ids, params, tools = await self.routes.chat_prompt(chat)
         params = _length(params, body.settings.predict)
@@ -82,9 +82,9 @@ class OllamaRoutes:
                                        await self.routes.read_body(request))
         self.routes.ignored.check(body)
         model = self._echoed(body.model)
+        self._check_capabilities(body)
         if not body.prompt:
             return JSONResponse(loaded(model, "generate", body.unloads))
-        self._check_capabilities(body)
         fmt, prompt_ids, params = await self._prompt(body)
         prompt_ids = [*tokenize_prompt(self.state.tokenizer, body.context or []), *prompt_ids]
         params = _length(params, body.settings.predict)

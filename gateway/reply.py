@@ -236,7 +236,8 @@ class Reply:
             wholes = collector.result()
             if isinstance(wholes, str):
                 outcome = "error"
-                return JSONResponse(self.error_body(wholes), status_code=503)
+                return JSONResponse(self.error_body(wholes), status_code=503,
+                                    headers={"Retry-After": "1"})
             outcome = "ok"
             body = self._whole_body(wholes)
             if self.timing:

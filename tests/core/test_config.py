@@ -108,6 +108,15 @@ def test_quant_rows_are_measured_never_or_a_count() -> None:
         load_config(overrides={"model.quant_rows": "-2"})
 
 
+@pytest.mark.parametrize("value", ["0", "-1", ".inf", ".nan", "1e12"])
+def test_the_turn_patience_is_a_finite_positive_wait(value: str) -> None:
+    """Forever cannot be a timed wait's timeout (threading's raises past TIMEOUT_MAX)."""
+    assert load_config(overrides={"engine.cpu_turn_patience_s": "600"}).engine \
+        .cpu_turn_patience_s == 600
+    with pytest.raises(ValueError, match="cpu_turn_patience_s"):
+        load_config(overrides={"engine.cpu_turn_patience_s": value})
+
+
 def test_override_without_a_dot_is_refused() -> None:
     with pytest.raises(ValueError, match="port"):
         load_config(overrides={"port": "1"})

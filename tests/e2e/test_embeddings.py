@@ -90,7 +90,9 @@ def test_messages_are_embedded_as_the_chat_template_writes_them(cluster: Cluster
     chat = cluster.client.post("/v1/embeddings", json={"messages": messages})
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
-    assert chat.json()["data"][0]["embedding"] == as_ids.json()["data"][0]["embedding"]
+    # the same tokens; the second may reuse the first's cached blocks, summed in another order
+    assert close(chat.json()["data"][0]["embedding"],
+                 torch.tensor(as_ids.json()["data"][0]["embedding"]))
 
 
 def test_ollama_s_routes_and_llama_cpp_s(cluster: Cluster, ollama_client: ollama.Client,

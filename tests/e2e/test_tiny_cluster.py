@@ -327,13 +327,21 @@ def test_a_decode_worker_that_dies_ends_its_streams_with_an_error_event(
         body = {"model": running.model, "prompt": "Tell me a story", "max_tokens": 1800,
                 "ignore_eos": True, "stream": True}
         events: list[Any] = []
-        with running.client.stream("POST", "/v1/completions", json=body) as response:
+        with ThreadPoolExecutor(1) as pool, \
+                running.client.stream("POST", "/v1/completions", json=body) as response:
+            whole = pool.submit(running.client.post, "/v1/completions",
+                                json={**body, "stream": False})
             for event in sse_events(response):
                 events.append(event)
                 if len(events) == 5:
+                    while running.metric("raging_requests_inflight") < 2:  # both under way
+                        time.sleep(0.01)
                     os.kill(running.pids()["decode-0"], signum)
                     signalled_at = time.monotonic()
+            failed = whole.result(timeout=30)  # a whole reply being made when it died
         assert time.monotonic() - signalled_at < noticed_within_s
+        assert failed.status_code == 503 and failed.headers["retry-after"] == "1"
+        assert failed.json()["error"]["code"] == "generation_failed"
         assert events[-1] == "[DONE]" and "error" in events[-2]
         assert not any(e["choices"][0]["finish_reason"] for e in events[:-2])
         assert running.client.get("/health").json()["decode"] == 0

@@ -250,6 +250,10 @@ def test_an_embedding_model_without_an_output_head_embeds_and_refuses_text(
             assert refused.status_code == 400, (route, refused.text)
             message = error_message_of(refused, route)
             assert "/v1/embeddings" in message or "does not support" in message, message
+        for route in ("/api/chat", "/api/generate"):  # Ollama's load: refused first, as there
+            refused = embedder.post(route, json={"model": MODEL})
+            assert refused.status_code == 400
+            assert "does not support" in error_message_of(refused, route)
         for route, body in EMBEDDING_BODIES.items():
             assert is_no_worker(embedder.post(route, json={"model": MODEL, **body}), route)
         shown = embedder.post("/api/show", json={"model": MODEL}).json()
