@@ -9,6 +9,7 @@ import heapq
 import itertools
 import json
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -142,8 +143,10 @@ def fuzzed(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path,
             time.sleep(0.3)
         yield url, proxy
     finally:
+        # SIGINT stops a worker at once (SIGTERM would drain it, waiting for the gateway's
+        # word, which never comes from a gateway stopped beside it), as launch.sh stops them
         for process in processes:
-            process.terminate()
+            process.send_signal(signal.SIGINT)
         for process in processes:
             try:
                 process.wait(timeout=10)
