@@ -25,8 +25,9 @@ from decode.phases import Phase, Phases
 from decode.scheduler import DecodeScheduler, DecodeSequence, decode_seed
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
+from engine.sampling.grammar import history_of
 from engine.sampling.sampler import Draw, History, draw, make_generator
-from engine.sampling.stopping import finish_reason, history_of
+from engine.sampling.stopping import finish_reason
 
 log = logging.getLogger(__name__)
 

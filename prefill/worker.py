@@ -33,9 +33,9 @@ from engine.kv.prefix_cache import PrefixCache, capacity
 from engine.model.batch import ForwardBatch
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
-from engine.sampling.grammar import Grammars
+from engine.sampling.grammar import Grammars, history_of
 from engine.sampling.sampler import Draw, draw, make_generator
-from engine.sampling.stopping import finish_reason, history_of
+from engine.sampling.stopping import finish_reason
 from kvtransfer import make_sender
 from kvtransfer.share import share_prefix
 from prefill.handoff import LayerStream

@@ -17,7 +17,8 @@ import torch
 import xgrammar as xgr
 
 from core.messages import GenerationTask, Grammar, RequestKey
-from engine.sampling.stopping import stop_tokens
+from engine.sampling.sampler import History
+from engine.sampling.stopping import banned_tokens, stop_tokens
 from engine.sampling.thought import ThoughtGate, opening
 from engine.weights.tokenizer import load_tokenizer
 
@@ -232,3 +233,13 @@ def _control_token_ids(token_bytes: Sequence[bytes], vocab_size: int) -> tuple[i
     compact separators not even as whitespace, yet xgrammar's string rule lets them in."""
     return tuple(token_id for token_id, token in enumerate(token_bytes[:vocab_size])
                  if any(byte < 0x20 for byte in token))
+
+
+def history_of(task: GenerationTask, tokens: Sequence[int], num_generated: int,
+               eos_token_ids: tuple[int, ...], constraint: Constraint | None) -> History:
+    """What the next draw looks at: the `tokens` so far (the prompt, then the output), for
+    the penalties; EOS and stop tokens banned under min_tokens; the tokens its grammar's
+    `constraint` allows."""
+    allowed = None if constraint is None else constraint.allowed()
+    return History(tokens, task.prompt_len, banned_tokens(task, num_generated, eos_token_ids),
+                   allowed)

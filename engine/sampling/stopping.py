@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from core.messages import FinishReason, GenerationTask
-from engine.sampling.sampler import History
-
-if TYPE_CHECKING:
-    from engine.sampling.grammar import Constraint
 
 
 def finish_reason(
@@ -41,13 +34,3 @@ def stop_tokens(task: GenerationTask, eos_token_ids: tuple[int, ...]) -> tuple[i
     """The tokens that end the sequence: its stop_token_ids, and EOS unless ignore_eos."""
     eos = () if task.ignore_eos else eos_token_ids
     return (*task.stop_token_ids, *eos)
-
-
-def history_of(task: GenerationTask, tokens: Sequence[int], num_generated: int,
-               eos_token_ids: tuple[int, ...], constraint: Constraint | None) -> History:
-    """What the next draw looks at: the `tokens` so far (the prompt, then the output), for
-    the penalties; EOS and stop tokens banned under min_tokens; the tokens its grammar's
-    `constraint` allows."""
-    allowed = None if constraint is None else constraint.allowed()
-    return History(tokens, task.prompt_len, banned_tokens(task, num_generated, eos_token_ids),
-                   allowed)
