@@ -69,6 +69,7 @@ def build_app(state: GatewayState) -> Starlette:
             Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
             Route("/completion", llamacpp.completion, methods=["POST"]),
             Route("/completions", llamacpp.completion, methods=["POST"]),
+            Route("/infill", llamacpp.infill, methods=["POST"]),
             Route("/embedding", llamacpp.embedding, methods=["POST"]),
             Route("/embeddings", llamacpp.embedding, methods=["POST"]),
             Route("/props", llamacpp.props, methods=["GET"]),

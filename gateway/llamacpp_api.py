@@ -1,6 +1,7 @@
 """llama.cpp's native routes, for the tools written against its server: `POST /completion`
 (and `/completions`), served as a /v1/completions request (llamacpp_request.py) answered in
-llama.cpp's shape (llamacpp_reply.py); `GET /props`, what the server is and does; and
+llama.cpp's shape (llamacpp_reply.py), and `POST /infill`, code's fill in the middle, answered
+alike; `GET /props`, what the server is and does; and
 `POST /apply-template`; `POST /embedding` (and `/embeddings`), texts' vectors
 (gateway/embeddings.py). Its /tokenize and /detokenize bodies are read by the OpenAI routes'
 own."""
@@ -20,7 +21,11 @@ from gateway.embedding_request import LlamaEmbeddingRequest, normalized
 from gateway.embeddings import Embedder, json_reply
 from gateway.errors import bad_request
 from gateway.llamacpp_reply import LlamaAsk
-from gateway.llamacpp_request import LlamaCompletionRequest, parse_llamacpp_request
+from gateway.llamacpp_request import (
+    LlamaCompletionRequest,
+    parse_llamacpp_infill,
+    parse_llamacpp_request,
+)
 from gateway.openai_api import OpenAIRoutes, Served
 from gateway.params import GenerationParams, generation_params
 from gateway.prompts import render_chat_text, tokenize_prompt
@@ -46,17 +51,42 @@ class LlamaCppRoutes:
         model = self.routes.served_model(body.model)
         prompts = [await self.routes.tokenize_with(tokenize_prompt, prompt)
                    for prompt in body.prompt]
-        bias = await self._bias(body)
-        completion = body.completion_request(bias)
-        params = generation_params(completion, self.state.generation_defaults)
-        if body.predict is not None:  # a cap: the completion stops at the context instead
-            params = dataclasses.replace(params, default_max_tokens=body.predict)
+        params = await self._params(body)
         texts = [prompt if isinstance(prompt, str) else await self.routes.tokenize_with(
             decode_text, ids) for prompt, ids in zip(body.prompt, prompts, strict=True)]
         ask = LlamaAsk(tuple(texts), self._settings(params, body), bool(body.n_probs),
                        body.return_tokens)
         return await self.routes.serve(request, CompletionFormat(), prompts, params,
                                        Served(model, arrived, llamacpp=ask))
+
+    async def infill(self, request: Request) -> Response:
+        """The middle between `input_prefix` (and `prompt`) and `input_suffix`
+        (gateway/infill.py), in `/completion`'s shape. What does not fit the context, less
+        room for `n_predict` tokens (a quarter of the context at most), is left out: the other
+        files first, then the prefix's start and the suffix's end."""
+        arrived = time.monotonic()
+        body = await asyncio.to_thread(parse_llamacpp_infill,
+                                       await self.routes.read_body(request))
+        self.routes.ignored.check(body)
+        model = self.routes.served_model(body.model)
+        params = self.routes.fill_params(await self._params(body), "input_suffix")
+        context = self.routes.context_limit()
+        reserved = min(body.predict or context, context // 4)
+        prompt_ids = await self.routes.fill_prompt_ids(body.gap, context - reserved)
+        text = await self.routes.tokenize_with(decode_text, prompt_ids)
+        ask = LlamaAsk((text,), self._settings(params, body), bool(body.n_probs),
+                       body.return_tokens, route="infill")
+        return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
+                                       Served(model, arrived, llamacpp=ask))
+
+    async def _params(self, body: LlamaCompletionRequest) -> GenerationParams:
+        """What to generate: the request as /v1/completions reads it, `n_predict` a cap (the
+        completion stops at the context instead)."""
+        completion = body.completion_request(await self._bias(body))
+        params = generation_params(completion, self.state.generation_defaults)
+        if body.predict is None:
+            return params
+        return dataclasses.replace(params, default_max_tokens=body.predict)
 
     async def embedding(self, request: Request) -> Response:
         """Each input's vector, normalized as `embd_normalize` says, in llama.cpp's shape: a

@@ -27,6 +27,7 @@ class LlamaAsk:
     settings: dict[str, Any]
     probabilities: bool  # n_probs > 0: each token's logprob and the likeliest there
     return_tokens: bool = False  # the whole reply shows its token ids
+    route: str = "completion"  # or "infill"
 
 
 class LlamaCppReply(Reply):
@@ -46,7 +47,7 @@ class LlamaCppReply(Reply):
 
     @property
     def route(self) -> str:
-        return "completion"
+        return self.ask.route
 
     async def _events(self) -> AsyncIterator[str]:
         async for index, delta in self._deltas():

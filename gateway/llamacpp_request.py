@@ -1,4 +1,5 @@
-"""The body of llama.cpp's native `POST /completion`, read as a /v1/completions request.
+"""The bodies of llama.cpp's native `POST /completion` and `POST /infill`, read as
+/v1/completions requests.
 
 llama.cpp's names map onto the OpenAI and vLLM fields the gateway already serves: `n_predict`
 (or `max_tokens`; -1: the cap) caps the length, and stops at the context as llama.cpp does,
@@ -16,6 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
+from gateway.infill import MAX_FILES, Gap
 from gateway.protocol import (
     MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,
@@ -116,6 +118,41 @@ class LlamaCompletionRequest(RequestModel):
         return completion_request_of({**given, "max_tokens": None}, _NATIVE_NAMES)
 
 
+def _no_prompt() -> list[str | list[int]]:
+    return [""]
+
+
+class InfillFile(RequestModel):
+    """One of `/infill`'s `input_extra`: another file of the project."""
+
+    filename: str = Field(default="tmp", max_length=4096)
+    text: str = ""
+
+
+class LlamaInfillRequest(LlamaCompletionRequest):
+    """llama.cpp's `/infill` body: the code before and after the gap, other files of the
+    project, and `prompt`, which llama.cpp adds to the prefix (editors send the cursor's line
+    in it); the rest is `/completion`'s."""
+
+    prompt: list[str | list[TokenId]] = Field(default_factory=_no_prompt)
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillFile] = Field(default_factory=list, max_length=MAX_FILES)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_text(cls, value: list[Any]) -> list[Any]:
+        if len(value) != 1 or not isinstance(value[0], str):
+            raise invalid_value("an infill's prompt (the cursor's line) is one text")
+        return value
+
+    @property
+    def gap(self) -> Gap:
+        """What to fill."""
+        files = tuple((extra.filename, extra.text) for extra in self.input_extra)
+        return Gap(self.input_prefix + str(self.prompt[0]), self.input_suffix, files)
+
+
 def _pairs(logit_bias: Any) -> list[tuple[Any, Any]]:
     """(token, bias) pairs; an object's keys are token ids, as llama.cpp reads them."""
     if logit_bias is None:
@@ -144,3 +181,8 @@ def _bias_pair(key: Any, value: Any) -> tuple[int | str, float]:
 def parse_llamacpp_request(body: bytes) -> LlamaCompletionRequest:
     """Parse a /completion body; any invalid body raises a 400 `APIError`."""
     return parse_body(LlamaCompletionRequest, body)
+
+
+def parse_llamacpp_infill(body: bytes) -> LlamaInfillRequest:
+    """Parse an /infill body; any invalid body raises a 400 `APIError`."""
+    return parse_body(LlamaInfillRequest, body)

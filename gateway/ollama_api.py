@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.embedding_request import OllamaEmbeddingsRequest, OllamaEmbedRequest, normalized
 from gateway.embeddings import Embedder, json_reply
 from gateway.errors import bad_request
+from gateway.infill import Gap
 from gateway.model_facts import ModelFacts
 from gateway.ollama_reply import OllamaAsk, loaded, nanoseconds
 from gateway.ollama_request import (
@@ -94,7 +95,14 @@ class OllamaRoutes:
 
     async def _prompt(self, body: OllamaGenerateRequest
                       ) -> tuple[Format, list[int], GenerationParams]:
-        """The prompt's format, token ids and parameters: a chat's, or a raw completion's."""
+        """The prompt's format, token ids and parameters: a chat's, a raw completion's, or a
+        middle's between the prompt and the suffix."""
+        if body.suffix:
+            completion = await asyncio.to_thread(body.completion_request)
+            params = self.routes.fill_params(
+                generation_params(completion, self.state.generation_defaults), "suffix")
+            return CompletionFormat(), await self.routes.fill_prompt_ids(
+                Gap(body.prompt, body.suffix)), params
         if not body.raw:
             chat = await asyncio.to_thread(body.chat_request)
             prompt_ids, params, _ = await self.routes.chat_prompt(chat)
@@ -187,6 +195,8 @@ class OllamaRoutes:
         if not self._facts().generates:
             kind = "chat" if isinstance(body, OllamaChatRequest) else "generate"
             raise bad_request(f"'{name}' does not support {kind}", param="model")
+        if isinstance(body, OllamaGenerateRequest) and body.suffix and self.state.fill is None:
+            raise bad_request(f"'{name}' does not support insert", param="suffix")
         if body.think not in (None, False) and not gateway.reasoning_parser:
             raise bad_request(f"'{name}' does not support thinking (the gateway runs no "
                               "reasoning parser)", param="think")
@@ -234,12 +244,14 @@ class OllamaRoutes:
                 f"{family}.vocab_size": spec.vocab_size}
 
     def _capabilities(self) -> list[str]:
-        """completion, with tools where a tool-call parser runs and thinking where a reasoning
-        one does; embedding alone for an embedding model without an output head."""
+        """completion, with tools where a tool-call parser runs, thinking where a reasoning
+        one does and insert (a `suffix`) where the model can fill in the middle; embedding
+        alone for an embedding model without an output head."""
         if not self._facts().generates:
             return ["embedding"]
         gateway = self.state.config.gateway
         return ["completion", *(["tools"] if gateway.tool_call_parser else []),
+                *(["insert"] if self.state.fill else []),
                 *(["thinking"] if gateway.reasoning_parser else [])]
 
 

@@ -234,13 +234,6 @@ class OllamaGenerateRequest(_Generating):
 
     _text_only = field_validator("images")(_no_images)
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise invalid_value("this model does not support insert (no fill-in-the-middle)")
-        return value
-
     @field_validator("template")
     @classmethod
     def _no_template(cls, value: str | None) -> str | None:
@@ -253,6 +246,9 @@ class OllamaGenerateRequest(_Generating):
     def _raw_alone(self) -> OllamaGenerateRequest:
         if self.raw and (self.system or self.context):
             raise invalid_value("raw mode does not support template, system, or context")
+        if self.suffix and (self.raw or self.system or self.context):
+            raise invalid_value("a suffix (fill in the middle) takes the prompt alone: not "
+                                "with raw, system or context")
         return self
 
     def chat_request(self) -> ChatCompletionRequest:

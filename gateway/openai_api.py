@@ -33,6 +33,7 @@ from gateway.errors import (
 from gateway.generation import Echo, Generation
 from gateway.handle import RequestHandle
 from gateway.ignored_fields import IgnoredFields
+from gateway.infill import Gap, fill_prompt
 from gateway.llamacpp_reply import LlamaAsk, LlamaCppReply
 from gateway.logprobs import Piece, TokenPieces
 from gateway.messages_reply import AnthropicAsk, MessagesReply
@@ -187,10 +188,35 @@ class OpenAIRoutes:
         body = await asyncio.to_thread(parse_completion_request, await self.read_body(request))
         self.ignored.check(body)
         model = self.served_model(body.model)
-        prompts = [await self.tokenize_with(tokenize_prompt, prompt) for prompt in body.prompt]
         params = generation_params(body, self.state.generation_defaults)
+        if body.suffix:  # as OpenAI's: an empty one asks for nothing
+            params = self.fill_params(params, "suffix")
+            prompts = [await self.fill_prompt_ids(Gap(str(prompt), body.suffix))
+                       for prompt in body.prompt]
+        else:
+            prompts = [await self.tokenize_with(tokenize_prompt, prompt) for prompt in body.prompt]
         return await self.serve(request, CompletionFormat(), prompts, params,
                                  Served(model, arrived))
+
+    def fill_params(self, params: GenerationParams, param: str) -> GenerationParams:
+        """`params` for a middle, which the model's fill-in-the-middle endings stop too; a
+        400 naming `param` for a model that never learned to fill one."""
+        fill = self.state.fill
+        if fill is None:
+            raise bad_request(
+                "This model has no fill-in-the-middle tokens, so it cannot fill a gap: "
+                "serve a code model that has them (Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, "
+                "CodeLlama, ...).", param=param)
+        return dataclasses.replace(
+            params, stop_token_ids=(*params.stop_token_ids, *fill.endings))
+
+    async def fill_prompt_ids(self, gap: Gap, room: int | None = None) -> list[int]:
+        """The token ids of the prompt that fills `gap` (see gateway/infill.py), after
+        `fill_params` checked the model can."""
+        fill = self.state.fill
+        assert fill is not None, "fill_params() refuses a model without the markers first"
+        return await self.tokenize_with(
+            lambda tokenizer, gap: fill_prompt(tokenizer, fill, gap, room), gap)
 
     async def tokenize(self, request: Request) -> Response:
         """`POST /tokenize`, vLLM's and llama.cpp's: a prompt's or messages' token ids."""

@@ -465,9 +465,11 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise unsupported("suffix")
+    def _suffix_after_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value and not all(isinstance(prompt, str) for prompt in info.data.get("prompt", [])):
+            raise invalid_value("a suffix follows a text prompt, not token ids")
+        if value and info.data.get("echo"):
+            raise invalid_value("echo shows the prompt, and a suffix is not one: send one of them")
         return value
 
 

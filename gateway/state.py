@@ -19,6 +19,7 @@ from core.tracing import Tracer
 from gateway.autoscale import Autoscaler
 from gateway.background import BackgroundResponses
 from gateway.dispatch import Dispatcher
+from gateway.infill import FillTokens, fill_tokens
 from gateway.metrics import Metrics
 from gateway.model_facts import ModelFacts
 from gateway.registry import Registry
@@ -43,6 +44,11 @@ class GatewayState:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     background: BackgroundResponses = field(default_factory=BackgroundResponses)
     facts: ModelFacts | None = None  # what the model is (the app's always has them)
+    fill: FillTokens | None = field(init=False)  # fill-in-the-middle markers; None: it can't
+
+    def __post_init__(self) -> None:
+        # Here, before any request: later, the tokenizer is its own thread's alone.
+        self.fill = fill_tokens(self.tokenizer)
 
     @property
     def served_names(self) -> tuple[str, ...]:

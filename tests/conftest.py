@@ -20,6 +20,7 @@ from engine.kernels.isa import cpu_flags, runnable_levels
 from engine.locate import resolve_model
 from engine.weights.files import EMBED
 from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
+from engine.weights.tokenizer import load_tokenizer
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
 MODEL_CACHE_DIR = "~/.cache/raging/models"
@@ -223,6 +224,22 @@ def tiny_mistral_dir(real_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     torch.manual_seed(0)
     MistralForCausalLM(MistralConfig(**TINY_CONFIG, sliding_window=8)).save_pretrained(folder)
     with_tokenizer(folder, real_model_dir)
+    return folder
+
+
+# Qwen2.5-Coder's fill-in-the-middle tokens, in its order.
+FILL_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_coder_dir(make_tiny_model: Callable[..., Path], real_model_dir: Path) -> Path:
+    """The tiny Llama as a code model: Qwen2.5-Coder's fill-in-the-middle tokens added to the
+    real tokenizer (as its vocabulary's last ids), with rows of their own."""
+    folder = make_tiny_model(vocab_size=TINY_CONFIG["vocab_size"] + len(FILL_TOKENS))
+    tokenizer = load_tokenizer(real_model_dir)
+    assert tokenizer.add_tokens(list(FILL_TOKENS), special_tokens=True) == len(FILL_TOKENS)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -39,6 +39,9 @@ class FakeTokenizer:
     def __len__(self) -> int:
         return 1000
 
+    def get_vocab(self) -> dict[str, int]:  # no fill-in-the-middle markers
+        return {}
+
 
 class RecordingDispatcher:
     """Keeps every task it is given, then refuses it: no workers are needed to see the salt."""
@@ -63,7 +66,7 @@ def make_state(keys: tuple[str, ...] = KEYS, host: str = "127.0.0.1") -> Gateway
     config = dataclasses.replace(config, auth=AuthConfig(api_keys=keys))
     registry = Registry("fp", 2.5, 1, 1)
     state = GatewayState(config=config, model_name=MODEL, max_model_len=64,
-                         tokenizer=FakeTokenizer(),  # type: ignore[arg-type]  # len() only
+                         tokenizer=FakeTokenizer(),  # type: ignore[arg-type]  # len(), vocab
                          registry=registry, router=Router(registry), metrics=Metrics())
     state.dispatcher = RecordingDispatcher()  # type: ignore[assignment]
     return state

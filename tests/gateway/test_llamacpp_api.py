@@ -1,5 +1,6 @@
 """llama.cpp's routes on the in-process gateway (real tokenizer, no workers): /apply-template,
-/props, and a /completion that passes every check reaching dispatch."""
+/props, and a /completion (or an /infill, for a model that can fill) that passes every check
+reaching dispatch."""
 
 from __future__ import annotations
 
@@ -51,3 +52,20 @@ def test_props_without_workers(client: TestClient) -> None:
 def test_a_valid_completion_reaches_dispatch(client: TestClient) -> None:
     for route in ("/completion", "/completions"):
         assert is_no_worker(client.post(route, json={"prompt": "Hi", "n_predict": 4}))
+
+
+def test_an_infill_needs_a_model_that_can_fill_in_the_middle(
+        client: TestClient, tiny_coder_dir: Path) -> None:
+    body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 4}
+    refused = client.post("/infill", json=body)
+    assert refused.status_code == 400 and "fill-in-the-middle" in error_of(refused)["message"]
+    with serve_without_workers(tiny_coder_dir) as coder:
+        assert is_no_worker(coder.post("/infill", json=body))
+        extra = [{"filename": "a.py", "text": "A = 1"}, {"text": "B = 2"}]
+        assert is_no_worker(coder.post("/infill", json={**body, "input_extra": extra,
+                                                        "prompt": "return"}))
+        for bad, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                           ({"input_extra": [{"text": 5}]}, "input_extra[0].text"),
+                           ({"input_extra": "a.py"}, "input_extra")):
+            reply = coder.post("/infill", json={**body, **bad})
+            assert reply.status_code == 400 and error_of(reply)["param"] == param, reply.text

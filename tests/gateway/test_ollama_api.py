@@ -84,3 +84,16 @@ def test_tools_and_thinking_need_their_parsers(client: TestClient, tiny_model_di
         assert is_no_worker(able.post("/api/chat", json=body), "/api/chat")
         capabilities = able.post("/api/show", json={"model": MODEL}).json()["capabilities"]
     assert capabilities == ["completion", "tools", "thinking"]
+
+
+def test_a_suffix_needs_a_model_that_can_fill_in_the_middle(
+        client: TestClient, tiny_coder_dir: Path) -> None:
+    body = {"prompt": "def add(a, b):\n    ", "suffix": "\n"}
+    refused = client.post("/api/generate", json=body)
+    assert refused.status_code == 400
+    assert ollama_error_of(refused) == f"'{MODEL}:latest' does not support insert"
+    assert "insert" not in client.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    with serve_without_workers(tiny_coder_dir) as coder:
+        assert is_no_worker(coder.post("/api/generate", json=body), "/api/generate")
+        capabilities = coder.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    assert capabilities == ["completion", "insert"]

@@ -116,13 +116,19 @@ def test_nothing_to_generate_and_keep_alive_zero_unloads() -> None:
     (parse_ollama_chat, {"messages": [{"role": "user", "content": "Hi", "tool_calls": [
         {"function": {"name": "f"}}]}]}, "messages[0].tool_calls"),
     (parse_ollama_chat, {"messages": HI, "format": "yaml"}, "format"),
-    (parse_ollama_generate, {"prompt": "Hi", "suffix": "end"}, "suffix"),
     (parse_ollama_generate, {"prompt": "Hi", "template": "{{ .Prompt }}"}, "template"),
     (parse_ollama_generate, {"prompt": "Hi", "images": ["aGk="]}, "images"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(parse: Any, body: dict[str, Any],
                                                          param: str) -> None:
     assert (refused(parse, body).param or "").startswith(param)
+
+
+@pytest.mark.parametrize("other", [{"raw": True}, {"system": "Be brief."}, {"context": [1, 2]}])
+def test_a_suffix_takes_the_prompt_alone(other: dict[str, Any]) -> None:
+    assert "suffix" in refused(parse_ollama_generate,
+                               {"prompt": "Hi", "suffix": "end", **other}).message
+    assert parse_ollama_generate(json.dumps({"prompt": "Hi", "suffix": "end"}).encode()).suffix
 
 
 def test_chat_s_refusals_name_ollama_s_fields() -> None:

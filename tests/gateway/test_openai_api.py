@@ -258,3 +258,18 @@ def test_an_embedding_model_without_an_output_head_embeds_and_refuses_text(
             assert is_no_worker(embedder.post(route, json={"model": MODEL, **body}), route)
         shown = embedder.post("/api/show", json={"model": MODEL}).json()
     assert shown["capabilities"] == ["embedding"]
+
+
+def test_a_suffix_needs_a_model_that_can_fill_in_the_middle(
+        client: TestClient, tiny_coder_dir: Path) -> None:
+    body = {"model": MODEL, "prompt": "def add(a, b):\n    ", "suffix": "\n", "max_tokens": 4}
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 400 and error_of(refused)["param"] == "suffix"
+    assert "fill-in-the-middle" in error_of(refused)["message"]
+    # an empty suffix asks for nothing of a model that cannot fill
+    assert is_no_worker(client.post("/v1/completions", json={**body, "suffix": ""}))
+    with serve_without_workers(tiny_coder_dir) as coder:
+        for suffix in ("\n", ""):
+            assert is_no_worker(coder.post("/v1/completions", json={**body, "suffix": suffix}))
+        tokens = coder.post("/v1/completions", json={**body, "prompt": [1, 2]})
+        assert tokens.status_code == 400 and "text prompt" in error_of(tokens)["message"]

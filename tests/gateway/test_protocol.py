@@ -201,7 +201,8 @@ BAD_COMPLETIONS: list[tuple[bytes, str | None]] = [
     (completion(max_tokens=0), None),  # without echo
     (completion(echo=True, max_tokens=-1), "max_tokens"),
     (completion(best_of=2), "best_of"),
-    (completion(suffix="tail"), "suffix"),
+    (completion(prompt=[1, 2], suffix="tail"), "suffix"),  # a suffix follows text
+    (completion(echo=True, suffix="tail"), "suffix"),
     (completion(logprobs=6), "logprobs"),
     (completion(logprobs=-1), "logprobs"),
     (completion(logprobs=True), "logprobs"),
@@ -234,6 +235,10 @@ def test_unsupported_features_say_so() -> None:
     assert "text" in err.message
     err = raises_400(parse_completion_request, completion(prompt=["a"] * 9, n=2))
     assert "prompts times n must be at most 16" in err.message
+    err = raises_400(parse_completion_request, completion(prompt=[1, 2], suffix="tail"))
+    assert "a suffix follows a text prompt" in err.message
+    err = raises_400(parse_completion_request, completion(echo=True, suffix="tail"))
+    assert "echo shows the prompt" in err.message
 
 
 @pytest.mark.parametrize(("fields", "known", "where"), [

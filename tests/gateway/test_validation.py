@@ -238,7 +238,7 @@ def completion_cases() -> list[Case]:
         Case("prompt too long", _json(TEXT, prompt=list(range(3000))), None,
              says="maximum context length"),
         Case("echo with logprobs past 5", _json(TEXT, echo=True, logprobs=6), "logprobs"),
-        Case("suffix", _json(TEXT, suffix=MARKER), "suffix", says="not supported"),
+        Case("suffix", _json(TEXT, suffix=MARKER), "suffix", says="fill-in-the-middle"),
         Case("best_of", _json(TEXT, best_of=3), "best_of"),
     ]
 
