@@ -125,10 +125,12 @@ def started_pids(run_dir: Path) -> dict[str, int]:
     return {name: int(pid) for pid, name in (line.split() for line in lines if line.strip())}
 
 
-def stop(launcher: subprocess.Popen[bytes], run_dir: Path) -> None:
-    """SIGTERM launch.sh (it stops its children), then SIGKILL whatever is left, by PID."""
+def stop(launcher: subprocess.Popen[bytes], run_dir: Path,
+         signum: int = signal.SIGTERM) -> None:
+    """SIGTERM launch.sh (it stops its children; joined workers drain first, SIGINT stops
+    them at once), then SIGKILL whatever is left, by PID."""
     if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signum)
         try:
             launcher.wait(timeout=30)
         except subprocess.TimeoutExpired:

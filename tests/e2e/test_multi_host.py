@@ -125,9 +125,7 @@ def on_host(host: Host, run_dir: Path, flags: list[str]) -> Iterator[subprocess.
         try:
             yield process
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)  # stop at once: nothing to drain into
-            stop(process, run_dir)
+            stop(process, run_dir, signal.SIGINT)  # at once: a lost host has nowhere to drain
 
 
 def test_a_cluster_across_three_hosts_survives_losing_one(
