@@ -9,7 +9,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.cluster import REAL_LAUNCH_S, Cluster, greedy_reference, launch
+from tests.e2e.cluster import REAL_LAUNCH_S, TEST_CONFIG, Cluster, greedy_reference, launch
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,15 @@ def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """1 gateway + 1 prefill + 1 decode on the real model, for the module (a module that needs
-    another cluster defines its own `cluster`)."""
-    with launch(tmp_path_factory.mktemp("run"), real_model_dir,
+    another cluster defines its own `cluster`); its context is the module's `CLUSTER_CONTEXT`
+    tokens where it sets one (a test that fills the context then prefills it in seconds)."""
+    context = getattr(request.module, "CLUSTER_CONTEXT", None)
+    config = TEST_CONFIG if context is None else {
+        **TEST_CONFIG, "model": {**TEST_CONFIG["model"], "max_model_len": context}}
+    with launch(tmp_path_factory.mktemp("run"), real_model_dir, config=config,
                 timeout_s=REAL_LAUNCH_S) as running:
         yield running
 

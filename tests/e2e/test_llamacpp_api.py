@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.cluster import Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
+CLUSTER_CONTEXT = 1024  # the tests that fill it prefill 1,024 tokens, not 4,096
 
 PROMPT = "The capital of France is"
 

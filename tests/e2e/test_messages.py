@@ -22,6 +22,7 @@ from engine.weights.tokenizer import decode_text
 from tests.e2e.cluster import Cluster, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realmodel]
+CLUSTER_CONTEXT = 1024  # the tests that fill it prefill 1,024 tokens, not 4,096
 
 SYSTEM = "You are a helpful assistant. Answer in one sentence."
 ASKED = "What is the capital of France?"

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.realmodel
 
 NEW_TOKENS = 24
 BLOCK_SIZE = 16
+PAD = 2  # <|im_end|>, as the model's generation config pads
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -53,16 +54,17 @@ def prompts(real_model_dir: Path) -> list[list[int]]:
 
 
 def transformers_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt's greedy tokens from one batched generate(), the prompts left-padded as
+    transformers pads them (one prompt at a time took 33 s, the batch 4 s, the same tokens)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # run all NEW_TOKENS steps, past any EOS
-    outputs = []
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+        out = model.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    return out[:, width:].tolist()
 
 
 def interleaved_tables(runner: ModelRunner, lengths: list[int]) -> list[list[int]]:
