@@ -3,11 +3,15 @@
 `IncrementalDetokenizer` turns token ids into text deltas without ever splitting a multi-byte
 character, decoding only a short sliding window per token. `StopStringMatcher` sits after it and
 holds back text that may turn out to be the start of a stop string, so that nothing at or past a
-stop string is ever streamed.
+stop string is ever streamed. `LineLimiter` ends code completion where llama.cpp's editors ask:
+at a line indented less than the cursor, or a while after the first new line.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.weights.tokenizer import decode_text
@@ -116,6 +120,54 @@ class StopStringMatcher:
         """At the end of generation, release the held text (nothing after a stop hit)."""
         text, self._pending = self._pending, ""
         return "" if self._stopped else text
+
+
+@dataclass(frozen=True, slots=True)
+class LineLimits:
+    """llama.cpp's limits on a code completion: `min_indent` (its `n_indent`) ends the text
+    before the first line, after a new line, that starts less indented (a blank one too);
+    `after_s` (its `t_max_predict_ms`) ends it once it holds a new line and that many seconds
+    have passed since its first text."""
+
+    min_indent: int = 0
+    after_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.min_indent > 0 or self.after_s is not None
+
+
+NO_LINE_LIMITS = LineLimits()
+
+
+class LineLimiter:
+    """Applies `LineLimits` to a text stream, fed in order."""
+
+    def __init__(self, limits: LineLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.started: float | None = None
+        self.new_line = False  # the text has one
+        self.indenting = False  # after a new line, before its first other character
+        self.indent = 0
+
+    def feed(self, text: str) -> int | None:
+        """How much of `text` to keep where a limit ends the output here; None: all, and go
+        on."""
+        self.started = self.clock() if self.started is None else self.started
+        for index, char in enumerate(text):
+            if self.indenting and char in " \t":
+                self.indent += 1
+            elif self.indenting and self.indent < self.limits.min_indent:
+                return index
+            else:
+                self.indenting = False
+            if char == "\n":
+                self.new_line = self.indenting = True
+                self.indent = 0
+        after = self.limits.after_s
+        if after is not None and self.new_line and self.clock() - self.started > after:
+            return len(text)
+        return None
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

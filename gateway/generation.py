@@ -10,7 +10,13 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.detokenizer import (
+    NO_LINE_LIMITS,
+    IncrementalDetokenizer,
+    LineLimiter,
+    LineLimits,
+    StopStringMatcher,
+)
 from gateway.handle import Ending, Event, RequestHandle
 from gateway.logprobs import TokenLogprob, TokenPieces, finite_logprob
 from gateway.metrics import Metrics
@@ -43,12 +49,14 @@ class Generation:
     """One request's text deltas; `abort` stops the request on its workers (the dispatcher's);
     `pieces` (given when the request asked for logprobs) turns the tokens' logprobs into
     `TokenLogprob`s that ride on the deltas. `skip_special_tokens` and `include_stop` are
-    vLLM's skip_special_tokens and include_stop_str_in_output."""
+    vLLM's skip_special_tokens and include_stop_str_in_output; `limits`, llama.cpp's limits
+    on a code completion's lines."""
 
     def __init__(self, handle: RequestHandle, abort: Callable[[RequestHandle], None],
                  metrics: Metrics, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...],
                  pieces: TokenPieces | None = None, skip_special_tokens: bool = True,
-                 include_stop: bool = False, echo: Echo | None = None) -> None:
+                 include_stop: bool = False, echo: Echo | None = None,
+                 limits: LineLimits = NO_LINE_LIMITS) -> None:
         self.handle = handle
         self._abort = abort
         self.metrics = metrics
@@ -56,6 +64,7 @@ class Generation:
                                                   skip_special_tokens)
         self.stops = StopStringMatcher(stops, include_stop)
         self.include_stop = include_stop
+        self.limiter = LineLimiter(limits) if limits else None
         self.started = time.monotonic()
         self.last_token_at: float | None = None
         self.first_token_at: float | None = None
@@ -181,6 +190,10 @@ class Generation:
         if event.finish_reason is not None:
             return self._finished(emit + self.stops.flush(), event.finish_reason,
                                   self._stop_token(event))
+        kept = None if self.limiter is None else self.limiter.feed(emit)
+        if kept is not None:
+            self.abort()
+            return self._finished(emit[:kept], "length")
         return Delta(emit)
 
     def _stop_token(self, event: Event) -> int | None:

@@ -81,9 +81,11 @@ class LlamaCppRoutes:
 
     async def _params(self, body: LlamaCompletionRequest) -> GenerationParams:
         """What to generate: the request as /v1/completions reads it, `n_predict` a cap (the
-        completion stops at the context instead)."""
+        completion stops at the context instead), `n_indent` and `t_max_predict_ms` its
+        limits on lines."""
         completion = body.completion_request(await self._bias(body))
-        params = generation_params(completion, self.state.generation_defaults)
+        params = dataclasses.replace(generation_params(completion, self.state.generation_defaults),
+                                     line_limits=body.line_limits)
         if body.predict is None:
             return params
         return dataclasses.replace(params, default_max_tokens=body.predict)

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
+from gateway.detokenizer import LineLimits
 from gateway.infill import MAX_FILES, Gap
 from gateway.protocol import (
     MAX_CHOICES,
@@ -63,6 +64,8 @@ class LlamaCompletionRequest(RequestModel):
         default=None, max_length=MAX_LOGIT_BIAS)
     return_tokens: bool = False  # the whole reply's `tokens`: its token ids (a stream's always)
     model: str | None = Field(default=None, min_length=1, max_length=256)
+    n_indent: int = Field(default=0, ge=0, le=_INT32_MAX)  # a line less indented ends it
+    t_max_predict_ms: int = Field(default=0, ge=0, le=_INT32_MAX)  # after a new line, a limit
     cache_prompt: bool | None = None  # ignored: every prompt's prefix is cached
     id_slot: int | None = None  # ignored: the gateway picks the workers
 
@@ -95,6 +98,12 @@ class LlamaCompletionRequest(RequestModel):
         None for -1 or neither, up to the cap."""
         most = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if most is None or most < 0 else most
+
+    @property
+    def line_limits(self) -> LineLimits:
+        """Its limits on a code completion's lines (none unless set)."""
+        after_s = self.t_max_predict_ms / 1000 if self.t_max_predict_ms else None
+        return LineLimits(self.n_indent, after_s)
 
     def bias_entries(self) -> list[tuple[int | str, float]]:
         """`logit_bias` as (token id or text, bias) pairs; `false` bans the token."""

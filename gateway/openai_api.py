@@ -352,7 +352,7 @@ class OpenAIRoutes:
                                   self.state.tokenizer, params.stop,
                                   self.pieces if logprobs else None,
                                   params.skip_special_tokens, params.include_stop_str_in_output,
-                                  self._echo(params, handle.task.prompt_ids))
+                                  self._echo(params, handle.task.prompt_ids), params.line_limits)
                        for handle in handles]
         timing = asks_for_timing(request.headers.get(TIMING_HEADER), params.timing)
         reply = self._reply(fmt, generations, params, served, timing, span, in_thought)

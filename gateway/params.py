@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from core.config import GenerationDefaults
 from core.messages import Grammar
+from gateway.detokenizer import NO_LINE_LIMITS, LineLimits
 from gateway.errors import bad_request
 from gateway.protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
@@ -52,6 +53,7 @@ class GenerationParams:
     priority: int = 0  # vLLM's: lower is prefilled sooner
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     echo: bool = False  # completions: the text (and logprobs) start with the prompt's
+    line_limits: LineLimits = NO_LINE_LIMITS  # llama.cpp's n_indent and t_max_predict_ms
 
 
 def generation_params(req: ChatCompletionRequest | CompletionRequest,

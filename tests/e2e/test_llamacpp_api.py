@@ -142,3 +142,21 @@ def test_a_stream_left_early_frees_its_blocks(cluster: Cluster) -> None:
                 wait_for(cluster.decoding, 30, "the completion to decode")
                 break
     wait_for(cluster.idle, 5, "the decode worker to free the completion's blocks")
+
+
+def test_an_editor_s_line_limits_end_the_completion(cluster: Cluster) -> None:
+    """llama.vim's and llama.vscode's `n_indent` (a line less indented than the cursor ends
+    it) and `t_max_predict_ms` (past it, the line under way is the last)."""
+    code = "def fibonacci(n):\n    if n < 2:\n"
+    full = complete(cluster, prompt=code, n_predict=48)["content"]
+    first, second = full.split("\n")[:2]
+    indent = len(second) - len(second.lstrip(" "))
+    assert 0 < indent < len(second), full  # the model's second line, indented
+    cut = complete(cluster, prompt=code, n_predict=48, n_indent=indent + 1)
+    assert cut["content"] == f"{first}\n{' ' * indent}" and cut["stop_type"] == "limit"
+    kept = complete(cluster, prompt=code, n_predict=48, n_indent=indent)["content"]
+    assert kept.startswith(f"{first}\n{second}\n") and full.startswith(kept)
+    timed = complete(cluster, prompt=code, n_predict=48, t_max_predict_ms=1)
+    content = timed["content"]
+    assert full.startswith(content) and content.index("\n") == len(first)
+    assert content[len(first):].strip(" \t\n") == "" and timed["stop_type"] == "limit"

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.detokenizer import IncrementalDetokenizer, LineLimiter, LineLimits, StopStringMatcher
 
 CASES = 1000
 FFFD = "\ufffd"
@@ -241,3 +241,40 @@ def test_include_stop_keeps_the_stop_string_and_hit_names_it() -> None:
     plain = StopStringMatcher(("END", "STOP"))
     assert plain.feed("a STOP b END") == ("a ", True) and plain.hit == "STOP"
     assert StopStringMatcher(("x",)).hit is None
+
+
+def limited(limits: LineLimits, pieces: list[str]) -> str:
+    """The text a LineLimiter lets through of `pieces`, fed one at a time."""
+    limiter, kept = LineLimiter(limits), ""
+    for piece in pieces:
+        cut = limiter.feed(piece)
+        kept += piece if cut is None else piece[:cut]
+        if cut is not None:
+            break
+    return kept
+
+
+def test_a_line_less_indented_than_asked_ends_the_text_at_its_start() -> None:
+    body = ["    x = 1", "\n    ", "y = 2\n", "  ", "  z", " = 3\n", "w = 4\n"]
+    assert limited(LineLimits(min_indent=4), body) == "    x = 1\n    y = 2\n    z = 3\n"
+    assert limited(LineLimits(min_indent=5), body) == "    x = 1\n    "
+    assert limited(LineLimits(), body) == "".join(body)
+    # the first line is never measured; a blank line is less indented than any
+    assert limited(LineLimits(min_indent=2), ["x\n", "\n", "  y"]) == "x\n"
+    assert limited(LineLimits(min_indent=2), ["x\n\t\ty\n", "z"]) == "x\n\t\ty\n"
+
+
+def test_a_time_limit_ends_the_text_once_it_holds_a_new_line() -> None:
+    now = [0.0]
+    limiter = LineLimiter(LineLimits(after_s=2.5), lambda: now[0])
+    assert limiter.feed("a") is None  # its clock starts at the first text
+    now[0] = 3.0
+    assert limiter.feed("b") is None  # past the limit, but no new line yet
+    assert limiter.feed("c\nd") == 3  # a new line: this text is the last, whole
+    now[0] = 10.0
+    limiter = LineLimiter(LineLimits(after_s=2.5), lambda: now[0])
+    assert limiter.feed("a\n") is None
+    now[0] = 12.0
+    assert limiter.feed("b") is None
+    now[0] = 12.6
+    assert limiter.feed("c") == 1
