@@ -11,8 +11,10 @@ plain text. Markers written in the code itself stay text: only the layout's are 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class FillTokens:
     repository: int | None  # starts the repository's name, before its files
     endings: tuple[int, ...]  # stop a middle (the model's end of text stops it anyway)
     start: tuple[int, ...]  # what the tokenizer puts before any text (BOS), or nothing
+    names: tuple[str, ...]  # of every token above: in the code, they are text
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +70,12 @@ def fill_tokens(tokenizer: PreTrainedTokenizerBase) -> FillTokens | None:
         return None
     prefix, suffix, middle = (vocabulary[name] for name in found[0])
     separator = _first_of(_FILE_SEPARATORS, vocabulary)
-    endings = [vocabulary[name] for name in (*_ENDINGS, *_FILE_SEPARATORS, *_REPOSITORY)
-               if name in vocabulary]
+    others = [name for name in (*_ENDINGS, *_FILE_SEPARATORS, *_REPOSITORY)
+              if name in vocabulary]
     return FillTokens(prefix, suffix, middle, separator,
                       _first_of(_REPOSITORY, vocabulary) if separator is not None else None,
-                      tuple(endings), _start_tokens(tokenizer))
+                      tuple(vocabulary[name] for name in others), _start_tokens(tokenizer),
+                      (*found[0], *others))
 
 
 def fill_prompt(tokenizer: PreTrainedTokenizerBase, fill: FillTokens, gap: Gap,
@@ -79,7 +83,7 @@ def fill_prompt(tokenizer: PreTrainedTokenizerBase, fill: FillTokens, gap: Gap,
     """The prompt's token ids. `room`: the most it may take, met by leaving out the other
     files (the first given first), then the prefix's start and the suffix's end (the prefix
     keeps at least three quarters of what is left); None: all of it, however long."""
-    encode = _encoder(tokenizer)
+    encode = _encoder(tokenizer, fill.names)
     prefix, suffix = encode(gap.prefix), encode(gap.suffix)
     files = [_file(encode, fill, path, text) for path, text in gap.files]
     opening, closing = _repository_frame(encode, fill)
@@ -111,10 +115,19 @@ def _start_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     return tuple(marked[:lead]) if lead > 0 and marked[lead:] == plain else ()
 
 
-def _encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int]]:
+def _encoder(tokenizer: PreTrainedTokenizerBase, names: Sequence[str]
+             ) -> Callable[[str], list[int]]:
+    """Token ids of a text in which special tokens, and the layout's tokens (which a model may
+    ship as plain added tokens: Qwen2.5-Coder's are), are text: each of the latter is cut in
+    two, and its halves encoded apart, so that it never becomes its token."""
+    layout = re.compile("|".join(map(re.escape, names)))
+
     def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False,
-                                     split_special_tokens=True)) if text else []
+        cuts = [0, *(found.start() + len(found.group()) // 2 for found in layout.finditer(text)),
+                len(text)]
+        return [token for start, end in pairwise(cuts) if end > start
+                for token in tokenizer.encode(text[start:end], add_special_tokens=False,
+                                              split_special_tokens=True)]
     return encode
 
 

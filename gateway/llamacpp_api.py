@@ -55,7 +55,7 @@ class LlamaCppRoutes:
         texts = [prompt if isinstance(prompt, str) else await self.routes.tokenize_with(
             decode_text, ids) for prompt, ids in zip(body.prompt, prompts, strict=True)]
         ask = LlamaAsk(tuple(texts), self._settings(params, body), bool(body.n_probs),
-                       body.return_tokens)
+                       body.return_tokens, prompt_only=body.predict == 0)
         return await self.routes.serve(request, CompletionFormat(), prompts, params,
                                        Served(model, arrived, llamacpp=ask))
 
@@ -75,7 +75,7 @@ class LlamaCppRoutes:
         prompt_ids = await self.routes.fill_prompt_ids(body.gap, context - reserved)
         text = await self.routes.tokenize_with(decode_text, prompt_ids)
         ask = LlamaAsk((text,), self._settings(params, body), bool(body.n_probs),
-                       body.return_tokens, route="infill")
+                       body.return_tokens, route="infill", prompt_only=body.predict == 0)
         return await self.routes.serve(request, CompletionFormat(), [prompt_ids], params,
                                        Served(model, arrived, llamacpp=ask))
 
@@ -86,7 +86,7 @@ class LlamaCppRoutes:
         completion = body.completion_request(await self._bias(body))
         params = dataclasses.replace(generation_params(completion, self.state.generation_defaults),
                                      line_limits=body.line_limits)
-        if body.predict is None:
+        if not body.predict:  # up to the cap, or the prompt alone
             return params
         return dataclasses.replace(params, default_max_tokens=body.predict)
 

@@ -28,6 +28,7 @@ class LlamaAsk:
     probabilities: bool  # n_probs > 0: each token's logprob and the likeliest there
     return_tokens: bool = False  # the whole reply shows its token ids
     route: str = "completion"  # or "infill"
+    prompt_only: bool = False  # n_predict 0: the prompt evaluated, nothing shown
 
 
 class LlamaCppReply(Reply):
@@ -58,9 +59,10 @@ class LlamaCppReply(Reply):
                 self.outcome = "error"
                 yield _data(self.error_body(delta.error))
                 return
-            self.texts[index] += delta.text
-            if delta.text or delta.logprobs:
-                yield _data(self._piece(index, delta.text, delta.token_ids, delta.logprobs))
+            text = "" if self.ask.prompt_only else delta.text
+            self.texts[index] += text
+            if text or delta.logprobs:
+                yield _data(self._piece(index, text, delta.token_ids, delta.logprobs))
             if delta.finish_reason is not None:
                 self.endings[index] = (delta.finish_reason, delta.stop_reason)
                 yield _data(self._summary(index, "", ()))
@@ -70,7 +72,7 @@ class LlamaCppReply(Reply):
         summaries = []
         for index, whole in enumerate(wholes):
             assert whole.finish_reason is not None
-            self.texts[index] = "".join(whole.parts)
+            self.texts[index] = "" if self.ask.prompt_only else "".join(whole.parts)
             self.endings[index] = (whole.finish_reason, whole.stop_reason)
             summaries.append(self._summary(
                 index, self.texts[index], whole.token_ids if self.ask.return_tokens else (),

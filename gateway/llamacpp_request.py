@@ -2,7 +2,8 @@
 /v1/completions requests.
 
 llama.cpp's names map onto the OpenAI and vLLM fields the gateway already serves: `n_predict`
-(or `max_tokens`; -1: the cap) caps the length, and stops at the context as llama.cpp does,
+(or `max_tokens`; -1: the cap; 0: the prompt alone) caps the length, and stops at the context
+as llama.cpp does,
 where /v1/completions would refuse; a temperature at or below 0 is greedy; `n_probs` is
 logprobs, `grammar` (GBNF) and
 `json_schema` are structured output, `seed` -1 draws a fresh one, `logit_bias` comes in any of
@@ -85,17 +86,11 @@ class LlamaCompletionRequest(RequestModel):
             _bias_pair(key, bias)
         return value
 
-    @field_validator("n_predict", "max_tokens")
-    @classmethod
-    def _something_to_predict(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise invalid_value("must be -1 (up to the cap) or at least 1")
-        return value
-
     @property
     def predict(self) -> int | None:
         """The most tokens to make: `n_predict`, else `max_tokens` (as llama.cpp reads them);
-        None for -1 or neither, up to the cap."""
+        None for -1 or neither, up to the cap; 0: none, the prompt only evaluated (as editors
+        warm llama.cpp's cache)."""
         most = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if most is None or most < 0 else most
 
@@ -117,13 +112,16 @@ class LlamaCompletionRequest(RequestModel):
             "prompt": self.prompt, "stream": self.stream, "ignore_eos": self.ignore_eos,
             "temperature": None if self.temperature is None else max(self.temperature, 0.0),
             "seed": None if self.seed < 0 else self.seed,
-            "logprobs": self.n_probs or None, "stop": self.stop,
+            "logprobs": (self.n_probs or None) if self.predict != 0 else None, "stop": self.stop,
             "logit_bias": {str(token): value for token, value in bias.items()} or None,
             "guided_grammar": self.grammar, "guided_json": self.json_schema}
         for name in ("top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty"):
             fields[name] = getattr(self, name)
         given = {name: value for name, value in fields.items() if value is not None}
+        if self.predict == 0:  # the prompt alone, as /v1/completions computes it for echo
+            return completion_request_of({**given, "max_tokens": 0, "echo": True},
+                                         _NATIVE_NAMES)
         return completion_request_of({**given, "max_tokens": None}, _NATIVE_NAMES)
 
 
@@ -136,6 +134,7 @@ class InfillFile(RequestModel):
 
     filename: str = Field(default="tmp", max_length=4096)
     text: str = ""
+    time: float | None = None  # llama.vim's: when it took the text; nothing here
 
 
 class LlamaInfillRequest(LlamaCompletionRequest):

@@ -246,9 +246,9 @@ class OllamaGenerateRequest(_Generating):
     def _raw_alone(self) -> OllamaGenerateRequest:
         if self.raw and (self.system or self.context):
             raise invalid_value("raw mode does not support template, system, or context")
-        if self.suffix and (self.raw or self.system or self.context):
-            raise invalid_value("a suffix (fill in the middle) takes the prompt alone: not "
-                                "with raw, system or context")
+        if self.suffix and self.raw:  # Ollama's raw would drop it: a request can't mean both
+            raise invalid_value("raw mode does not support suffix: the prompt would be sent "
+                                "as it is, and the suffix lost")
         return self
 
     def chat_request(self) -> ChatCompletionRequest:

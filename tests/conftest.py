@@ -235,10 +235,11 @@ FILL_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|
 @pytest.fixture(scope="session")
 def tiny_coder_dir(make_tiny_model: Callable[..., Path], real_model_dir: Path) -> Path:
     """The tiny Llama as a code model: Qwen2.5-Coder's fill-in-the-middle tokens added to the
-    real tokenizer (as its vocabulary's last ids), with rows of their own."""
+    real tokenizer (as its vocabulary's last ids; not special, as it ships them), with rows of
+    their own."""
     folder = make_tiny_model(vocab_size=TINY_CONFIG["vocab_size"] + len(FILL_TOKENS))
     tokenizer = load_tokenizer(real_model_dir)
-    assert tokenizer.add_tokens(list(FILL_TOKENS), special_tokens=True) == len(FILL_TOKENS)
+    assert tokenizer.add_tokens(list(FILL_TOKENS), special_tokens=False) == len(FILL_TOKENS)
     tokenizer.save_pretrained(folder)
     return folder
 

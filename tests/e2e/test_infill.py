@@ -118,6 +118,9 @@ def test_llama_cpp_s_infill_fills_the_gap_after_the_project_s_files(
     body = reply.json()
     assert body["tokens_evaluated"] == len(prompt)
     assert body["tokens"] == middle(prompt)
+    warmed = cluster.client.post("/infill", json={"input_prefix": PREFIX, "n_predict": 0})
+    assert warmed.status_code == 200, warmed.text  # an editor's cache warm-up
+    assert (warmed.json()["content"], warmed.json()["tokens_predicted"]) == ("", 0)
 
 
 def test_a_file_separator_ends_the_middle(cluster: Cluster,

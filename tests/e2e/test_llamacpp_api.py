@@ -126,8 +126,21 @@ def test_props_tell_the_context_slots_and_template(cluster: Cluster) -> None:
     assert props["modalities"] == {"vision": False, "audio": False}
 
 
+def test_n_predict_0_evaluates_the_prompt_alone(cluster: Cluster) -> None:
+    """As llama.vim and llama.vscode warm llama.cpp's cache: nothing made, nothing shown."""
+    for stream in (False, True):
+        pieces = streamed(cluster, n_predict=0) if stream else [complete(cluster, n_predict=0,
+                                                                           n_probs=2)]
+        assert "".join(piece["content"] for piece in pieces) == ""
+        last = pieces[-1]
+        assert (last["stop"], last["stop_type"], last["tokens_predicted"]) == (True, "limit", 0)
+        assert last["tokens_evaluated"] == len(cluster.client.post(
+            "/tokenize", json={"content": PROMPT}).json()["tokens"])
+        assert last.get("completion_probabilities", []) == []
+
+
 def test_a_bad_body_is_a_400_and_an_unknown_model_a_404(cluster: Cluster) -> None:
-    reply = cluster.client.post("/completion", json={"prompt": PROMPT, "n_predict": 0})
+    reply = cluster.client.post("/completion", json={"prompt": PROMPT, "n_predict": -2})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "n_predict"
     missing = cluster.client.post("/completion", json={"prompt": PROMPT, "model": "gpt-4o"})
     assert missing.status_code == 404
@@ -136,12 +149,15 @@ def test_a_bad_body_is_a_400_and_an_unknown_model_a_404(cluster: Cluster) -> Non
 def test_a_stream_left_early_frees_its_blocks(cluster: Cluster) -> None:
     body = {"prompt": "Tell me a long story.", "n_predict": 4000, "ignore_eos": True,
             "stream": True}
+    made_before = cluster.metric("raging_generation_tokens_total")
     with httpx.stream("POST", f"{cluster.url}/completion", json=body, timeout=120) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
                 wait_for(cluster.decoding, 30, "the completion to decode")
                 break
     wait_for(cluster.idle, 5, "the decode worker to free the completion's blocks")
+    # cut short, not run to the end of the context
+    assert cluster.metric("raging_generation_tokens_total") - made_before < CLUSTER_CONTEXT / 2
 
 
 def test_an_editor_s_line_limits_end_the_completion(cluster: Cluster) -> None:

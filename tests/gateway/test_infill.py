@@ -36,10 +36,10 @@ def plain(real_model_dir: Path) -> PreTrainedTokenizerBase:
     return load_tokenizer(real_model_dir)
 
 
-def with_tokens(tokenizer: PreTrainedTokenizerBase,
-                names: tuple[str, ...]) -> PreTrainedTokenizerBase:
+def with_tokens(tokenizer: PreTrainedTokenizerBase, names: tuple[str, ...],
+                special: bool = True) -> PreTrainedTokenizerBase:
     added = copy.deepcopy(tokenizer)
-    assert added.add_tokens(list(names), special_tokens=True) == len(names)
+    assert added.add_tokens(list(names), special_tokens=special) == len(names)
     return added
 
 
@@ -98,7 +98,7 @@ def test_other_files_come_as_plain_text_where_it_learned_none(
         plain: PreTrainedTokenizerBase) -> None:
     tokenizer = with_tokens(plain, FAMILIES["deepseek-coder"])
     fill = markers(tokenizer)
-    fill = FillTokens(fill.prefix, fill.suffix, fill.middle, None, None, (), ())
+    fill = FillTokens(fill.prefix, fill.suffix, fill.middle, None, None, (), (), fill.names)
     gap = Gap("x = ", "", (("a.py", "A = 1"),))
     assert tokenizer.decode(fill_prompt(tokenizer, fill, gap)) == \
         "--- a.py ---\nA = 1\n\n<｜fim▁begin｜>x = <｜fim▁hole｜><｜fim▁end｜>"  # noqa: RUF001
@@ -137,8 +137,10 @@ def test_what_does_not_fit_leaves_the_files_then_the_far_ends(
     assert len(short) == 103  # the suffix takes what the prefix leaves
 
 
-def test_markers_written_in_the_code_stay_text(plain: PreTrainedTokenizerBase) -> None:
-    tokenizer = with_tokens(plain, QWEN_CODER)
+@pytest.mark.parametrize("special", [True, False], ids=["special", "plain-as-qwen-ships-them"])
+def test_markers_written_in_the_code_stay_text(plain: PreTrainedTokenizerBase,
+                                               special: bool) -> None:
+    tokenizer = with_tokens(plain, QWEN_CODER, special)
     fill = markers(tokenizer)
     code = 'MIDDLE = "<|fim_middle|>"  # <|file_sep|> <|im_end|>\n'
     prompt = fill_prompt(tokenizer, fill, Gap(code, code, (("<|file_sep|>.py", code),)))

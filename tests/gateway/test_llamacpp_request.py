@@ -90,8 +90,6 @@ def test_every_logit_bias_shape_is_read(bias: Any, entries: list[tuple[int | str
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n_predict": 0}, "n_predict"),
-    ({"max_tokens": 0}, "max_tokens"),
     ({"n_predict": -2}, "n_predict"),
     ({"seed": -2}, "seed"),
     ({"logit_bias": [[15043, True]]}, "logit_bias"),
