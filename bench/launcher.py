@@ -114,7 +114,7 @@ def wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: floa
         if launcher.poll() is not None:
             raise RuntimeError(f"launch.sh exited ({launcher.returncode}); its log ends:\n"
                                f"{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.3)
+        time.sleep(0.1)
     raise TimeoutError(f"server not ready in {timeout_s:g}s; see {log}")
 
 

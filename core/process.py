@@ -3,6 +3,7 @@ then the worker each role builds (`python -m prefill`, `python -m decode`) and i
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 from core.cli import ConfigParser
@@ -30,6 +31,9 @@ def worker_main(role: Role, build: Build) -> None:
     except ValueError as exc:  # a CPU list that is malformed or not this machine's
         raise SystemExit(f"{args.worker_id}: {exc}") from None
     worker = build(args.worker_id, config)
+    # What start-up made (torch's, the tokenizer's, the model's objects) lives as long as the
+    # process: frozen, no collection walks it again, while serving nor at exit (~1.5 s).
+    gc.freeze()
     try:
         worker.run()
     except RegistrationRefused as exc:

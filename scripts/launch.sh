@@ -220,13 +220,13 @@ device_args() {  # device_args INDEX: where worker INDEX (over both pools) runs,
 
 PIDS=()
 stop_all() {
-  local rc="${1:-$?}" signal=TERM tries=50
+  local rc="${1:-$?}" signal=TERM tries=200
   trap '' INT TERM  # a second Ctrl-C must not cut the clean-up short and orphan processes
   trap - EXIT
   [[ ${#PIDS[@]} -gt 0 ]] || exit "$rc"
   if [[ -n "$JOIN" && $rc == 143 ]]; then  # SIGTERM to joined workers: they drain, then leave
     echo "[launch] draining ${#PIDS[@]} workers"
-    tries=1500  # 5 minutes; each leaves by itself within its drain timeout
+    tries=6000  # 5 minutes; each leaves by itself within its drain timeout
   else  # Ctrl-C, or the gateway goes too: workers stop at once, their requests resume elsewhere
     echo "[launch] stopping ${#PIDS[@]} processes"
     signal=INT
@@ -234,7 +234,7 @@ stop_all() {
   kill -"$signal" "${PIDS[@]}" 2>/dev/null || true
   for _ in $(seq "$tries"); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [[ $alive == 0 ]] && break; sleep 0.2
+    [[ $alive == 0 ]] && break; sleep 0.05
   done
   kill -KILL "${PIDS[@]}" 2>/dev/null || true
   wait 2>/dev/null || true
@@ -342,7 +342,7 @@ until answers; do
       exit 1
     fi
   done
-  sleep 0.5
+  sleep 0.2
 done
 echo "[launch] ready: $URL (OpenAI API at $URL/v1); Ctrl-C stops everything"
 if [[ -n "$AUTOSCALE" ]]; then  # workers it starts join like any other, on this host's CPUs

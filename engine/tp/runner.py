@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import gc
 import json
 import logging
 import os
@@ -197,6 +198,7 @@ def serve_rank(plan: RankPlan, rank: int) -> None:
     group = RankGroup(Path(plan.store), rank, plan.size)
     model, _, local = load_rank(plan, rank, group)
     return_freed_memory()
+    gc.freeze()  # start-up's objects, kept for good: no collection walks them (core/process.py)
     group.all_reduce(torch.zeros(1))
     while (batch := group.receive_batch()) is not None:
         model.forward(batch, local)

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from core.config import QuantInputs
-from engine.kernels.cpu.build import chosen_isa, kernels_digest
+from engine.kernels.cpu.build import chosen_isa
+from engine.kernels.cpu.sources import kernels_digest
 from engine.kernels.isa import cpu_flags
 from engine.weights.files import QUANT_ROWS_FILE
 

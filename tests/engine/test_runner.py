@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from core.config import DecodeConfig, ModelConfig, SimConfig
-from engine.__main__ import thread_counts
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner, load_runner, set_threads
 from engine.sim.runner import SimRunner
@@ -113,12 +112,6 @@ def test_threads_zero_is_one_per_cpu_the_worker_may_run_on(tiny_model_dir: Path)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
-
-
-def test_preparation_measures_each_thread_count_a_worker_may_run_with() -> None:
-    cpus = len(os.sched_getaffinity(0))
-    assert thread_counts(DecodeConfig(threads=3)) == (3,)
-    assert thread_counts(DecodeConfig(threads=0)) == (1, cpus)
 
 
 def test_a_simulated_model_gets_a_sim_runner_with_its_settings(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ The same sources are built once per instruction-set level (engine.kernels.isa: g
 avx512, avx512_bf16, amx), each with that level's compiler flags and never `-march=native`, so
 a build made on one CPU cannot run an instruction another lacks. A process uses one level:
 the highest its CPU runs, or the one `engine.isa` names (`use_isa`). Each build lives in a
-folder named by the level and a digest of the sources, compiler, torch and flags, so checkouts,
-CPUs and compilers never rebuild over each other (about 30-60 s each, under
+folder named by the level and a digest of the sources, compiler, torch (where it is installed
+too), Python and flags, so checkouts, virtual environments, CPUs and compilers never rebuild
+over each other (about 30-60 s each, under
 ~/.cache/torch_extensions or TORCH_EXTENSIONS_DIR). Where a build fails, every caller falls
 back to torch's own ops, and `build_problem` says why.
 """
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -26,15 +28,19 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils.cpp_extension import get_default_build_root, load
+from torch.utils.cpp_extension import get_default_build_root, include_paths, library_paths, load
 
+from engine.kernels.cpu.sources import (
+    CSRC,
+    HEADERS,
+    SOURCES,
+    compiler,
+    compiler_version,
+    kernels_digest,
+)
 from engine.kernels.isa import IsaLevel, cpu_flags, resolve_isa
 
 log = logging.getLogger(__name__)
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("module.cpp", "quant_linear.cpp", "quant_int8.cpp", "paged_decode.cpp",
-            "paged_prefill.cpp", "pointwise.cpp")
-_HEADERS = ("lanes.h", "quant_format.h", "tensor.h")
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what every kernel reads and writes
 
@@ -87,11 +93,7 @@ def kernels_at(level: IsaLevel) -> tuple[ModuleType | None, str | None]:
 
 def has_compiler() -> bool:
     """Whether the C++ compiler torch builds extensions with is on this machine."""
-    return shutil.which(_compiler()) is not None
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
+    return shutil.which(compiler()) is not None
 
 
 def _build(level: IsaLevel) -> ModuleType:
@@ -114,33 +116,22 @@ def _copy_sources(into: Path) -> list[Path]:
     """The sources copied into the build folder: ninja's commands name them, so every checkout
     builds from the same paths and finds the others' build up to date."""
     into.mkdir(exist_ok=True)
-    for name in (*_SOURCES, *_HEADERS):
-        text = (_CSRC / name).read_bytes()
+    for name in (*SOURCES, *HEADERS):
+        text = (CSRC / name).read_bytes()
         target = into / name
         if not target.exists() or target.read_bytes() != text:
             target.write_bytes(text)
-    return [into / name for name in _SOURCES]
+    return [into / name for name in SOURCES]
 
-
-@cache
-def kernels_digest() -> str:
-    """A digest of every kernel source and header: it changes whenever the kernels may."""
-    return hashlib.sha256(b"".join((_CSRC / name).read_bytes()
-                                   for name in (*_SOURCES, *_HEADERS))).hexdigest()[:16]
-
-
-@cache
-def _compiler_version() -> str:
-    try:
-        return subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
-                              check=True).stdout.splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return "unknown"
 
 
 def build_digest(flags: list[str]) -> str:
-    """What a build depends on: the sources, the compiler, torch and the flags."""
-    text = "|".join((kernels_digest(), _compiler_version(), torch.__version__, *flags))
+    """What a build depends on: the sources, the compiler, torch (its version, and where its
+    headers and libraries are: a build's commands name them, and two virtual environments
+    sharing one folder would each find the other's build stale), Python's headers and the
+    flags."""
+    text = "|".join((kernels_digest(), compiler_version(), torch.__version__, *include_paths(),
+                     *library_paths(), sysconfig.get_paths()["include"], *flags))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

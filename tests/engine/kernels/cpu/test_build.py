@@ -4,13 +4,17 @@ kernels apply."""
 
 from __future__ import annotations
 
+import re
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.cpp_extension import include_paths, library_paths
 
+from engine.kernels.cpu import build
 from engine.kernels.cpu.build import build_digest, chosen_isa, kernels, kernels_at, kernels_for
 from engine.kernels.isa import LEVELS
 from engine.model.rope import rotate
@@ -60,6 +64,20 @@ def test_the_build_digest_changes_with_the_flags() -> None:
     digests = {build_digest(list(level.cflags)) for level in LEVELS}
     assert len(digests) == len(LEVELS)
     assert build_digest(["-mavx2"]) == build_digest(["-mavx2"])
+
+
+def test_the_build_digest_covers_every_path_the_build_names(
+        cpu_kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two virtual environments' torch lie in different folders, which a build's commands
+    name: sharing one build folder, each would rebuild over the other (~30 s a start)."""
+    assert cpu_kernels.__file__ is not None
+    ninja = (Path(cpu_kernels.__file__).parent / "build.ninja").read_text()
+    named = re.findall(r"-isystem (\S+)", ninja) + re.findall(r" -L(\S+)", ninja)
+    assert sorted(named) == sorted([*include_paths(), *library_paths(),
+                                    sysconfig.get_paths()["include"]])
+    here = build_digest(["-mavx2"])
+    monkeypatch.setattr(build, "include_paths", lambda: ["/other/.venv/torch/include"])
+    assert build_digest(["-mavx2"]) != here
 
 
 @DTYPES
