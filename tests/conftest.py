@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import xgrammar as xgr
 import zmq
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -18,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.kernels.cpu.build import build_problem, chosen_isa, has_compiler, kernels, use_isa
 from engine.kernels.isa import cpu_flags, runnable_levels
 from engine.locate import resolve_model
+from engine.sampling.grammar import Grammars
 from engine.weights.files import EMBED
 from engine.weights.quant_blocks import dequantize, quantize, write_quant_blocks
 from engine.weights.tokenizer import load_tokenizer
@@ -54,6 +58,30 @@ def same_cpus_and_threads() -> Iterator[None]:
     yield
     assert os.sched_getaffinity(0) == cpus, "the test left this process on other CPUs"
     assert torch.get_num_threads() == threads, "the test left torch on other threads"
+
+
+_GRAMMAR_TABLES: dict[tuple[str, int], Any] = {}
+
+
+@pytest.fixture
+def shared_grammar_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers made in this process, dozens a module, build their grammar tables once per
+    tokenizer and vocabulary (a worker process builds them once in its life anyway; each
+    build holds the GIL ~0.6 s), each with a compiler of its own."""
+    build = Grammars._build_tables
+
+    def shared(grammars: Grammars) -> Any:
+        tokenizer = Path(grammars.model_dir) / "tokenizer.json"
+        if not tokenizer.exists():
+            return build(grammars)
+        key = (hashlib.sha256(tokenizer.read_bytes()).hexdigest(), grammars.vocab_size)
+        if key not in _GRAMMAR_TABLES:
+            _GRAMMAR_TABLES[key] = build(grammars)
+        tables = _GRAMMAR_TABLES[key]
+        return dataclasses.replace(tables, compiler=xgr.GrammarCompiler(
+            tables.tokenizer_info, max_threads=1, cache_enabled=False))
+
+    monkeypatch.setattr(Grammars, "_build_tables", shared)
 
 
 DEFAULT_FUZZ_EXAMPLES = 1500

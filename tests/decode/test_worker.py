@@ -53,6 +53,8 @@ GREEDY = Sampling(temperature=0.0)
 WAIT_S = 5.0
 Served = tuple[DecodeWorker, zmq.Socket]  # the worker, and the ROUTER standing in for the gateway
 
+pytestmark = pytest.mark.usefixtures("shared_grammar_tables")
+
 
 @contextmanager
 def serving(model_dir: Path, folder: Path, chunk_tokens: int = 512,

@@ -45,6 +45,8 @@ LAYERS = 6
 WAIT_S = 5.0
 GRAMMAR_WAIT_S = 120.0  # the vocabulary tables, on a loaded machine
 
+pytestmark = pytest.mark.usefixtures("shared_grammar_tables")
+
 
 @pytest.fixture
 def setup(make_tiny_model: Callable[..., Path], tmp_path: Path,
