@@ -1,6 +1,7 @@
 """`python -m autoscaler --url URL --control ADDR --keys DIR --bounds MIN:MAX --base P:D ...`:
-the pools of one host sized by the gateway's wishes (autoscaler/pools.py). launch.sh
---autoscale starts it; arguments after `--` go to each worker's launch.sh --join."""
+the pools of one host sized by the gateway's wishes (autoscaler/pools.py), read every
+`autoscale.poll_s`. launch.sh --autoscale starts it; arguments after `--` (the cluster's
+--config and --set among them) go to each worker's launch.sh --join."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from autoscaler.pools import Bounds, PoolScaler, join_command, run
-from core.config import Role
+from core.cli import ConfigParser
+from core.config import Config, Role
 from core.logs import setup_logging
 from gateway.auth import KeysError, parse_key_spec, read_keys_file
 
@@ -31,6 +33,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, KeysError) as exc:
         print(f"autoscaler: {exc}", file=sys.stderr)
         return 2
+    poll_s = _cluster_config(extra).autoscale.poll_s
     prefill, decode = (int(n) for n in args.base.split(":"))
     run_dir = Path(args.run_dir)
 
@@ -46,9 +49,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     scaler = PoolScaler(bounds, {"prefill": prefill, "decode": decode}, start)
-    log.info("sizing the pools between %d and %d workers from %s", bounds.least, bounds.most,
-             args.url)
-    run(scaler, lambda: _metrics(args.url, key), args.every_s, lambda: stop["now"])
+    log.info("sizing the pools between %d and %d workers from %s, every %g s", bounds.least,
+             bounds.most, args.url, poll_s)
+    run(scaler, lambda: _metrics(args.url, key), poll_s, lambda: stop["now"])
     return 0
 
 
@@ -60,10 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bounds", required=True, help="MIN:MAX workers a pool")
     parser.add_argument("--base", required=True, help="PREFILL:DECODE workers launch.sh runs")
     parser.add_argument("--run-dir", required=True, help="where each started worker logs")
-    parser.add_argument("--every-s", type=float, default=2.0)
     parser.add_argument("--api-key", action="append", default=[])
     parser.add_argument("--api-key-file", default="")
     return parser
+
+
+def _cluster_config(join_args: list[str]) -> Config:
+    """The config the workers it starts are given (their --config and --set)."""
+    parser = ConfigParser("python -m autoscaler", "the cluster's config")
+    known, _ = parser.parse_known_args(join_args)
+    return parser.config(known)
 
 
 def _api_key(specs: list[str], path: str) -> str | None:

@@ -361,13 +361,15 @@ class AutoscaleConfig:
                                                  "decode worker should fill at most")
     scale_down_s: float = setting(60.0, "a pool shrinks, one worker at a time, only after "
                                         "wanting fewer this long")
+    poll_s: float = setting(2.0, "how often launch.sh --autoscale reads the counts the pools "
+                                 "want")
 
     def __post_init__(self) -> None:
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0 and self.prefill_queue_tokens > 0
                 and 0 < self.decode_kv_fraction <= 1 and 0 < self.decode_batch_fraction <= 1
-                and self.scale_down_s >= 0):
-            raise ValueError("autoscale: SLOs and prefill_queue_tokens > 0, fractions in (0, 1], "
-                             "scale_down_s >= 0")
+                and self.scale_down_s >= 0 and self.poll_s > 0):
+            raise ValueError("autoscale: SLOs, prefill_queue_tokens and poll_s > 0, fractions "
+                             "in (0, 1], scale_down_s >= 0")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,13 @@ def joined(run_dir: Path, model: Path, config: Path, control: str, keys: Path, p
             stop(process, run_dir)
 
 
+@pytest.fixture(scope="module")
+def greedy(tokenizer: PreTrainedTokenizerBase, reference: Callable[[list[int], int], list[int]]
+           ) -> dict[str, list[int]]:
+    """Each prompt's greedy continuation, LONG tokens (a shorter one is its start)."""
+    return {p: reference(tokenizer.encode(p), LONG) for p in PROMPTS}
+
+
 def pools(cluster: Cluster) -> tuple[int, int]:
     health = httpx.get(cluster.url + "/health", timeout=5).json()
     return health["prefill"], health["decode"]
@@ -84,11 +91,10 @@ def queued(worker: dict[str, Any]) -> int:
 
 def test_a_live_cluster_scales_up_and_down_under_64_streams(
         tiny_model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
-        reference: Callable[[list[int], int], list[int]]) -> None:
+        greedy: dict[str, list[int]]) -> None:
     keys, control = tmp_path / "keys", f"tcp://127.0.0.1:{free_port()}"
     flags = ["--control", control, "--keys", str(keys), "--api-key", API_KEY]
-    expected = {(p, n): decode_text(tokenizer, reference(tokenizer.encode(p), n),
-                                    skip_special_tokens=True)
+    expected = {(p, n): decode_text(tokenizer, greedy[p][:n], skip_special_tokens=True)
                 for p in PROMPTS for n in (SHORT, LONG)}
     with launch(tmp_path / "base", tiny_model_dir, 1, 1, CONFIG, flags=flags,
                 api_key=API_KEY) as cluster, ThreadPoolExecutor(64) as pool:
@@ -162,17 +168,17 @@ def test_a_sigterm_drains_an_idle_worker_and_its_pool_shrinks(tiny_model_dir: Pa
         assert "drained in" in cluster.log("decode-1")
 
 
-# Two sequences a decode worker before it wants another; back down 2 s after the load ends.
+# Two sequences a decode worker before it wants another; back down 2 s after the load ends;
+# the wish read every 0.5 s.
 AUTOSCALE_CONFIG: dict[str, Any] = {
     **CONFIG, "autoscale": {"decode_batch_fraction": 0.5, "scale_down_s": 2.0,
-                            "tpot_slo_ms": 60000.0, "ttft_slo_ms": 60000.0}}
+                            "tpot_slo_ms": 60000.0, "ttft_slo_ms": 60000.0, "poll_s": 0.5}}
 
 
 def test_autoscale_grows_the_decode_pool_under_load_and_drains_it_after(
         tiny_model_dir: Path, tmp_path: Path, tokenizer: PreTrainedTokenizerBase,
-        reference: Callable[[list[int], int], list[int]]) -> None:
-    expected = {p: decode_text(tokenizer, reference(tokenizer.encode(p), LONG),
-                               skip_special_tokens=True) for p in PROMPTS}
+        greedy: dict[str, list[int]]) -> None:
+    expected = {p: decode_text(tokenizer, greedy[p], skip_special_tokens=True) for p in PROMPTS}
     with launch(tmp_path, tiny_model_dir, 1, 1, AUTOSCALE_CONFIG,
                 flags=["--autoscale", "1:3"]) as cluster, ThreadPoolExecutor(8) as pool:
         done: list[tuple[str, dict[str, Any]]] = []
@@ -196,6 +202,7 @@ def test_autoscale_grows_the_decode_pool_under_load_and_drains_it_after(
     # 1 -> 3 -> 1: two started and two drained at least; on a loaded machine a lull between
     # streams may drain one early and start it again (scale_down_s is 2 s here), never more
     # drained than started.
+    assert "workers from http://127.0.0.1:" in log and ", every 0.5 s" in log
     started = log.count("decode pool: started a worker")
     assert started >= 2 and log.count("decode pool: draining a worker") == started
     assert done and all(r["errors"] == [] and r["done"] for _, r in done)

@@ -103,11 +103,11 @@ def test_a_killed_decode_workers_streams_finish_right_elsewhere(cluster: Cluster
 
 def test_a_prefill_worker_killed_mid_hand_off_leaves_decode_clean_and_its_requests_right(
         tmp_path: Path) -> None:
-    """Prefill slowed (time_scale 50: a 256-token chunk takes ~3 s, its KV streamed layer by
+    """Prefill slowed (time_scale 25: a prompt's step takes ~4 s, its KV streamed layer by
     layer) and killed while decode holds part of a prompt's KV: decode drops it (nothing in
     transfer, no block, no lease run out), lives on, and each request is served again on the
     other prefill worker, still the predicted stream."""
-    config = {**CONFIG, "sim": {**CONFIG["sim"], "time_scale": 50.0}}
+    config = {**CONFIG, "sim": {**CONFIG["sim"], "time_scale": 25.0}}
     requests = sim_requests(2, 3, seed=13, prompt_lens=(600, 700))
     with launch(tmp_path, "sim", prefill=2, decode=1, config=config) as cluster:
         decode_pid = cluster.pids()["decode-0"]
@@ -208,6 +208,7 @@ def test_clients_that_leave_between_first_token_and_decode_admission_leave_nothi
     the long stream, and one after, are the predicted ones."""
     config = {**CONFIG, "decode": {**CONFIG["decode"], "max_running": 1}}
     long_stream, after = sim_requests(2, 1500, seed=31, prompt_lens=(16, 16))
+    after = SimRequest(after.prompt, 100)
     leaving = sim_requests(200, 8, seed=32, prompt_lens=(8, 24))
     with launch(tmp_path, "sim", config=config) as cluster:
         def at_decode() -> float:
@@ -242,3 +243,5 @@ def test_clients_that_leave_between_first_token_and_decode_admission_leave_nothi
         assert not cluster.metric("raging_kv_leases_expired", 'worker="prefill-0"')
         [served] = asyncio.run(run_streams(cluster.url, cluster.model, [after], timeout_s=60))
         assert served.text == after.expected(MEAN) and not served.error
+        wait_for(lambda: not cluster.metric("raging_kv_blocks_used", 'worker="decode-0"'),
+                 10, "decode-0 to hold no KV block")
