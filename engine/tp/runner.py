@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,6 +39,7 @@ from engine.weights.spec import kv_fingerprint, load_spec
 
 log = logging.getLogger(__name__)
 
+RANK_LOSS_GRACE_S = 2.0  # how long a failed step waits for a rank's watcher
 STOP_S = 10.0  # a rank told to stop that has not within this is killed
 
 
@@ -137,8 +139,14 @@ class TensorParallelRunner:
     def forward(self, batch: ForwardBatch,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """As `ModelRunner.forward`, every rank computing its share."""
-        self.group.send_batch(batch)
-        return self.model.forward(batch, self.local_cache, layer_hook)
+        try:
+            self.group.send_batch(batch)
+            return self.model.forward(batch, self.local_cache, layer_hook)
+        except RuntimeError:
+            # A dead rank fails the step (gloo: "connection reset") as its watcher learns of the
+            # death: it ends this process, saying which rank went, unless the failure was else.
+            time.sleep(RANK_LOSS_GRACE_S)
+            raise
 
     @property
     def hidden(self) -> torch.Tensor:

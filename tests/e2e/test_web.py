@@ -76,6 +76,12 @@ def open_page(page: Page, cluster: Cluster, key: str | None = KEY) -> list[tuple
     return calls
 
 
+def next_poll(page: Page) -> None:
+    """Until the page's next poll of the cluster view has been answered."""
+    with page.expect_response(lambda response: response.url.endswith("/v1/cluster")):
+        pass
+
+
 def registry_workers(cluster: Cluster) -> dict[str, str]:
     """Worker id -> role, as the gateway's registry has them."""
     workers = cluster.client.get("/v1/cluster").json()["workers"]
@@ -98,7 +104,7 @@ def test_without_a_key_the_page_loads_but_shows_no_data(page: Page, cluster: Clu
     assert "needs an API key" in (page.text_content("#key-status") or "")
     assert page.eval_on_selector_all("#workers tbody tr", "rows => rows.length") == 0
     assert page.eval_on_selector_all("#model option", "options => options.length") == 0
-    page.wait_for_timeout(2000)  # at least one more poll of the cluster view
+    next_poll(page)
     statuses = {path: status for path, status in calls}
     assert statuses == {"/v1/models": 401, "/v1/cluster": 401}, calls
 
@@ -116,7 +122,7 @@ def test_with_the_key_the_cluster_view_lists_every_worker(page: Page, cluster: C
     events = page.eval_on_selector_all("#events li", "items => items.map(i => i.textContent)")
     for worker_id in expected:
         assert any(f"{worker_id} (" in event and "registered" in event for event in events)
-    page.wait_for_timeout(2000)  # it polls: later calls succeed too
+    next_poll(page)  # it polls: later calls succeed too
     polls = [status for path, status in calls if path == "/v1/cluster"]  # one at a time
     with_key = polls[polls.index(200):]  # before the key was typed: 401 (the test above)
     assert len(with_key) >= 2 and set(with_key) == {200}, calls
@@ -195,7 +201,7 @@ def test_stop_aborts_the_answer_and_the_cluster_frees_it(page: Page, cluster: Cl
         time.sleep(0.5)
     assert view["requests"]["in_flight"] == 0, json.dumps(view)
     assert all(w["kv_blocks_used"] == 0 for w in view["workers"] if w["role"] == "decode")
-    page.wait_for_timeout(2000)  # a poll after the answers of this module's tests
+    next_poll(page)  # after the answers of this module's tests
     page.locator("#cluster").screenshot(path=str(tmp_path / "web-cluster.png"))
 
 
