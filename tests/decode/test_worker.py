@@ -46,6 +46,7 @@ from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
 from kvtransfer import make_sender
 from kvtransfer.wire import FORWARD_CODEC, KVHeader, KVNotice, KVPayload, KVRejected
+from tests.control import sent_to_gateway
 from tests.reference import is_hidden_state, last_hidden_state
 
 PROMPT_LEN = 8
@@ -129,22 +130,6 @@ def arrive(worker: DecodeWorker, request_id: str, max_tokens: int,
     for layer in range(worker.runner.spec.num_layers):
         send_layer(worker, request_id, layer, k, v)
     first_token(worker, request_id, token_id=token_id)
-
-
-def sent_to_gateway(worker: DecodeWorker, gateway: zmq.Socket) -> list[Message]:
-    """Everything the worker sent the gateway so far: a marker sent last comes back last."""
-    marker = Abort("end-of-messages", -1)
-    worker.control.send(marker)
-    messages: list[Message] = []
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        assert remaining_ms > 0 and gateway.poll(remaining_ms), "the marker did not come back"
-        _, data = gateway.recv_multipart()
-        message = decode(data)
-        if message == marker:
-            return messages
-        messages.append(message)
 
 
 def failures(messages: list[Message]) -> list[RequestFailed]:

@@ -39,6 +39,7 @@ from engine.runner import ModelRunner
 from engine.weights.tokenizer import decode_text
 from kvtransfer import KVItem, KVNotice, KVPayload, KVReceiver, make_receiver
 from prefill.worker import PrefillWorker
+from tests.control import sent_to_gateway
 from tests.reference import is_hidden_state, last_hidden_state
 
 LAYERS = 6
@@ -74,13 +75,6 @@ def request(request_id: str, address: str) -> PrefillRequest:
 
 def to_worker(gateway: zmq.Socket, message: Message) -> None:
     gateway.send_multipart([b"prefill-0", encode(message)])
-
-
-def from_worker(gateway: zmq.Socket) -> list[Message]:
-    messages = []
-    while gateway.poll(200):
-        messages.append(decode(gateway.recv_multipart()[1]))
-    return messages
 
 
 def received(receiver: KVReceiver) -> dict[str, list[str]]:
@@ -134,7 +128,7 @@ def test_aborting_the_whole_batch_stops_the_forward_and_frees_its_blocks(setup) 
     abort_at_layer(worker, gateway, 2, [Abort("a", 0), Abort("b", 0)])
     assert worker.step()
     assert worker.cache.num_available == free
-    assert not [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    assert not [m for m in sent_to_gateway(worker, gateway) if isinstance(m, FirstToken)]
     sent = received(receiver)
     # Layers 0 and 1 went out; the aborts arrived after layer 2 was computed: nothing more.
     assert sent == {r: ["DecodeRequest", "layer 0", "layer 1"] for r in ("a", "b")}
@@ -147,7 +141,7 @@ def test_aborting_one_request_stops_only_its_stream(setup) -> None:
     abort_at_layer(worker, gateway, 3, [Abort("a", 0)])
     assert worker.step()
     assert worker.cache.num_available == free
-    firsts = [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    firsts = [m.request_id for m in sent_to_gateway(worker, gateway) if isinstance(m, FirstToken)]
     assert firsts == ["b"]
     sent = received(receiver)
     assert sent["a"] == ["DecodeRequest", "layer 0", "layer 1", "layer 2"]
@@ -164,7 +158,7 @@ def test_an_abort_for_a_queued_request_removes_it_and_a_repeat_is_a_no_op(setup)
     worker.take_control()
     assert not worker.step()
     assert worker.scheduler.waiting == type(worker.scheduler.waiting)()
-    assert from_worker(gateway) == [] and received(receiver) == {}
+    assert sent_to_gateway(worker, gateway) == [] and received(receiver) == {}
 
 
 def kv_of(receiver: KVReceiver) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -194,7 +188,7 @@ def prefill_one(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver
     worker.take_control()
     compiled(worker, task.grammar)
     assert worker.step()
-    (first,) = [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+    (first,) = [m for m in sent_to_gateway(worker, gateway) if isinstance(m, FirstToken)]
     return first
 
 
@@ -242,7 +236,7 @@ def test_a_grammar_that_does_not_compile_fails_the_request(setup) -> None:
     worker.take_control()
     compiled(worker, bad.grammar)
     assert not worker.step()
-    (failed,) = from_worker(gateway)
+    (failed,) = sent_to_gateway(worker, gateway)
     assert isinstance(failed, RequestFailed) and "invalid grammar" in failed.reason
     assert worker.holding() == []
 
@@ -267,7 +261,7 @@ def test_a_request_waits_for_its_grammar_held_and_abortable_off_the_loop(setup) 
     for schema in schemas:
         compiled(worker, Grammar("json_schema", schema))
     assert worker.step()
-    assert [m.request_id for m in from_worker(gateway) if isinstance(m, FirstToken)] == ["waits"]
+    assert [f.request_id for f in firsts(worker, gateway)] == ["waits"]
     assert worker.holding() == []
 
 
@@ -334,8 +328,8 @@ def send(worker: PrefillWorker, gateway: zmq.Socket, receiver: KVReceiver, reque
     worker.take_control()
 
 
-def firsts(gateway: zmq.Socket) -> list[FirstToken]:
-    return [m for m in from_worker(gateway) if isinstance(m, FirstToken)]
+def firsts(worker: PrefillWorker, gateway: zmq.Socket) -> list[FirstToken]:
+    return [m for m in sent_to_gateway(worker, gateway) if isinstance(m, FirstToken)]
 
 
 def test_a_prompt_prefilled_in_chunks_gives_the_kv_and_token_of_one_pass(setup) -> None:
@@ -347,11 +341,11 @@ def test_a_prompt_prefilled_in_chunks_gives_the_kv_and_token_of_one_pass(setup) 
     send(worker, gateway, receiver, "chunked", prompt, salt="b")  # no prefix reuse
     for _ in range(4):
         assert worker.step()
-        assert firsts(gateway) == []  # not before the last chunk
+        assert firsts(worker, gateway) == []  # not before the last chunk
         assert worker.holding() == [Held("chunked", 0)]
     assert worker.heartbeat().queued_tokens == 6
     assert worker.step()
-    (first,) = firsts(gateway)
+    (first,) = firsts(worker, gateway)
     assert first.token_id == whole.token_id and not worker.step()
     pieces = kv_pieces(receiver)["chunked"]
     # Chunk after chunk, each chunk's layers in order before the next chunk's.
@@ -369,10 +363,10 @@ def test_a_short_prompt_behind_a_long_one_waits_at_most_one_chunk(setup) -> None
     assert worker.step()  # the long prompt's first chunk
     send(worker, gateway, receiver, "short", list(range(10, 15)))
     assert worker.step()  # its second chunk, and the short prompt whole
-    assert [f.request_id for f in firsts(gateway)] == ["short"]
+    assert [f.request_id for f in firsts(worker, gateway)] == ["short"]
     while worker.step():
         pass
-    assert [f.request_id for f in firsts(gateway)] == ["long"]
+    assert [f.request_id for f in firsts(worker, gateway)] == ["long"]
 
 
 def test_an_abort_between_chunks_frees_the_blocks_and_stops_the_stream(setup) -> None:
@@ -387,7 +381,7 @@ def test_an_abort_between_chunks_frees_the_blocks_and_stops_the_stream(setup) ->
     worker.take_control()
     assert worker.cache.num_available == free and worker.holding() == []
     assert not worker.step()
-    assert firsts(gateway) == []
+    assert firsts(worker, gateway) == []
     assert received(receiver)["a"] == ["DecodeRequest", *[f"layer {i}" for i in range(LAYERS)] * 2]
 
 
@@ -400,7 +394,7 @@ def test_an_abort_inside_a_later_chunk_stops_it_between_layers(setup) -> None:
     abort_at_layer(worker, gateway, 2, [Abort("a", 0)])
     assert worker.step()
     assert worker.cache.num_available == free and worker.holding() == [] and worker.jobs == {}
-    assert not worker.step() and firsts(gateway) == []
+    assert not worker.step() and firsts(worker, gateway) == []
     layers = [f"layer {i}" for i in range(LAYERS)]
     assert received(receiver)["a"] == ["DecodeRequest", *layers, *layers[:2]]
 
@@ -425,7 +419,7 @@ def test_a_prompt_whose_decode_worker_is_gone_stops_at_the_failed_chunk(
     assert worker.holding() == [] and worker.jobs == {}
     assert worker.cache.num_available == free and worker.scheduler.held() == []
     assert not worker.step()
-    (failed,) = [m for m in from_worker(gateway) if not isinstance(m, Heartbeat)]
+    (failed,) = [m for m in sent_to_gateway(worker, gateway) if not isinstance(m, Heartbeat)]
     assert isinstance(failed, RequestFailed) and (failed.request_id, failed.retry) == ("a", True)
     assert doomed.address in failed.reason
 
@@ -450,7 +444,7 @@ def test_a_prompt_announced_to_nobody_is_not_computed(
     worker.runner.forward = counting
     assert worker.step()
     assert computed == [1] and not worker.step()
-    messages = [m for m in from_worker(gateway) if not isinstance(m, Heartbeat)]
+    messages = [m for m in sent_to_gateway(worker, gateway) if not isinstance(m, Heartbeat)]
     assert [(type(m).__name__, m.request_id) for m in messages
             if isinstance(m, RequestFailed | FirstToken)] == [
         ("RequestFailed", "lost"), ("FirstToken", "kept")]
@@ -472,11 +466,11 @@ def test_a_cached_prefix_is_skipped_and_the_chunks_cover_the_rest(setup) -> None
         computed.append([len(tokens) for tokens in batch.token_ids])
         return forward(batch, layer_hook=layer_hook)
     worker.runner.forward = counting
-    firsts(gateway)
+    firsts(worker, gateway)
     send(worker, gateway, receiver, "warm", prompt)
     while worker.step():
         pass
-    (warm,) = firsts(gateway)
+    (warm,) = firsts(worker, gateway)
     assert computed == [[16], [16], [8]] and warm.cached_tokens == 48
     assert warm.token_id == cold.token_id
     pieces = kv_pieces(receiver)["warm"]
@@ -504,7 +498,7 @@ def test_the_first_token_reports_the_prompts_wait_and_compute_here(setup) -> Non
     began = time.monotonic()
     assert worker.step()
     after = time.monotonic()
-    (first,) = firsts(gateway)
+    (first,) = firsts(worker, gateway)
     stages = {s.stage: s.seconds for s in first.stages}
     assert list(stages) == ["prefill_wait", "prefill_compute"]
     assert stages["prefill_wait"] >= 0.05 and 0 < stages["prefill_compute"] <= after - began
@@ -545,7 +539,7 @@ def test_an_embedding_comes_with_the_first_token_computed_cached_or_in_chunks(se
     worker.take_control()
     while worker.step():
         pass
-    (chunked,) = firsts(gateway)
+    (chunked,) = firsts(worker, gateway)
     assert (cold.cached_tokens, warm.cached_tokens, chunked.cached_tokens) == (0, 48, 0)
     for first in (cold, warm, chunked):
         assert first.finish_reason == "length"
@@ -574,7 +568,7 @@ def test_in_a_batch_only_the_request_that_asks_gets_an_embedding(setup) -> None:
     assert worker.step() and not worker.step()
     (batch,) = batches  # one pass for both, the embedding's row second
     assert batch.hidden and batch.token_ids == [list(range(10, 40)), asked]
-    sent = {first.request_id: first for first in firsts(gateway)}
+    sent = {first.request_id: first for first in firsts(worker, gateway)}
     assert sent["other"].embedding == b"" and sent["asked"].embedding
     expected = last_hidden_state(worker.runner.model_dir, asked)
     assert is_hidden_state(sent["asked"].embedding, expected)
