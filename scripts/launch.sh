@@ -218,7 +218,7 @@ device_args() {  # device_args INDEX: where worker INDEX (over both pools) runs,
   if [[ $GPUS -gt 1 ]]; then echo "--set model.device=cuda:$(( $1 % GPUS ))"; fi
 }
 
-PIDS=()
+PIDS=() BACKOFF=""  # BACKOFF: the sleep before a restart
 stop_all() {
   local rc="${1:-$?}" signal=TERM tries=200
   trap '' INT TERM  # a second Ctrl-C must not cut the clean-up short and orphan processes
@@ -232,6 +232,7 @@ stop_all() {
     signal=INT
   fi
   kill -"$signal" "${PIDS[@]}" 2>/dev/null || true
+  [[ -z "$BACKOFF" ]] || kill "$BACKOFF" 2>/dev/null || true
   for _ in $(seq "$tries"); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [[ $alive == 0 ]] && break; sleep 0.05
@@ -282,7 +283,8 @@ restart() {  # restart NAME: start it again as it was first started, if it has r
     return 1
   fi
   RESTARTED[$name]=$(( count + 1 ))
-  sleep $(( 2 ** count ))
+  sleep $(( 2 ** count )) & BACKOFF=$!  # waited on, not slept in: a signal's trap runs at once
+  wait "$BACKOFF" || true
   echo "[launch] restarting $name ($(( count + 1 )) of $RESTARTS)"
   eval "start \"\$name\" ${COMMAND_OF[$name]}"
 }
