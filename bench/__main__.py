@@ -25,6 +25,7 @@
     python -m bench scale streams relay workers
     python -m bench gguf write --shape 7b --out /tmp/random-7b.gguf
     python -m bench gguf measure --model /tmp/random-7b.gguf --weights quant
+    python -m bench startup --launch "--prefill 1 --decode 1" --runs 3
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from bench import prefix as prefix_cache
 from bench import quant as quant_products
 from bench import runner as microbench
 from bench import scale as many_streams
+from bench import startup as start_and_stop
 from bench import trace as request_trace
 from bench import transfer as kv_transfer
 from bench.launcher import ROOT, redact
@@ -518,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     routing_policies.add_parser(commands)
     many_streams.add_parser(commands)
     gguf_models.add_parser(commands)
+    start_and_stop.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         level = use_isa(args.isa)
