@@ -70,7 +70,7 @@ from core.config import Config
 from core.cpus import format_cpus, parse_cpus
 from engine.kernels.isa import cpu_flags, cpu_name
 from engine.locate import resolve_model
-from engine.weights.files import QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER
+from engine.weights.files import PREPARED_FILE, QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER
 from engine.weights.folder import packaged_gguf
 
 PEERS = ("vllm", "llamacpp", "llamacpp-avx2")
@@ -98,7 +98,7 @@ VLLM_AVX2 = Path(__file__).with_name("vllm_avx2")  # its sitecustomize: vLLM's A
 VLLM_KV_CACHE_GIB = 2  # 45k tokens of fp32 KV for SmolLM2-135M; the runs hold under 9k
 LLAMA_CPP_SLOT_TOKENS = 512  # context per slot: 203 prompt + 64 output tokens, and room
 # raging's own files in a prepared folder, which another server must not be shown
-RAGING_FILES = frozenset({QUANT_FILE, QUANT_ROWS_FILE, READY_MARKER})
+RAGING_FILES = frozenset({QUANT_FILE, QUANT_ROWS_FILE, PREPARED_FILE, READY_MARKER})
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
 # What a peer must never reach for: a model hub (offline here), usage reports

@@ -90,4 +90,3 @@ def startup_markdown(measured: dict[str, list[StartupRun]]) -> str:
         lines.append(f"| `{label}` | {len(results)} | {first.ready_s:.2f} / "
                      f"{first.first_answer_s:.2f} / {first.stopped_s:.2f} | {others} |")
     return "\n".join(lines)
-

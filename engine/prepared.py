@@ -11,20 +11,28 @@ files as they are (the quant rows it keeps among them). Anything else, and it pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import sys
+from functools import cache
 from pathlib import Path
+from stat import S_ISREG
 
 from core.config import Config
 from core.cpus import pinned_cpus
 from engine.kernels.cpu.sources import compiler, compiler_version, kernels_digest
 from engine.kernels.isa import cpu_flags, resolve_isa
+from engine.weights.files import PREPARED_FILE
 
-PREPARED_FILE = "prepared.json"
+# What preparing runs: a change to any of them (how the quant rows are measured or kept) prepares
+# again, as a change to the kernels' sources does.
+_PREPARING = ("__main__.py", "prepared.py", "runner.py", "weights/quant_rows.py",
+              "model/linear.py")
+
 MAX_ENTRIES = 64  # configs remembered per folder; the oldest go first
 
 
@@ -45,7 +53,7 @@ def preparation_key(config: Config, folder: Path) -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     parts = [sys.executable, torch_version, platform.processor(), *sorted(cpu_flags()),
-             kernels_digest(), compiler(), compiler_version(),
+             kernels_digest(), _preparing_digest(), compiler(), compiler_version(),
              os.environ.get("TORCH_EXTENSIONS_DIR", ""), repr(config.model),
              resolve_isa(config.engine.isa, cpu_flags()).name, repr(thread_counts(config)),
              str(folder.resolve()), *_files(folder)]
@@ -77,19 +85,32 @@ def record_prepared(config: Config, folder: Path, kernels: Path | None) -> None:
     try:
         partial.write_text(json.dumps(kept, indent=1))
         partial.rename(folder / PREPARED_FILE)
-    except OSError:
-        partial.unlink(missing_ok=True)
+    except OSError:  # read-only, or the name taken by what is no file
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
 
 
 def _files(folder: Path) -> list[str]:
-    """Each file of `folder` but the record, with its size and modification time."""
+    """Each file of `folder` but the record and files half written, with its size and
+    modification time."""
     lines = []
     for path in sorted(folder.iterdir()):
-        if path.name.startswith(PREPARED_FILE) or not path.is_file():
+        if path.name.startswith(PREPARED_FILE) or path.name.endswith(".partial"):
             continue
-        stat = path.stat()
-        lines.append(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}")
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # renamed or removed by another process meanwhile
+            continue
+        if S_ISREG(stat.st_mode):
+            lines.append(f"{path.name}|{stat.st_size}|{stat.st_mtime_ns}")
     return lines
+
+
+@cache
+def _preparing_digest() -> str:
+    engine = Path(__file__).parent
+    return hashlib.sha256(b"".join((engine / name).read_bytes()
+                                   for name in _PREPARING)).hexdigest()[:16]
 
 
 def _entries(folder: Path) -> dict[str, object]:

@@ -113,6 +113,7 @@ def main() -> None:
         app = gateway_app(config)
     except KeysError as exc:
         raise SystemExit(f"auth error: {exc}") from None
+    gc.collect()
     gc.freeze()  # start-up's objects, kept for good: no collection walks them (core/process.py)
     gateway = config.gateway
     # log_config=None: uvicorn's lines go through this process's handler (JSON too).

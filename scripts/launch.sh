@@ -285,6 +285,7 @@ restart() {  # restart NAME: start it again as it was first started, if it has r
   RESTARTED[$name]=$(( count + 1 ))
   sleep $(( 2 ** count )) & BACKOFF=$!  # waited on, not slept in: a signal's trap runs at once
   wait "$BACKOFF" || true
+  BACKOFF=""
   echo "[launch] restarting $name ($(( count + 1 )) of $RESTARTS)"
   eval "start \"\$name\" ${COMMAND_OF[$name]}"
 }

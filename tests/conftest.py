@@ -71,10 +71,11 @@ def shared_grammar_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     build = Grammars._build_tables
 
     def shared(grammars: Grammars) -> Any:
-        tokenizer = Path(grammars.model_dir) / "tokenizer.json"
-        if not tokenizer.exists():
+        files = [Path(grammars.model_dir) / name for name in TOKENIZER_FILES]
+        if not files[0].exists():
             return build(grammars)
-        key = (hashlib.sha256(tokenizer.read_bytes()).hexdigest(), grammars.vocab_size)
+        key = (hashlib.sha256(b"".join(f.read_bytes() for f in files if f.exists())).hexdigest(),
+               grammars.vocab_size)
         if key not in _GRAMMAR_TABLES:
             _GRAMMAR_TABLES[key] = build(grammars)
         tables = _GRAMMAR_TABLES[key]

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -101,6 +100,7 @@ class TensorParallelRunner:
                             weights=weights, quant_inputs=quant_inputs, quant_rows=quant_rows)
         self.ranks: list[subprocess.Popen[bytes]] = []
         self._stopping = False
+        self._rank_lost = threading.Event()
         self._lost = on_rank_lost or _exit_worker
         try:
             self._start(size)
@@ -145,7 +145,7 @@ class TensorParallelRunner:
         except RuntimeError:
             # A dead rank fails the step (gloo: "connection reset") as its watcher learns of the
             # death: it ends this process, saying which rank went, unless the failure was else.
-            time.sleep(RANK_LOSS_GRACE_S)
+            self._rank_lost.wait(RANK_LOSS_GRACE_S)
             raise
 
     @property
@@ -172,6 +172,7 @@ class TensorParallelRunner:
         if not self._stopping:
             log.error("tensor-parallel rank %d (pid %d) ended with status %d: this worker "
                       "cannot compute without it", rank, process.pid, status)
+            self._rank_lost.set()
             self._lost(rank, status)
 
 
@@ -206,6 +207,7 @@ def serve_rank(plan: RankPlan, rank: int) -> None:
     group = RankGroup(Path(plan.store), rank, plan.size)
     model, _, local = load_rank(plan, rank, group)
     return_freed_memory()
+    gc.collect()
     gc.freeze()  # start-up's objects, kept for good: no collection walks them (core/process.py)
     group.all_reduce(torch.zeros(1))
     while (batch := group.receive_batch()) is not None:

@@ -12,6 +12,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded model's: weight name -> shard file
 QUANT_FILE = "quant_blocks.safetensors"  # the GGUF's quant blocks (engine.weights.quant_blocks)
 QUANT_ROWS_FILE = "quant_rows.json"  # quant row counts measured per machine (quant_rows)
+PREPARED_FILE = "prepared.json"  # the configs `python -m engine` prepared it for (engine.prepared)
 READY_MARKER = ".raging-ready"  # written last: the prepared folder is whole
 
 EMBED = "model.embed_tokens.weight"

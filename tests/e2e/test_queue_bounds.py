@@ -37,6 +37,7 @@ def test_a_full_queue_answers_429_at_once_and_the_admitted_finish(
     bounded_cluster: Cluster, limit: str, prompt_tokens: int, fits: int, refusal: str
 ) -> None:
     cluster = bounded_cluster
+    within(10, lambda: cluster.client.get("/health").status_code == 200)  # the case before's
     pid = cluster.pids()["prefill-0"]
     prompt = list(range(1000, 1000 + prompt_tokens))
     with ThreadPoolExecutor(fits) as pool:

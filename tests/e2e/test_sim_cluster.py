@@ -113,12 +113,15 @@ def test_a_prefill_worker_killed_mid_hand_off_leaves_decode_clean_and_its_reques
         decode_pid = cluster.pids()["decode-0"]
 
         def kill_the_sender() -> None:
-            def sender() -> str | None:  # a prefill worker holding a prompt's blocks
-                return next((w for w in ("prefill-0", "prefill-1")
-                             if cluster.metric("raging_kv_blocks_used", f'worker="{w}"')), None)
-            wait_for(lambda: cluster.metric("raging_kv_in_transfer", 'worker="decode-0"') > 0
-                     and sender() is not None, 60, "KV in transfer to decode-0")
-            os.kill(cluster.pids()[sender() or ""], signal.SIGKILL)
+            senders: list[str] = []  # a prefill worker holding a prompt's blocks, once seen
+
+            def sending() -> bool:
+                senders[:] = [w for w in ("prefill-0", "prefill-1")
+                              if cluster.metric("raging_kv_blocks_used", f'worker="{w}"')]
+                return bool(senders) and cluster.metric(
+                    "raging_kv_in_transfer", 'worker="decode-0"') > 0
+            wait_for(sending, 60, "KV in transfer to decode-0")
+            os.kill(cluster.pids()[senders[0]], signal.SIGKILL)
 
         with ThreadPoolExecutor(1) as pool:
             killed = pool.submit(kill_the_sender)

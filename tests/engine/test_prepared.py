@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from core.config import Config, DecodeConfig, ModelConfig, PrefillConfig
-from engine.prepared import PREPARED_FILE, is_prepared, record_prepared, thread_counts
+from engine.prepared import is_prepared, record_prepared, thread_counts
+from engine.weights.files import PREPARED_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,9 +92,18 @@ def test_a_record_that_cannot_be_written_is_left_out(folder: Path) -> None:
     assert [path.name for path in folder.iterdir() if path.name.endswith(".partial")] == []
 
 
-def test_a_second_start_answers_without_torch(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_files_half_written_beside_the_record_change_nothing(folder: Path) -> None:
+    config = config_for(folder)
+    record_prepared(config, folder, None)
+    (folder / "quant_rows.json.123.partial").write_text("{")  # another process writing
+    assert is_prepared(config, folder)
+
+
+def test_a_second_start_answers_without_torch(make_tiny_model: Callable[..., Path],
+                                              tmp_path: Path) -> None:
     """`python -m engine` prepares a folder once; the next run, as launch.sh makes before each
     start, prints the folder without importing torch."""
+    tiny_model_dir = make_tiny_model()
     config = tmp_path / "config.yaml"
     config.write_text("prefill: {threads: 1}\ndecode: {threads: 1}\n")
     run = [sys.executable, "-c", "import runpy, sys; runpy.run_module('engine', "
