@@ -367,9 +367,9 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0 and self.prefill_queue_tokens > 0
                 and 0 < self.decode_kv_fraction <= 1 and 0 < self.decode_batch_fraction <= 1
-                and self.scale_down_s >= 0 and self.poll_s > 0):
-            raise ValueError("autoscale: SLOs, prefill_queue_tokens and poll_s > 0, fractions "
-                             "in (0, 1], scale_down_s >= 0")
+                and self.scale_down_s >= 0 and 0 < self.poll_s <= 3600):
+            raise ValueError("autoscale: SLOs and prefill_queue_tokens > 0, fractions in (0, 1], "
+                             "scale_down_s >= 0, poll_s in (0, 3600]")
 
 
 @dataclass(frozen=True)

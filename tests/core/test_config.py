@@ -117,6 +117,14 @@ def test_the_turn_patience_is_a_finite_positive_wait(value: str) -> None:
         load_config(overrides={"engine.cpu_turn_patience_s": value})
 
 
+@pytest.mark.parametrize("value", ["0", "-1", ".inf", ".nan"])
+def test_the_autoscaler_polls_at_a_finite_positive_interval(value: str) -> None:
+    assert load_config().autoscale.poll_s == 2.0
+    assert load_config(overrides={"autoscale.poll_s": "0.5"}).autoscale.poll_s == 0.5
+    with pytest.raises(ValueError, match="poll_s"):
+        load_config(overrides={"autoscale.poll_s": value})
+
+
 def test_override_without_a_dot_is_refused() -> None:
     with pytest.raises(ValueError, match="port"):
         load_config(overrides={"port": "1"})
