@@ -31,13 +31,18 @@ def worker_main(role: Role, build: Build) -> None:
     except ValueError as exc:  # a CPU list that is malformed or not this machine's
         raise SystemExit(f"{args.worker_id}: {exc}") from None
     worker = build(args.worker_id, config)
-    # What start-up made (torch's, the tokenizer's, the model's objects) lives as long as the
-    # process: frozen, no collection walks it again, while serving nor at exit (~1.5 s).
-    gc.collect()  # what start-up left as garbage goes now, not frozen with the rest
-    gc.freeze()
+    freeze_start_up()
     try:
         worker.run()
     except RegistrationRefused as exc:
         raise SystemExit(f"{args.worker_id}: the gateway refused this worker: {exc}") from None
     except TimeoutError as exc:
         raise SystemExit(f"{args.worker_id}: {exc} ({config.gateway.control_address})") from None
+
+
+def freeze_start_up() -> None:
+    """Collect what start-up left as garbage, then freeze the rest: what a process built to
+    serve (torch's, the tokenizer's, the model's objects) lives as long as it does, and no
+    collection walks it again, while serving nor at exit (a worker's last one took ~1.5 s)."""
+    gc.collect()
+    gc.freeze()

@@ -68,5 +68,6 @@ def rows_kept(config: Config, folder: Path, runner: ModelRunner) -> bool:
     rows = MeasuredQuantRows(folder, config.model.quant_inputs)
     return rows.get(resolve_dtype(config.model.dtype, "cpu")) is not None
 
+
 if __name__ == "__main__":
     main()

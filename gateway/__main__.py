@@ -7,7 +7,6 @@ brings torch in through xgrammar, the first time one comes).
 
 from __future__ import annotations
 
-import gc
 import logging
 import resource
 
@@ -17,6 +16,7 @@ from starlette.applications import Starlette
 from core.cli import ConfigParser
 from core.config import Config, GatewayConfig
 from core.logs import setup_logging
+from core.process import freeze_start_up
 from core.tracing import make_tracer
 from engine.device import device_type
 from engine.locate import resolve_model
@@ -113,8 +113,7 @@ def main() -> None:
         app = gateway_app(config)
     except KeysError as exc:
         raise SystemExit(f"auth error: {exc}") from None
-    gc.collect()
-    gc.freeze()  # start-up's objects, kept for good: no collection walks them (core/process.py)
+    freeze_start_up()
     gateway = config.gateway
     # log_config=None: uvicorn's lines go through this process's handler (JSON too).
     uvicorn.run(app, host=gateway.host, port=gateway.port, loop="uvloop",

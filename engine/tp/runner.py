@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
-import gc
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from core.config import QuantInputs, WeightsMode
+from core.process import freeze_start_up
 from engine.heap import return_freed_memory
 from engine.kernels.cpu.build import kernels, running_isa
 from engine.kv.allocator import BlockAllocator
@@ -207,8 +207,7 @@ def serve_rank(plan: RankPlan, rank: int) -> None:
     group = RankGroup(Path(plan.store), rank, plan.size)
     model, _, local = load_rank(plan, rank, group)
     return_freed_memory()
-    gc.collect()
-    gc.freeze()  # start-up's objects, kept for good: no collection walks them (core/process.py)
+    freeze_start_up()
     group.all_reduce(torch.zeros(1))
     while (batch := group.receive_batch()) is not None:
         model.forward(batch, local)
