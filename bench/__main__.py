@@ -262,7 +262,8 @@ def attention_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--contexts", type=lambda text: text.split(","),
                         default=decode_attention.DEFAULT_CONTEXTS.split(","),
                         help="batches, comma-separated, each LENxCOUNT terms joined by +")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the cache's; auto: what model.dtype auto serves on this CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=7)
     parser.set_defaults(prepare=prepare_attention)
@@ -290,7 +291,8 @@ def prefill_attention_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--chunks", type=lambda text: text.split(","),
                         default=prefill_attention.DEFAULT_CHUNKS.split(","),
                         help="chunks, comma-separated, each NEW@CACHED tokens")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the cache's; auto: what model.dtype auto serves on this CPU")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5)
     parser.set_defaults(prepare=prepare_prefill_attention)

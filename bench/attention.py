@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.cpu.paged_decode import paged_decode
+from engine.kv import huge_pages
 from engine.kv.allocator import blocks_needed
 from engine.model.attention import DecodePlan, gathered_decode, plan_attention
 from engine.model.batch import ForwardBatch
@@ -58,9 +59,17 @@ def parse_contexts(text: str) -> list[int]:
 def measure(specs: list[str], dtype: torch.dtype, repeats: int = 7,
             cache_blocks: int = 4096, layers: int = LAYERS) -> list[AttentionFigure]:
     """One figure per context spec, both paths timed over the same `layers` caches."""
-    caches = [tuple(torch.randn(cache_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-                    for _ in range(2)) for _ in range(layers)]
+    caches = layer_caches(layers, cache_blocks, dtype)
     return [_measure_one(spec, caches, dtype, repeats) for spec in specs]
+
+
+def layer_caches(layers: int, cache_blocks: int, dtype: torch.dtype
+                 ) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's K and V cache of random values, on the huge pages a worker's cache lives
+    on (engine.kv.huge_pages)."""
+    def cache() -> torch.Tensor:
+        return huge_pages.zeros((cache_blocks * BLOCK, KV_HEADS, HEAD_DIM), dtype).normal_()
+    return [(cache(), cache()) for _ in range(layers)]
 
 
 def _measure_one(spec: str, caches: list[tuple[torch.Tensor, ...]], dtype: torch.dtype,

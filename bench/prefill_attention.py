@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.attention import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, median_step_ms
+from bench.attention import BLOCK, HEAD_DIM, HEADS, LAYERS, layer_caches, median_step_ms
 from engine.kernels.cpu.paged_prefill import paged_prefill
 from engine.kv.allocator import blocks_needed
 from engine.model.attention import PrefillPlan, gathered_prefill, plan_attention
@@ -55,8 +55,7 @@ def parse_chunk(text: str) -> tuple[int, int]:
 def measure(specs: list[str], repeats: int = 5, cache_blocks: int = 4096,
             layers: int = LAYERS, dtype: torch.dtype = torch.bfloat16) -> list[PrefillFigure]:
     """One figure per chunk spec, both paths timed over the same `layers` caches."""
-    caches = [tuple(torch.randn(cache_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-                    for _ in range(2)) for _ in range(layers)]
+    caches = layer_caches(layers, cache_blocks, dtype)
     return [_measure_one(spec, caches, repeats) for spec in specs]
 
 
