@@ -127,7 +127,8 @@ def median_step_ms(attend: Callable[[torch.Tensor, torch.Tensor], object],
 
 
 def markdown(figures: list[AttentionFigure]) -> str:
-    rows = ["| contexts | KV read, MB | C++ kernel ms | gather + SDPA ms | speedup | kernel GB/s |",
+    rows = ["| contexts | KV read, MiB | C++ kernel ms | gather + SDPA ms | speedup "
+            "| kernel GiB/s |",
             "|---|---|---|---|---|---|"]
     rows += [f"| {f.contexts} | {f.kv_megabytes:.0f} | {f.kernel_ms:.1f} | {f.gathered_ms:.1f} "
              f"| {f.speedup:.2f}x | {f.kernel_gb_per_s:.1f} |" for f in figures]
