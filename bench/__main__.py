@@ -277,10 +277,17 @@ def prepare_attention(args: argparse.Namespace, argv: Sequence[str]) -> Callable
     set_threads(args.threads)
 
     def job() -> int:
-        figures = decode_attention.measure(args.contexts, torch_dtype(args.dtype), args.repeats)
+        figures = decode_attention.measure(args.contexts, cache_dtype(args.dtype), args.repeats)
         print(decode_attention.markdown(figures))
         return 0
     return job
+
+
+def cache_dtype(name: str) -> torch.dtype:
+    """The attention benchmarks' cache dtype (`auto` resolved as a worker would), said."""
+    dtype = torch_dtype(name)
+    print(f"cache: {str(dtype).removeprefix('torch.')}", flush=True)
+    return dtype
 
 
 def prefill_attention_parser(commands: argparse._SubParsersAction) -> None:
@@ -308,7 +315,7 @@ def prepare_prefill_attention(args: argparse.Namespace, argv: Sequence[str]
 
     def job() -> int:
         figures = prefill_attention.measure(args.chunks, args.repeats,
-                                            dtype=torch_dtype(args.dtype))
+                                            dtype=cache_dtype(args.dtype))
         print(prefill_attention.markdown(figures))
         return 0
     return job
