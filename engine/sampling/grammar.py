@@ -1,6 +1,10 @@
 """Structured output: grammars (JSON schemas, any JSON object, regular expressions, EBNF;
 compiled by xgrammar) that restrict the tokens a sequence may draw next, shared by the prefill
-worker (first token) and the decode worker."""
+worker (first token) and the decode worker.
+
+xgrammar and the tokenizer are imported, and the vocabulary's tables built, when the first
+grammar comes: that takes seconds of a CPU (both bring in transformers), which a worker that
+never sees a grammar would spend at every start."""
 
 from __future__ import annotations
 
@@ -11,16 +15,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-import xgrammar as xgr
 
 from core.messages import GenerationTask, Grammar, RequestKey
 from engine.sampling.sampler import History
 from engine.sampling.stopping import banned_tokens, stop_tokens
 from engine.sampling.thought import ThoughtGate, opening
-from engine.weights.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 Waiting = TypeVar("Waiting")
 log = logging.getLogger(__name__)
@@ -45,7 +50,7 @@ class Constraint:
         self.vocab_size = vocab_size
         self.forbidden = forbidden  # bool [vocab]: never allowed inside the value
         self.gate = gate
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def allowed(self) -> torch.Tensor | None:
         """A bool mask `[vocab]` of the tokens allowed next; None while any token is."""
@@ -94,8 +99,8 @@ class _Tables:
 
 class Grammars:
     """A worker's grammar compiler, off its loop: one thread of its own builds the vocabulary
-    tables as soon as it is made, then compiles each grammar `prepare` is given (cached by
-    kind and text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both
+    tables when the first grammar comes, then compiles each grammar `prepare` is given (cached
+    by kind and text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both
     run in C++ for the most part; the loop (and its heartbeats) go on meanwhile.
 
     That thread never runs a torch op: one that fills a vocabulary-sized tensor runs in
@@ -108,7 +113,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._tables = self._thread.submit(self._build_tables)
+        self._tables_built: Future[_Tables] | None = None
         self._compiled: OrderedDict[Grammar, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._control_tokens: torch.Tensor | None = None
         self._openers: dict[bytes, torch.Tensor] = {}
@@ -117,6 +122,7 @@ class Grammars:
         """The compilation of a task's `grammar`, started now unless cached."""
         future = self._compiled.get(grammar)
         if future is None:
+            self._tables()  # queued ahead of the compile, on the same thread
             future = self._thread.submit(self._compile, grammar)
             self._compiled[grammar] = future
             while len(self._compiled) > self.cache_size:
@@ -161,7 +167,7 @@ class Grammars:
         thread the first time."""
         if self._control_tokens is None:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[list(self._tables.result().control_token_ids)] = True
+            mask[list(self._tables().result().control_token_ids)] = True
             self._control_tokens = mask
         return self._control_tokens
 
@@ -170,7 +176,7 @@ class Grammars:
         caller's thread the first time."""
         mask = self._openers.get(marker)
         if mask is None:
-            mask = opening(self._tables.result().token_bytes, marker, self.vocab_size)
+            mask = opening(self._tables().result().token_bytes, marker, self.vocab_size)
             self._openers[marker] = mask
         return mask
 
@@ -184,6 +190,8 @@ class Grammars:
         output a resumed request has streamed already. Waits for the grammar unless `ready`."""
         if not task.grammar:
             return None
+        import xgrammar as xgr
+
         stops = list(stop_tokens(task, eos_token_ids) or eos_token_ids) or None
         matcher = xgr.GrammarMatcher(self.compiled(task.grammar), override_stop_tokens=stops)
         forbidden = None
@@ -191,13 +199,23 @@ class Grammars:
             forbidden = self.control_tokens.clone()
             forbidden[[t for t in (stops or []) if 0 <= t < self.vocab_size]] = False
         gate = None if task.thinking is None else ThoughtGate(
-            task.thinking, self._tables.result().token_bytes, self.openers)
+            task.thinking, self._tables().result().token_bytes, self.openers)
         constraint = Constraint(matcher, self.vocab_size, forbidden, gate)
         for token_id in task.prompt_ids[task.prompt_len:]:
             constraint.advance(token_id)
         return constraint
 
+    def _tables(self) -> Future[_Tables]:
+        """The vocabulary tables' build, started on the grammar thread the first time."""
+        if self._tables_built is None:
+            self._tables_built = self._thread.submit(self._build_tables)
+        return self._tables_built
+
     def _build_tables(self) -> _Tables:
+        import xgrammar as xgr
+
+        from engine.weights.tokenizer import load_tokenizer
+
         started = time.monotonic()
         tokenizer = load_tokenizer(self.model_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
@@ -210,7 +228,7 @@ class Grammars:
 
     def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         started = time.monotonic()
-        compiled = self._tables.result().compiler.compile_grammar(parsed(grammar))
+        compiled = self._tables().result().compiler.compile_grammar(parsed(grammar))
         log.info("%s grammar compiled in %.2f s", grammar.kind, time.monotonic() - started)
         return compiled
 
@@ -218,6 +236,8 @@ class Grammars:
 def parsed(grammar: Grammar) -> xgr.Grammar:
     """`grammar` as xgrammar reads it; RuntimeError for one it cannot. JSON takes compact
     separators: with free whitespace a model can loop on spaces forever."""
+    import xgrammar as xgr
+
     if grammar.kind == "regex":
         return xgr.Grammar.from_regex(grammar.text)
     if grammar.kind == "ebnf":

@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -277,6 +279,35 @@ def test_a_long_compile_lets_other_threads_run(grammars: Grammars) -> None:
         time.sleep(0.01)
     gaps = [later - earlier for earlier, later in itertools.pairwise(ticks)]
     assert len(ticks) > 10 and max(gaps) < 0.5, (len(ticks), max(gaps, default=0))
+
+
+# A fresh worker's Grammars: what it imported when made, then how long the process's main thread
+# went unscheduled while the first grammar imported xgrammar and built the tables
+FIRST_GRAMMAR = """
+import itertools, json, sys, time
+from pathlib import Path
+from core.messages import JSON_OBJECT
+from engine.sampling.grammar import Grammars
+grammars = Grammars(Path({folder!r}), vocab_size=49152)
+imported = sorted(name for name in ("xgrammar", "transformers") if name in sys.modules)
+future, ticks = grammars.prepare(JSON_OBJECT), []
+while not future.done():
+    ticks.append(time.monotonic())
+    time.sleep(0.01)
+future.result()
+gaps = [later - earlier for earlier, later in itertools.pairwise(ticks)]
+print(json.dumps({{"imported": imported, "ticks": len(ticks), "gap": max(gaps, default=0)}}))
+"""
+
+
+def test_the_first_grammar_brings_in_xgrammar_off_the_loop(tiny_model_dir: Path) -> None:
+    """A worker imports xgrammar and its tokenizer (transformers: seconds of a CPU) and builds
+    the tables only once a grammar comes; the loop's thread runs all the while."""
+    done = subprocess.run([sys.executable, "-c", FIRST_GRAMMAR.format(folder=str(tiny_model_dir))],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["imported"] == [], result
+    assert result["ticks"] > 10 and result["gap"] < 0.5, result
 
 
 # A worker's grammar thread, its tables built and a grammar compiled
