@@ -245,7 +245,22 @@ def _property_strategy(prop: dict[str, Any], definitions: dict[str, Any]) -> st.
     if prop.get("type") == "array" and "$ref" in items:  # the messages
         element = _object_strategy(definitions[items["$ref"].split("/")[-1]], definitions)
         return st.lists(element, min_size=prop.get("minItems", 0), max_size=prop["maxItems"])
-    return from_schema({**prop, "$defs": definitions})
+    return from_schema({**prop, "$defs": _referenced(prop, definitions)})
+
+
+def _referenced(schema: Any, definitions: dict[str, Any]) -> dict[str, Any]:
+    """The definitions `schema` refers to, directly or through others: hypothesis_jsonschema
+    checks every schema it derives against its metaschema, $defs and all, and caches only 128,
+    so unused ones made the strategies several times slower to build and draw."""
+    found: dict[str, Any] = {}
+    pending = [schema]
+    while pending:
+        text = json.dumps(pending.pop())
+        for name, definition in definitions.items():
+            if name not in found and f'"#/$defs/{name}"' in text:
+                found[name] = definition
+                pending.append(definition)
+    return found
 
 
 SCHEMA_STRATEGIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
