@@ -124,6 +124,11 @@ class EngineConfig:
                                      "force it (refused where the CPU lacks it)")
     cuda_graphs: bool = setting(True, "on a GPU, replay decode steps as captured CUDA graphs "
                                       "(small batches are bound by kernel launches otherwise)")
+    grammar_tables_at_start: bool = setting(
+        True, "build the grammar tables (xgrammar and the tokenizer imported: ~1.5 s of a CPU) on "
+              "the worker's grammar thread once it has registered, so that the first request "
+              "with a grammar does not wait for them; false: when the first one comes (a worker "
+              "that never sees one never spends it)")
     cpu_turns_dir: str = setting("", "a folder of lock files through which workers on the same "
                                      "CPUs compute in turn (core/turns.py; launch.sh gives its "
                                      "run folder's); empty: each computes when it likes")

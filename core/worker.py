@@ -200,6 +200,7 @@ class Worker(ABC):
             self.health = HealthServer(self.health_port, self.health_state, self.ask_drain,
                                        self.stall_s)
         self.register()
+        self.after_registering()
         busy = False
         while not self.stopping:
             self.looped_at = time.monotonic()
@@ -271,6 +272,9 @@ class Worker(ABC):
             self.released = self.draining
         else:
             self.handle(message)
+
+    def after_registering(self) -> None:  # noqa: B027 (optional hook)
+        """Work worth starting once the worker is ready, ahead of the requests needing it."""
 
     def on_poll(self, ready: dict[zmq.Socket, int]) -> None:  # noqa: B027 (optional hook)
         """Hook for workers with more sockets than the control channel."""

@@ -75,6 +75,7 @@ class DecodeWorker(Worker):
         self.chunk_bytes = int(config.kv_transfer.chunk_mb * 2**20)
         self.pulls = Pulls()
         self.grammars = Grammars(runner.model_dir, spec.vocab_size)
+        self.grammar_tables_at_start = config.engine.grammar_tables_at_start
         self.admission = Admission(self.scheduler, self.phases, self.grammars,
                                    spec.eos_token_ids, self.control)
         self.intake = Intake(self.incoming, self.pulls, self.phases, self.admission,
@@ -82,6 +83,10 @@ class DecodeWorker(Worker):
                              config)
         self.sampler = Sampler(self.scheduler, self.phases, runner, self.control, self.tracer,
                                config.decode)
+
+    def after_registering(self) -> None:
+        if self.grammar_tables_at_start:
+            self.grammars.warm_up()
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Abort):

@@ -88,7 +88,12 @@ class PrefillWorker(Worker):
         self.in_step: set[RequestKey] = set()  # the prompts in the forward pass now
         self.aborted_in_step: set[RequestKey] = set()
         self.grammars = Grammars(runner.model_dir, runner.spec.vocab_size)
+        self.grammar_tables_at_start = config.engine.grammar_tables_at_start
         self.compiling: dict[RequestKey, PrefillRequest] = {}  # until their grammar compiles
+
+    def after_registering(self) -> None:
+        if self.grammar_tables_at_start:
+            self.grammars.warm_up()
 
     def handle(self, message: Message) -> None:
         if isinstance(message, PrefillRequest):

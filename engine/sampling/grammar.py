@@ -2,13 +2,16 @@
 compiled by xgrammar) that restrict the tokens a sequence may draw next, shared by the prefill
 worker (first token) and the decode worker.
 
-xgrammar and the tokenizer are imported, and the vocabulary's tables built, when the first
-grammar comes: that takes seconds of a CPU (both bring in transformers), which a worker that
-never sees a grammar would spend at every start."""
+xgrammar and the tokenizer are imported, and the vocabulary's tables built, on the grammar
+thread, once the worker has registered (`engine.grammar_tables_at_start`) or when the first
+grammar comes: that takes seconds of a CPU (both bring in transformers), which neither holds up
+a start nor is spent by a worker told to wait for a grammar that never comes."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -99,9 +102,10 @@ class _Tables:
 
 class Grammars:
     """A worker's grammar compiler, off its loop: one thread of its own builds the vocabulary
-    tables when the first grammar comes, then compiles each grammar `prepare` is given (cached
-    by kind and text, LRU), so that a loop only ever polls whether a grammar is `ready`. Both
-    run in C++ for the most part; the loop (and its heartbeats) go on meanwhile.
+    tables when asked to `warm_up` or when the first grammar comes, then compiles each grammar
+    `prepare` is given (cached by kind and text, LRU), so that a loop only ever polls whether
+    a grammar is `ready`. Both run in C++ for the most part; the loop (and its heartbeats) go
+    on meanwhile.
 
     That thread never runs a torch op: one that fills a vocabulary-sized tensor runs in
     parallel, and an OpenMP team in a second live thread makes libgomp stop spinning for the
@@ -117,6 +121,15 @@ class Grammars:
         self._compiled: OrderedDict[Grammar, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._control_tokens: torch.Tensor | None = None
         self._openers: dict[bytes, torch.Tensor] = {}
+
+    def warm_up(self) -> None:
+        """Build the vocabulary tables now, ahead of the first grammar: on a thread of their
+        own, at the lowest CPU priority (processes starting beside this one, and steps, go
+        first), which does not hold up the worker's exit."""
+        if self._tables_built is None:
+            self._tables_built = Future()
+            threading.Thread(target=self._warm_tables, args=(self._tables_built,),
+                             name="grammar-tables", daemon=True).start()
 
     def prepare(self, grammar: Grammar) -> Future[xgr.CompiledGrammar]:
         """The compilation of a task's `grammar`, started now unless cached."""
@@ -210,6 +223,13 @@ class Grammars:
         if self._tables_built is None:
             self._tables_built = self._thread.submit(self._build_tables)
         return self._tables_built
+
+    def _warm_tables(self, tables: Future[_Tables]) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone
+        try:
+            tables.set_result(self._build_tables())
+        except Exception as exc:  # for the first grammar to meet, as the grammar thread's
+            tables.set_exception(exc)
 
     def _build_tables(self) -> _Tables:
         import xgrammar as xgr

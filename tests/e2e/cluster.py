@@ -27,6 +27,9 @@ REAL_LAUNCH_S = 420  # the real model: a loaded machine may build the kernels fi
 TEST_CONFIG: dict[str, Any] = {
     # fp32, so that greedy tokens can equal transformers' own (bf16 on AMX CPUs is the default).
     "model": {"dtype": "float32"},
+    # Grammar tables when a grammar first comes, as most clusters here see none: ~1.5 s of a CPU
+    # less per worker (tests/e2e/test_structured_output.py builds them at start, as shipped).
+    "engine": {"grammar_tables_at_start": False},
     # Pure disaggregation: every prompt to a prefill worker, repeated ones too (decode's cache,
     # the routing to it and pulls from it are for tests/e2e/test_conditional.py, test_pulls.py
     # and test_tenant_cache.py to turn on: `with_decode_cache`).

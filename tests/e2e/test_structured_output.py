@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat.completion_create_params import ResponseFormat
 
-from tests.e2e.cluster import Cluster, launch
+from tests.e2e.cluster import TEST_CONFIG, Cluster, launch, wait_for
 from tests.engine.sampling.test_grammar import SCHEMA
 
 pytestmark = pytest.mark.e2e
@@ -33,8 +34,21 @@ JSON_SCHEMA_FORMAT: ResponseFormat = {
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir) as running:
+    """Grammar tables built once each worker is ready, as shipped."""
+    config = {**TEST_CONFIG, "engine": {"grammar_tables_at_start": True}}
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, config=config) as running:
         yield running
+
+
+def test_each_worker_builds_its_grammar_tables_once_ready(cluster: Cluster) -> None:
+    """Before any request (this module's first test): the first grammar will not wait."""
+    for name in ("prefill-0", "decode-0"):
+        wait_for(partial(tables_built, cluster, name), 120, f"{name}'s grammar tables")
+        assert " prompt tokens" not in cluster.log(name)  # no request came first
+
+
+def tables_built(cluster: Cluster, worker: str) -> bool:
+    return "grammar tables ready" in cluster.log(worker)
 
 
 @pytest.fixture(scope="module")

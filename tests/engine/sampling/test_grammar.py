@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -244,6 +246,27 @@ def test_a_grammar_compiles_off_the_callers_thread_and_is_cached(
         assert fresh.ready(text) and fresh.prepare(text) is future
         assert fresh.problem(text) is None
         assert fresh.constraint(task(text), (EOS,)) is not None
+    finally:
+        fresh.close()
+
+
+def test_warm_tables_are_built_once_at_the_lowest_priority_off_the_exit_path(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds: list[tuple[int, bool]] = []
+    build = Grammars._build_tables
+
+    def recorded(grammars: Grammars) -> Any:
+        builds.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                       threading.current_thread().daemon))
+        return build(grammars)
+
+    monkeypatch.setattr(Grammars, "_build_tables", recorded)
+    fresh = Grammars(tiny_model_dir, vocab_size=49152)
+    try:
+        fresh.warm_up()
+        fresh.warm_up()
+        assert fresh.prepare(JSON_OBJECT).result(timeout=120) is not None
+        assert builds == [(19, True)]  # the grammar waited for the warm tables
     finally:
         fresh.close()
 
