@@ -2,8 +2,8 @@
 compiled by xgrammar) that restrict the tokens a sequence may draw next, shared by the prefill
 worker (first token) and the decode worker.
 
-xgrammar and the tokenizer are imported, and the vocabulary's tables built, on the grammar
-thread, once the worker has registered (`engine.grammar_tables_at_start`) or when the first
+xgrammar and the tokenizer are imported, and the vocabulary's tables built, on a thread of
+their own, once the worker has registered (`engine.grammar_tables_at_start`) or when the first
 grammar comes: that takes seconds of a CPU (both bring in transformers), which neither holds up
 a start nor is spent by a worker told to wait for a grammar that never comes."""
 
@@ -53,7 +53,9 @@ class Constraint:
         self.vocab_size = vocab_size
         self.forbidden = forbidden  # bool [vocab]: never allowed inside the value
         self.gate = gate
-        self._bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        import xgrammar as xgr  # imported already: `matcher` is one of its objects
+
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def allowed(self) -> torch.Tensor | None:
         """A bool mask `[vocab]` of the tokens allowed next; None while any token is."""
@@ -101,13 +103,13 @@ class _Tables:
 
 
 class Grammars:
-    """A worker's grammar compiler, off its loop: one thread of its own builds the vocabulary
-    tables when asked to `warm_up` or when the first grammar comes, then compiles each grammar
-    `prepare` is given (cached by kind and text, LRU), so that a loop only ever polls whether
-    a grammar is `ready`. Both run in C++ for the most part; the loop (and its heartbeats) go
-    on meanwhile.
+    """A worker's grammar compiler, off its loop: a daemon thread builds the vocabulary tables
+    when asked to `warm_up` or when the first grammar comes, and one thread of its own compiles
+    each grammar `prepare` is given against them (cached by kind and text, LRU), so that a
+    loop only ever polls whether a grammar is `ready`. Both run in C++ for the most part; the
+    loop (and its heartbeats) go on meanwhile.
 
-    That thread never runs a torch op: one that fills a vocabulary-sized tensor runs in
+    Neither thread runs a torch op: one that fills a vocabulary-sized tensor runs in
     parallel, and an OpenMP team in a second live thread makes libgomp stop spinning for the
     loop's (more threads than CPUs), so every product of a decode step waits on a woken
     thread: one stream's step went from 9.3 to 15.4 ms at AVX2 on two cores."""
@@ -123,19 +125,15 @@ class Grammars:
         self._openers: dict[bytes, torch.Tensor] = {}
 
     def warm_up(self) -> None:
-        """Build the vocabulary tables now, ahead of the first grammar: on a thread of their
-        own, at the lowest CPU priority (processes starting beside this one, and steps, go
-        first), which does not hold up the worker's exit."""
-        if self._tables_built is None:
-            self._tables_built = Future()
-            threading.Thread(target=self._warm_tables, args=(self._tables_built,),
-                             name="grammar-tables", daemon=True).start()
+        """Build the vocabulary tables now, ahead of the first grammar, at the lowest CPU
+        priority: processes starting beside this one, and steps, go first."""
+        self._tables(niceness=19)
 
     def prepare(self, grammar: Grammar) -> Future[xgr.CompiledGrammar]:
         """The compilation of a task's `grammar`, started now unless cached."""
         future = self._compiled.get(grammar)
         if future is None:
-            self._tables()  # queued ahead of the compile, on the same thread
+            self._tables()  # the compile waits for them
             future = self._thread.submit(self._compile, grammar)
             self._compiled[grammar] = future
             while len(self._compiled) > self.cache_size:
@@ -218,14 +216,18 @@ class Grammars:
             constraint.advance(token_id)
         return constraint
 
-    def _tables(self) -> Future[_Tables]:
-        """The vocabulary tables' build, started on the grammar thread the first time."""
+    def _tables(self, niceness: int = 0) -> Future[_Tables]:
+        """The vocabulary tables' build, started the first time on a daemon thread (a worker's
+        exit does not wait for it) at `niceness`."""
         if self._tables_built is None:
-            self._tables_built = self._thread.submit(self._build_tables)
+            self._tables_built = Future()
+            threading.Thread(target=self._build_tables_into, args=(self._tables_built, niceness),
+                             name="grammar-tables", daemon=True).start()
         return self._tables_built
 
-    def _warm_tables(self, tables: Future[_Tables]) -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread alone
+    def _build_tables_into(self, tables: Future[_Tables], niceness: int) -> None:
+        if niceness:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)  # this thread
         try:
             tables.set_result(self._build_tables())
         except Exception as exc:  # for the first grammar to meet, as the grammar thread's
