@@ -7,6 +7,9 @@ import gc
 import hashlib
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -130,13 +133,51 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_kernels()
 
 
+BUILD_EVERY_LEVEL = """
+import os, sys
+os.nice(19)  # the tests go first: the builds take the CPU time they leave idle
+from engine.kernels.cpu.build import kernels_at
+from engine.kernels.isa import LEVELS
+for level in LEVELS:
+    if level.name in sys.argv[1:]:
+        kernels_at(level)
+"""
+_level_builds: list[subprocess.Popen[bytes]] = []
+
+
+def start_level_builds(items: list[pytest.Item]) -> None:
+    """Where tests run at every level, each level's kernels are built from the session's start
+    in a process of their own at nice 19 (a build holds both CPUs ~30 s; the suite leaves
+    them a third idle), each under the lock a build of the test's own would wait on."""
+    if has_compiler() and any("every_isa" in getattr(item, "fixturenames", ()) for item in items):
+        _level_builds.append(subprocess.Popen(
+            [sys.executable, "-c", BUILD_EVERY_LEVEL, *RUNNABLE_ISAS], start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "MAX_JOBS": "2"}))
+
+
+def stop_level_builds() -> None:
+    """A build still running is ended, its compilers with it (SIGTERM: ninja removes what
+    they left half written)."""
+    for process in _level_builds:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collecting built (torch, transformers, every module under test) lives all session:
     frozen, no collection walks it again (the gateway's tests took 6 % less time)."""
     freeze_start_up()
+    start_level_builds(session.items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_level_builds()
     gc.unfreeze()  # collected at exit as usual (frozen, nanobind's objects are reported leaked)
 
 
