@@ -148,10 +148,12 @@ _level_builds: list[subprocess.Popen[bytes]] = []
 def start_level_builds(items: list[pytest.Item]) -> None:
     """Where tests run at every level, each level's kernels are built from the session's start
     in a process of their own at nice 19 (a build holds both CPUs ~30 s; the suite leaves
-    them a third idle), each under the lock a build of the test's own would wait on."""
+    them a third idle), each under the lock a build of the test's own would wait on. The
+    process stays in the suite's session: in a session of its own, Linux's autogroups would
+    weigh it as the suite's equal, nice or not (a spinning-threads test then failed)."""
     if has_compiler() and any("every_isa" in getattr(item, "fixturenames", ()) for item in items):
         _level_builds.append(subprocess.Popen(
-            [sys.executable, "-c", BUILD_EVERY_LEVEL, *RUNNABLE_ISAS], start_new_session=True,
+            [sys.executable, "-c", BUILD_EVERY_LEVEL, *RUNNABLE_ISAS], process_group=0,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "MAX_JOBS": "2"}))
 
