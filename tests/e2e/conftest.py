@@ -21,6 +21,8 @@ from tests.e2e.cluster import (
     wait_for,
 )
 
+E2E = Path(__file__).parent
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
@@ -75,10 +77,11 @@ def context_of(module: object) -> int | None:
 
 
 def on_a_shared_cluster(item: pytest.Item) -> bool:
-    """Whether the test `item` runs on a shared cluster (its module defines no `cluster`)."""
+    """Whether the test `item` runs on a shared cluster (an end-to-end test whose module
+    defines no `cluster`)."""
     module = getattr(item, "module", None)
-    return ("cluster" in getattr(item, "fixturenames", ()) and module is not None
-            and "cluster" not in vars(module))
+    return (item.path.is_relative_to(E2E) and "cluster" in getattr(item, "fixturenames", ())
+            and module is not None and "cluster" not in vars(module))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
