@@ -402,9 +402,8 @@ def test_a_cancelled_background_stream_ends_its_followers(
                                      extra_body={"ignore_eos": True})
     events = iter(stream)
     response_id = next(events).response.id  # type: ignore[union-attr]
-    for event in events:  # the cancel comes once text has streamed
-        if event.type == "response.output_text.delta":
-            break
+    # the cancel comes once text has streamed (any() reads the events up to the first delta)
+    assert any(event.type == "response.output_text.delta" for event in events)
     wait_for(cluster.decoding, 30, "the response to decode")
     assert client.responses.cancel(response_id).status == "cancelled"
     kinds = [event.type for event in events]  # ends: the log ended with the cancel
