@@ -3,6 +3,7 @@
     python -m bench gpu prepare --tokenizer DIR [--out DIR]
     python -m bench gpu decode --model DIR [--batch-sizes 1,64] [--context 128] [--steps 64]
     python -m bench gpu ttft --model DIR [--input-len 2000] [--repeats 5]
+    python -m bench gpu bundle [--wheels .whl] [--python-version 3.12]   (here, before a GPU run)
 
 `prepare` writes model folders of random weights (a GPU machine without network has no
 weights to download): the default model's shape, where the tests and a cluster find the
@@ -11,6 +12,8 @@ figures. `decode` times one decode step of a batch (bf16, CUDA graphs on and off
 copied to the host as a worker does) against the per-token time of transformers' `generate`
 (greedy, the same prompts). `ttft` streams the same prompts, one at a time, through
 `launch.sh --prefill 1 --decode 1` (KV by cuda_ipc) and `--colocated 1` on one GPU.
+`bundle` gathers, on a machine with network, what the others need where there is none
+(bench/gpu_bundle.py).
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ from typing import Any
 import httpx
 import torch
 
+from bench import gpu_bundle
 from bench.client import served_model, stream_request
 from bench.launcher import PURE_DISAGG, launched
 from bench.prompts import TokenPrompts
 from bench.workloads import RequestSpec
+from core.config import ModelConfig
 from engine.kv.allocator import blocks_needed
+from engine.locate import resolve_model
 from engine.model.batch import ForwardBatch
 from engine.runner import ModelRunner
 from engine.weights.files import QUANT_FILE, READY_MARKER
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json")
 # Llama-3.2-1B's layers (its vocabulary is the default tokenizer's, so prompts tokenize).
 SHAPE_1B: dict[str, Any] = {
     "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -62,7 +66,7 @@ def random_model(tokenizer_dir: Path, target: Path, overrides: dict[str, Any],
         model = LlamaForCausalLM(LlamaConfig(**config))
         torch.nn.Module.to(model, dtype)  # (transformers types its own `to` as a decorator's)
     model.save_pretrained(target)
-    for name in TOKENIZER_FILES:
+    for name in gpu_bundle.TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, target / name)
     (target / READY_MARKER).write_text("random weights (bench gpu prepare)\n")
@@ -202,7 +206,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """`python -m bench gpu prepare|decode|ttft`."""
     parser = commands.add_parser("gpu", help="on a GPU: decode steps vs transformers, TTFT "
                                              "disaggregated vs colocated", description=__doc__)
-    parser.add_argument("action", choices=("prepare", "decode", "ttft"))
+    parser.add_argument("action", choices=("prepare", "decode", "ttft", "bundle"))
     parser.add_argument("--tokenizer", type=Path, help="prepare: a folder with the default "
                         "model's config and tokenizer files")
     parser.add_argument("--default-dir", type=Path,
@@ -216,6 +220,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode: steps timed")
     parser.add_argument("--input-len", type=int, default=2000, help="ttft: prompt tokens")
     parser.add_argument("--repeats", type=int, default=5, help="ttft: prompts per layout")
+    parser.add_argument("--wheels", type=Path, default=gpu_bundle.ROOT / ".whl",
+                        help="bundle: where the wheels and the tokenizer go")
+    parser.add_argument("--python-version", default="3.12",
+                        help="bundle: the GPU machine's Python, which the wheels are for")
     parser.set_defaults(prepare=_prepare_job)
 
 
@@ -228,6 +236,10 @@ def _prepare_job(args: argparse.Namespace, argv: Sequence[str]) -> Callable[[], 
         if args.tokenizer is None:
             raise ValueError("prepare needs --tokenizer")
         return lambda: _print(prepare(args.tokenizer, args.default_dir.expanduser(), args.out))
+    if args.action == "bundle":
+        model = ModelConfig()
+        return lambda: _print(gpu_bundle.bundle(resolve_model(model.name, model.cache_dir),
+                                                args.wheels, args.python_version))
     if args.model is None:
         raise ValueError(f"{args.action} needs --model")
     if not torch.cuda.is_available():

@@ -2,7 +2,8 @@
 # The GPU path, checked on a machine with an NVIDIA GPU and a CUDA build of torch (no network
 # needed): the CUDA tests, a 1P+1D cluster on the GPU, and the GPU figures. Results go to OUT.
 #   scripts/gpu-check.sh OUT [STEP...]   (steps: prepare tests decode transfer ttft; default all)
-# Packages the machine lacks may travel as wheels in .whl/ (installed into a scratch folder),
+# Packages the machine lacks may travel as wheels in .whl/ (`scripts/bench.sh gpu bundle` makes
+# it where there is network; installed here into a scratch folder),
 # with the default model's tokenizer and config in .whl/tokenizer/: the weights are random ones
 # of its shape, and of Llama-3.2-1B's layers, made there (bench/gpu.py prepare).
 set -uo pipefail
