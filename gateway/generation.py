@@ -160,9 +160,11 @@ class Generation:
 
     def _queue_prompt_logprobs(self, echo: Echo) -> bool:
         """Queue the prompt tokens' logprob entries (the first has none: nothing precedes it);
-        False when its worker's message with them never came."""
+        False when its worker's message with them never came (a one-token prompt has none)."""
         entries, pieces = self.handle.prompt_logprobs, self.pieces
         assert pieces is not None
+        if entries is None and len(echo.token_ids) == 1:
+            entries = []
         if entries is None or len(entries) != len(echo.token_ids) - 1:
             return False
         offset = 0

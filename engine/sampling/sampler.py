@@ -34,6 +34,22 @@ class Draw:
     top: list[TopLogprob] = field(default_factory=list)
 
 
+_MASK64 = 2**64 - 1
+
+
+def seed_at(seed: int | None, position: int) -> int | None:
+    """The seed of a seeded request's draw of its output token `position` (None: unseeded,
+    fresh entropy). A seed of its own for each position makes a seeded request's tokens the
+    same whichever worker draws each one, and however often the request resumed elsewhere:
+    its draws pick up at the position its output reached (splitmix64 of seed and position)."""
+    if seed is None:
+        return None
+    mixed = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (mixed ^ (mixed >> 31)) >> 1  # 63 bits, which every torch generator takes
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on `device` (where the logits it samples are) seeded with `seed`, or from
     fresh entropy when None."""
@@ -230,7 +246,8 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> lis
     assert logits.shape[0] == len(targets)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     rows = torch.arange(len(targets), device=logits.device)
-    chosen = logprobs[rows, torch.tensor(targets, device=logits.device)].tolist()
+    targets_at = torch.tensor(targets, dtype=torch.long, device=logits.device)  # [] too
+    chosen = logprobs[rows, targets_at].tolist()
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], rows[:, None][:, :0])
     return [PromptLogprob(logprob, [TopLogprob(i, v) for i, v in zip(top_ids, top_values,
                                                                      strict=True)])

@@ -92,6 +92,15 @@ def test_a_scored_prompt_gets_the_logprobs_of_the_tokens_its_rows_predict() -> N
     assert first.prompt_scores[-1].logprob == pytest.approx(ahead)
 
 
+def test_a_last_chunk_of_one_token_scores_nothing_and_keeps_the_earlier_scores() -> None:
+    """Its one row predicts the output (so do a one-token prompt's): an empty scoring."""
+    chunked = prompt_chunk("p", 0, len(PROMPT) - 1)
+    score_prompts([chunked], [True], predicting(PROMPT[1:]))
+    chunked.num_cached, chunked.num_scheduled = len(PROMPT) - 1, 1
+    assert score_prompts([chunked], [True], torch.zeros(1, VOCAB)) == [0]
+    assert len(chunked.prompt_scores) == len(PROMPT) - 1
+
+
 def test_only_a_step_that_only_decodes_counts_its_rows() -> None:
     batch = [decoding("a", draft=[7, 8]), decoding("b")]
     assert decode_rows(batch, [False, False]) == 4

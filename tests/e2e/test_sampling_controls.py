@@ -332,6 +332,7 @@ def test_chat_logprobs_match_transformers(
 # --- echo: the prompt's own logprobs --------------------------------------------------------
 
 LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(120))  # past one 512-token chunk
+ONE_TOKEN_PROMPT = "Hello"
 
 
 def prompt_steps(reference: Reference, prompt_ids: list[int]) -> torch.Tensor:
@@ -348,9 +349,10 @@ def test_echo_scores_the_prompt_as_transformers(
     pieces: TokenPieces, stream: bool, max_tokens: int,
 ) -> None:
     """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 0 or more):
-    each prompt token's logprob and top tokens, a long prompt's across prefill chunks, then
-    the completion's as ever."""
-    for prompt in (PROMPTS[2], LONG_PROMPT):
+    each prompt token's logprob and top tokens, a long prompt's across prefill chunks, a
+    one-token prompt's none but its null, then the completion's as ever."""
+    assert len(tokenizer.encode(ONE_TOKEN_PROMPT)) == 1
+    for prompt in (PROMPTS[2], LONG_PROMPT, ONE_TOKEN_PROMPT):
         ids = tokenizer.encode(prompt)
         steps = prompt_steps(reference, ids)
         got = complete(cluster, prompt, max_tokens, stream, echo=True, logprobs=3,

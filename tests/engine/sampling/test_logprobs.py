@@ -83,6 +83,11 @@ def test_a_vocabulary_smaller_than_k_gives_every_token() -> None:
     assert [t.token_id for t in got.top] == [2, 1, 0]
 
 
+def test_a_one_token_prompt_has_no_prompt_logprobs_to_give() -> None:
+    """Its only row predicts the output, so no row is scored (an empty index, not a crash)."""
+    assert prompt_logprobs(torch.randn(0, 50), [], 3) == []
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_logprobs_are_each_row_s_raw_log_softmax_at_its_target(k: int) -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
