@@ -34,7 +34,7 @@ from decode.admission import Admission
 from decode.incoming import IncomingKV, IncomingTable
 from decode.phases import Phase, Phases
 from decode.pulls import Pulls
-from decode.scheduler import DecodeSequence, decode_seed
+from decode.scheduler import DecodeSequence
 from engine.sampling.sampler import make_generator
 from kvtransfer import KVItem, KVNotice, KVRejected
 
@@ -134,9 +134,7 @@ class Intake:
                                       traceparent=request.traceparent),
                 tokens=[*task.prompt_ids, *([] if first is None else [first])],
                 num_generated=0 if first is None else 1,
-                generator=make_generator(task.sampling.seed if first is None
-                                         else decode_seed(task.sampling.seed),
-                                         self.device),
+                generator=make_generator(None, self.device),  # seeded: per draw
                 deadline=time.monotonic() + self.ttft_s_per_token * len(task.prompt_ids)))
         return choices
 

@@ -22,11 +22,11 @@ from core.tracing import Tracer
 from decode.drafts import propose
 from decode.guessing import Guessing
 from decode.phases import Phase, Phases
-from decode.scheduler import DecodeScheduler, DecodeSequence, decode_seed
+from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.grammar import history_of
-from engine.sampling.sampler import Draw, History, draw, make_generator
+from engine.sampling.sampler import Draw, History, draw, seed_at
 from engine.sampling.stopping import finish_reason
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,6 @@ class Sampler:
         sequence.tokens.append(token.token_id)
         sequence.num_generated += 1
         task = sequence.request.task
-        if sequence.num_generated == 1:  # prefilled here: the rest draws as decode would
-            sequence.generator = make_generator(decode_seed(task.sampling.seed),
-                                                self.runner.device)
         if sequence.constraint is not None:
             sequence.constraint.advance(token.token_id)
         eos = self.runner.spec.eos_token_ids
@@ -207,5 +204,12 @@ class Sampler:
 
 
 def _generator(sequence: DecodeSequence) -> torch.Generator:
-    assert sequence.generator is not None, "every sequence this worker made has its generator"
-    return sequence.generator
+    """The sequence's generator, seeded for its next output token if the request has a seed
+    (engine.sampling.sampler.seed_at)."""
+    generator = sequence.generator
+    assert generator is not None, "every sequence this worker made has its generator"
+    task = sequence.request.task
+    seed = seed_at(task.sampling.seed, task.output_before + sequence.num_generated)
+    if seed is not None:
+        generator.manual_seed(seed)
+    return generator

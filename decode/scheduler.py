@@ -50,7 +50,7 @@ class DecodeSequence:
     request: DecodeRequest
     tokens: list[int]  # prompt + generated
     num_generated: int
-    generator: torch.Generator | None = None  # this request's own random stream
+    generator: torch.Generator | None = None  # its draws (reseeded per token if seeded)
     received_kv: list[ReceivedKV] | None = None  # as received, written in at admission
     num_cached: int = 0
     num_reused: int = 0  # of its prompt's tokens, those found in the prefix cache
@@ -86,11 +86,6 @@ class DecodeSequence:
     @property
     def live_blocks(self) -> list[int]:
         return [block for block in self.blocks if block != DROPPED]
-
-
-def decode_seed(seed: int | None) -> int | None:
-    """Decode's draws must not replay the draw prefill used for the first token."""
-    return None if seed is None else (seed + 1) % 2**63
 
 
 class DecodeScheduler:

@@ -34,7 +34,7 @@ from engine.model.batch import ForwardBatch
 from engine.pooling import embedding_bytes
 from engine.runner import Runner
 from engine.sampling.grammar import Grammars, history_of
-from engine.sampling.sampler import Draw, draw, make_generator
+from engine.sampling.sampler import Draw, draw, make_generator, seed_at
 from engine.sampling.stopping import finish_reason
 from kvtransfer import make_sender
 from kvtransfer.share import share_prefix
@@ -246,7 +246,8 @@ class PrefillWorker(Worker):
 
     def _first_tokens(self, batch: list[PrefillRequest], logits: torch.Tensor) -> list[Draw]:
         params = [r.task.sampling for r in batch]
-        generators = [make_generator(r.task.sampling.seed, self.runner.device) for r in batch]
+        generators = [make_generator(seed_at(r.task.sampling.seed, r.task.output_before),
+                                     self.runner.device) for r in batch]
         eos = self.runner.spec.eos_token_ids
         histories = [history_of(r.task, r.task.prompt_ids, 0, eos,
                                 self.grammars.constraint(r.task, eos)) for r in batch]

@@ -10,7 +10,7 @@ import torch
 
 from core.messages import DecodeRequest, GenerationTask, RequestKey, Sampling
 from decode.incoming import ReceivedKV
-from decode.scheduler import DROPPED, DecodeScheduler, DecodeSequence, decode_seed
+from decode.scheduler import DROPPED, DecodeScheduler, DecodeSequence
 from engine.kv.allocator import BlockAllocator, blocks_needed
 from engine.model.chunk_cost import ChunkCost
 
@@ -568,9 +568,3 @@ def test_a_preempted_sequence_drops_its_draft() -> None:
     old.num_cached = 8
     scheduler.schedule()
     assert list(scheduler.waiting) == [new] and new.draft == []
-
-
-def test_decode_seeds_its_draws_apart_from_prefill_s_first_one() -> None:
-    assert decode_seed(None) is None  # fresh entropy either way
-    assert decode_seed(11) == 12
-    assert decode_seed(2**63 - 1) == 0  # within what a generator takes

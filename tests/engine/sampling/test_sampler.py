@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.messages import Sampling
-from engine.sampling.sampler import History, draw, make_generator, sample
+from engine.sampling.sampler import History, draw, make_generator, sample, seed_at
 
 VOCAB = 1000
 
@@ -23,6 +23,20 @@ def test_greedy_is_argmax() -> None:
     tokens = sample(logits, params, [make_generator(None) for _ in range(5)])
     assert tokens == logits.argmax(dim=-1).tolist()
     assert params[0].greedy and not Sampling().greedy
+
+
+def test_each_output_position_of_a_seeded_request_has_a_seed_of_its_own() -> None:
+    """Whoever draws position j (the prefill worker, a decode worker, one it resumed on) draws
+    with the same seed; positions, and requests whose seeds are near (choice i: seed + i),
+    never share one."""
+    seeds = {seed_at(seed, position) for seed in (0, 1, 2, 2**64 - 1) for position in range(64)}
+    assert len(seeds) == 4 * 64
+    assert all(seed is not None and 0 <= seed < 2**63 for seed in seeds)
+    assert seed_at(5, 3) == seed_at(5, 3) and seed_at(None, 3) is None
+    logits = random_logits(1, seed=3)
+    wanted = Sampling(temperature=1.0, seed=5)
+    draws = [sample(logits, [wanted], [make_generator(seed_at(5, j))])[0] for j in range(32)]
+    assert len(set(draws)) > 1  # the positions draw apart, from one set of logits
 
 
 def test_seeded_request_is_independent_of_its_batch() -> None:
