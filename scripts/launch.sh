@@ -7,10 +7,12 @@
 #                     [--tool-call-parser hermes|llama3_json] [--served-model-name NAME]...
 #                     [--reasoning-parser qwen3|deepseek_r1]
 #                     [--allowed-origins ORIGIN]...  (browser pages' CORS; default: any)
-#                     [--restarts N]
+#                     [--restarts N] [--restart-window S]
 # A worker that crashes (killed, or exits with an error) is started again under its id, at most
-# --restarts times (default 3; 0: never), after 1, 2, 4... s: its requests have resumed
-# elsewhere (or waited for it), and it rejoins its pool. One that stops (SIGINT) or drains
+# --restarts times in a row (default 3; 0: never), after 1, 2, 4... s: its requests have resumed
+# elsewhere (or waited for it), and it rejoins its pool. One that then runs for
+# --restart-window seconds (default 600) without crashing has its restarts back, so that
+# crashes days apart never use them up, while one that crashes as it starts is given up on. One that stops (SIGINT) or drains
 # (SIGTERM) is not. A crashed gateway is restarted the same way: the workers register with
 # the new one as it comes up (requests it was serving are lost with their connections).
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
@@ -53,7 +55,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFILL="" DECODE="" HOST=127.0.0.1 PORT=8000 CONFIG="$ROOT/configs/default.yaml" MODEL="" CONTROL=""
 RUN_DIR="" PREFILL_CPUS="" DECODE_CPUS="" PIN=auto KV_BACKEND="" LOG_FORMAT=""
 GATEWAY_AUTH=() SETTINGS=() COLOCATED=0 OTLP="" JOIN="" GATEWAY_ONLY=0 KEYS="" ADVERTISE=""
-AUTOSCALE="" SERVED_NAMES=() ORIGINS=() RESTARTS=3
+AUTOSCALE="" SERVED_NAMES=() ORIGINS=() RESTARTS=3 RESTART_WINDOW=600
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; exit "${1:-0}"; }  # the comment block above
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -83,6 +85,7 @@ while [[ $# -gt 0 ]]; do
     --tool-call-parser) SETTINGS+=(--set "gateway.tool_call_parser=$2"); shift 2 ;;  # as vLLM's
     --reasoning-parser) SETTINGS+=(--set "gateway.reasoning_parser=$2"); shift 2 ;;  # as vLLM's
     --restarts) RESTARTS="$2"; shift 2 ;;
+    --restart-window) RESTART_WINDOW="$2"; shift 2 ;;
     --served-model-name) SERVED_NAMES+=("$2"); shift 2 ;;
     --allowed-origins) ORIGINS+=("$2"); shift 2 ;;
     -h|--help) usage 0 ;;
@@ -102,6 +105,7 @@ yaml_list() {  # "a" "b" -> ["a", "b"], for a --set of a list setting
 DEFAULT_COUNT=$([[ -n "$JOIN" ]] && echo 0 || echo 1)  # a join starts only the workers it names
 PREFILL="${PREFILL:-$DEFAULT_COUNT}" DECODE="${DECODE:-$DEFAULT_COUNT}"
 [[ "$RESTARTS" =~ ^[0-9]+$ ]] || { echo "--restarts takes a count" >&2; exit 2; }
+[[ "$RESTART_WINDOW" =~ ^[0-9]+$ ]] || { echo "--restart-window takes seconds" >&2; exit 2; }
 [[ "$PREFILL" =~ ^[0-9]+$ && "$DECODE" =~ ^[0-9]+$ ]] || { echo "--prefill, --decode and --colocated take counts" >&2; exit 2; }
 if [[ -n "$JOIN" ]]; then
   [[ -z "$AUTOSCALE" ]] || { echo "--autoscale runs beside a gateway, not with --join" >&2; exit 2; }
@@ -265,10 +269,11 @@ wait_workers() {  # until every process started has exited (the gateway's, unles
   exit 0
 }
 
-declare -A COMMAND_OF=() RESTARTED=()
+declare -A COMMAND_OF=() RESTARTED=() STARTED_AT=()
 start() {  # start NAME ARGS...: one process, logged to its own file
   local name="$1"; shift
   COMMAND_OF[$name]="$(printf '%q ' "$@")"
+  STARTED_AT[$name]=$SECONDS
   (cd "$ROOT" && exec "$RAGING_PY" "$@") >>"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
   echo "$! $name" >> "$RUN_DIR/pids"
@@ -278,8 +283,11 @@ crashed() {  # crashed NAME STATUS: a process that died, not one that stopped (0
 }
 restart() {  # restart NAME: start it again as it was first started, if it has restarts left
   local name="$1" count="${RESTARTED[$1]:-0}"
+  if (( SECONDS - STARTED_AT[$name] >= RESTART_WINDOW )); then
+    count=0  # it ran long enough since its last start: a crash now is not a crash loop
+  fi
   if (( count >= RESTARTS )); then
-    echo "[launch] $name is not restarted (--restarts $RESTARTS)" >&2
+    echo "[launch] $name is not restarted (--restarts $RESTARTS within --restart-window $RESTART_WINDOW s)" >&2
     return 1
   fi
   RESTARTED[$name]=$(( count + 1 ))

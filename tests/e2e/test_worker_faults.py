@@ -176,20 +176,27 @@ def test_streams_on_a_killed_decode_worker_go_on_elsewhere_without_a_gap(
     cluster: Cluster, tiny_model_dir: Path
 ) -> None:
     """SIGKILL mid-stream: each stream resumes on the other decode worker from what its client
-    already has, and the whole text equals the uninterrupted greedy run."""
+    already has, and the whole text equals the uninterrupted run: the greedy one, and for a
+    sampled stream with a seed, the same request's sent again once all is quiet."""
     prompts = [f"Story {i}: once upon a time" for i in range(6)]
+    seeded = [(f"Fable {i}: a fox", {"temperature": 0.9, "seed": 11 + i}) for i in range(3)]
     max_tokens = 300
     pid = cluster.pids()["decode-0"]
-    streaming = threading.Barrier(len(prompts) + 1)
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    streaming = threading.Barrier(len(prompts) + len(seeded) + 1)
+    with ThreadPoolExecutor(len(prompts) + len(seeded)) as pool:
         futures = [pool.submit(stream_text, cluster, p, max_tokens, streaming) for p in prompts]
+        sampled = [pool.submit(stream_text, cluster, p, max_tokens, streaming, sampling)
+                   for p, sampling in seeded]
         streaming.wait(timeout=30)  # every stream has its first tokens
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         results = [f.result(timeout=60) for f in futures]
+        sampled_results = [f.result(timeout=60) for f in sampled]
     assert_uninterrupted(tiny_model_dir, prompts, max_tokens, results)
     resumed = cluster.metric("raging_requests_resumed_total")
-    assert 1 <= resumed <= len(prompts)
+    assert 1 <= resumed <= len(prompts) + len(seeded)
+    for (prompt, sampling), got in zip(seeded, sampled_results, strict=True):
+        assert got == stream_text(cluster, prompt, max_tokens, sampling=sampling), prompt
     print(f"{len(prompts)} streams, 1 decode worker killed, {resumed:.0f} resumed, all done "
           f"{time.monotonic() - killed_at:.1f} s after the kill")
 
@@ -223,9 +230,11 @@ def greedy_text(model_dir: Path, prompt: str, max_tokens: int) -> str:
 
 def stream_text(cluster: Cluster, prompt: str, max_tokens: int,
                 streaming: threading.Barrier | None = None,
+                sampling: dict[str, float] | None = None,
                 ) -> tuple[str, str | None, list[object]]:
+    """A stream's text, finish reason and error events: greedy unless `sampling` says."""
     body = {"model": cluster.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+            "temperature": 0, "ignore_eos": True, "stream": True, **(sampling or {})}
     text, finish, errors = "", None, []
     with cluster.client.stream("POST", "/v1/completions", json=body) as response:
         for count, event in enumerate(sse_events(response)):
@@ -299,9 +308,14 @@ def test_a_decode_worker_restarted_on_its_fixed_kv_port_gets_kv_again(
 def only_decode(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Cluster]:
     """1 prefill + 1 decode worker, shared by the module's last tests, in their order: a wedge
-    that ends, then two kills that launch.sh restarts the worker after."""
-    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir) as running:
+    that ends, two kills that launch.sh restarts the worker after (one restart in a row, back
+    once the worker has run RESTART_WINDOW_S), then one kill too soon after a restart."""
+    flags = ["--restarts", "1", "--restart-window", str(RESTART_WINDOW_S)]
+    with launch(tmp_path_factory.mktemp("run"), tiny_model_dir, flags=flags) as running:
         yield running
+
+
+RESTART_WINDOW_S = 2
 
 
 def restarts(cluster: Cluster) -> int:
@@ -370,9 +384,24 @@ def test_requests_routed_to_the_only_decode_worker_just_killed_wait_for_its_rest
 ) -> None:
     """Before the gateway declares it dead, requests go to the killed worker, and their KV
     cannot reach it: rather than send them there again (and fail), they wait for the worker
-    launch.sh starts again, and finish with the greedy text."""
+    launch.sh starts again, and finish with the greedy text. The worker was restarted once
+    already: having run for the restart window since, it has its one restart back."""
+    time.sleep(RESTART_WINDOW_S + 0.5)
     restarted = restarts(only_decode)
     killed_at = kill_decode_0_and_stream(only_decode, tiny_model_dir, 3)
     assert restarts(only_decode) == restarted + 1
     print(f"3 requests sent as the only decode worker was killed, all done "
           f"{time.monotonic() - killed_at:.1f} s after the kill")
+
+
+def test_a_worker_that_crashes_as_it_starts_is_given_up_on(only_decode: Cluster) -> None:
+    """Restarted, then killed again before it has run for the restart window: launch.sh has
+    no restart left for it (--restarts 1) and says so."""
+    time.sleep(RESTART_WINDOW_S + 0.5)  # a restart to spend again
+    restarted, pid = restarts(only_decode), only_decode.pids()["decode-0"]
+    os.kill(pid, signal.SIGKILL)
+    within(10, lambda: only_decode.pids()["decode-0"] != pid)
+    os.kill(only_decode.pids()["decode-0"], signal.SIGKILL)
+    launch_log = only_decode.run_dir / "launch.log"
+    within(10, lambda: "decode-0 is not restarted" in launch_log.read_text())
+    assert restarts(only_decode) == restarted + 1
