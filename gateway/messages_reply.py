@@ -129,8 +129,13 @@ class MessagesReply(Reply):
         return "messages"
 
     async def _events(self) -> AsyncIterator[str]:
-        yield _sse({"type": "message_start", "message": self._message(streamed=True)})
+        # message_start waits for the first event: by then the prompt is in, and its usage
+        # (how much of it the cache held) agrees with message_delta's.
+        started = False
         async for index, delta in self._deltas():
+            if not started:
+                started = True
+                yield self._start_event()
             if delta is KEEPALIVE:
                 yield PING_EVENT
                 continue
@@ -141,6 +146,8 @@ class MessagesReply(Reply):
             for event in self._choice_events(self._streamed_choice(index, delta) or {}):
                 yield _sse(event)
         self.outcome = "ok"
+        if not started:
+            yield self._start_event()
         for event in self.blocks.finish():
             yield _sse(event)
         stop = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
@@ -149,6 +156,9 @@ class MessagesReply(Reply):
             ending["raging"] = self._raging(0)
         yield _sse(ending)
         yield _sse({"type": "message_stop"})
+
+    def _start_event(self) -> str:
+        return _sse({"type": "message_start", "message": self._message(streamed=True)})
 
     def _whole_body(self, wholes: list[WholeChoice]) -> dict[str, Any]:
         choice = self._whole_choice(0, wholes[0])

@@ -100,6 +100,13 @@ def test_the_stream_builds_the_same_message(client: anthropic.Anthropic,
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert prompt_tokens(final) == prompt_tokens(whole)
+    # The prompt's usage as the stream starts is the one it ends with (the cache held part of
+    # it: `whole` had just asked the same).
+    started = next(e.message.usage for e in events if e.type == "message_start")
+    ended = next(e.usage for e in events if e.type == "message_delta")
+    assert (started.input_tokens, started.cache_read_input_tokens) == (
+        ended.input_tokens, ended.cache_read_input_tokens)
+    assert ended.cache_read_input_tokens
 
 
 def test_max_tokens_and_stop_sequences_say_why_the_reply_stopped(
