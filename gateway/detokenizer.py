@@ -78,6 +78,18 @@ class IncrementalDetokenizer:
         return decode_text(self._tokenizer, self._ids[start:end], self._skip_special_tokens)
 
 
+def text_offsets(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> list[int]:
+    """Where each token's text starts in the text the tokens decode to, in characters: the
+    tokens of one character split across them (an emoji's bytes) all start where it does."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
+    offsets, chars = [], 0
+    for token_id in token_ids:
+        offsets.append(chars)
+        chars += len(detokenizer.add(token_id))
+    return offsets
+
+
 class StopStringMatcher:
     """Cuts a text stream before the first stop string, holding back possible stop prefixes.
 

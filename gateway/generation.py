@@ -16,6 +16,7 @@ from gateway.detokenizer import (
     LineLimiter,
     LineLimits,
     StopStringMatcher,
+    text_offsets,
 )
 from gateway.handle import Ending, Event, RequestHandle
 from gateway.logprobs import TokenLogprob, TokenPieces, finite_logprob
@@ -60,6 +61,8 @@ class Generation:
         self.handle = handle
         self._abort = abort
         self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.detokenizer = IncrementalDetokenizer(tokenizer, handle.task.prompt_ids,
                                                   skip_special_tokens)
         self.stops = StopStringMatcher(stops, include_stop)
@@ -167,14 +170,14 @@ class Generation:
             entries = []
         if entries is None or len(entries) != len(echo.token_ids) - 1:
             return False
-        offset = 0
-        for token_id, entry in zip(echo.token_ids, [None, *entries], strict=True):
-            piece = pieces(token_id)
+        offsets = text_offsets(self.tokenizer, echo.token_ids, self.skip_special_tokens)
+        for token_id, entry, offset in zip(echo.token_ids, [None, *entries], offsets,
+                                           strict=True):
             top = [] if entry is None else [
                 (pieces(t.token_id), finite_logprob(t.logprob)) for t in entry.top]
             logprob = None if entry is None else finite_logprob(entry.logprob)
-            self.pending.append(TokenLogprob(piece, logprob, top, offset))
-            offset += len(piece.text)
+            self.pending.append(TokenLogprob(pieces(token_id), logprob, top,
+                                             min(offset, len(echo.text))))
         return True
 
     def _apply_token(self, event: Event) -> Delta:

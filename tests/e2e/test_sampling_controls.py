@@ -333,6 +333,7 @@ def test_chat_logprobs_match_transformers(
 
 LONG_PROMPT = " ".join(f"item {i} of the list," for i in range(120))  # past one 512-token chunk
 ONE_TOKEN_PROMPT = "Hello"
+UNICODE_PROMPT = "héllo wörld 🎉 日本語 ok"  # tokens holding pieces of characters
 
 
 def prompt_steps(reference: Reference, prompt_ids: list[int]) -> torch.Tensor:
@@ -352,7 +353,7 @@ def test_echo_scores_the_prompt_as_transformers(
     each prompt token's logprob and top tokens, a long prompt's across prefill chunks, a
     one-token prompt's none but its null, then the completion's as ever."""
     assert len(tokenizer.encode(ONE_TOKEN_PROMPT)) == 1
-    for prompt in (PROMPTS[2], LONG_PROMPT, ONE_TOKEN_PROMPT):
+    for prompt in (PROMPTS[2], LONG_PROMPT, ONE_TOKEN_PROMPT, UNICODE_PROMPT):
         ids = tokenizer.encode(prompt)
         steps = prompt_steps(reference, ids)
         got = complete(cluster, prompt, max_tokens, stream, echo=True, logprobs=3,
@@ -369,6 +370,7 @@ def test_echo_scores_the_prompt_as_transformers(
             assert {pieces(i).text for i in step.topk(3).indices.tolist()} <= set(top)
         offsets = logprobs["text_offset"]
         assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert max(offsets[:len(ids)]) <= len(text_of(tokenizer, ids))
         assert len(ids) > 512 or prompt != LONG_PROMPT
 
 

@@ -10,7 +10,13 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.weights.tokenizer import decode_text
-from gateway.detokenizer import IncrementalDetokenizer, LineLimiter, LineLimits, StopStringMatcher
+from gateway.detokenizer import (
+    IncrementalDetokenizer,
+    LineLimiter,
+    LineLimits,
+    StopStringMatcher,
+    text_offsets,
+)
 
 CASES = 1000
 FFFD = "\ufffd"
@@ -87,6 +93,24 @@ def test_emoji_is_held_until_complete(tokenizer: PreTrainedTokenizerBase) -> Non
     assert [d for d in deltas if d] == [d for d in deltas if d and FFFD not in d]
     assert "".join(deltas) == "I 😀 日本"
     assert any("😀" in d for d in deltas)
+
+
+def test_text_offsets_rise_within_the_text_and_split_characters_share_one(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """echo's text_offset: the character each token starts at, never past the text, even for
+    tokens holding a piece of an emoji or a CJK character."""
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = random_ids(rng, tokenizer)
+        text = decode_text(tokenizer, ids, skip_special_tokens=True)
+        offsets = text_offsets(tokenizer, ids)
+        assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), ids
+        assert offsets[:1] in ([], [0])
+    ids = tokenizer.encode("héllo wörld 🎉 ok")
+    offsets = text_offsets(tokenizer, ids)
+    assert offsets[-1] == len("héllo wörld 🎉")  # " ok" starts after the emoji
+    assert len(set(offsets)) < len(offsets)  # the emoji's byte tokens share its offset
 
 
 def test_flush_turns_unfinished_character_into_replacement(
