@@ -59,6 +59,7 @@ function saveKey(event) {
 
 const conversation = [];  // {role, content} of the turns so far
 let inFlight = null;  // the AbortController of the answer being streamed
+let chatNumber = 0;  // "New chat" starts the next: an answer of an earlier one is not kept
 
 async function loadModels() {
   try {
@@ -121,6 +122,7 @@ function requestBody() {
 
 // Streams one answer into `box`, then shows its stats; a stop keeps what arrived so far.
 async function answer(box) {
+  const chat = chatNumber;
   const controller = new AbortController();
   setBusy(controller);
   box.classList.add("streaming");
@@ -139,8 +141,9 @@ async function answer(box) {
   }
   run.ended = performance.now();
   box.classList.remove("streaming");
+  if (chat !== chatNumber) return;  // its chat was cleared while it streamed
   if (run.text) conversation.push({ role: "assistant", content: run.text });
-  else if (run.finish === "error") conversation.pop();  // not answered: not part of the chat
+  else conversation.pop();  // not answered (an error, or stopped first): not part of the chat
   showStats(box, run);
 }
 
@@ -232,6 +235,7 @@ function stop() {
 
 function clearChat() {
   stop();
+  chatNumber += 1;
   conversation.length = 0;
   $("messages").replaceChildren();
 }
@@ -369,7 +373,10 @@ document.addEventListener("DOMContentLoaded", () => {
   $("key-form").addEventListener("submit", saveKey);
   $("compose").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) send(event);
+    // An Enter that confirms an input method's conversion (Japanese, Chinese, Korean) is
+    // not a send (keyCode 229: Safari's, as the composition ends).
+    const composing = event.isComposing || event.keyCode === 229;
+    if (event.key === "Enter" && !event.shiftKey && !composing) send(event);
   });
   $("stop").addEventListener("click", stop);
   $("clear").addEventListener("click", clearChat);

@@ -205,6 +205,27 @@ def test_stop_aborts_the_answer_and_the_cluster_frees_it(page: Page, cluster: Cl
     page.locator("#cluster").screenshot(path=str(tmp_path / "web-cluster.png"))
 
 
+def test_a_new_chat_mid_answer_starts_clean_and_an_ime_enter_sends_nothing(
+        page: Page, cluster: Cluster) -> None:
+    """The answer cut off by "New chat" is no part of the next chat; an Enter that confirms an
+    input method's conversion leaves the text in the box."""
+    open_page(page, cluster)
+    bodies: list[dict[str, Any]] = []
+    page.on("request", lambda request: bodies.append(json.loads(request.post_data or "{}"))
+            if request.url.endswith("/v1/chat/completions") else None)
+    ask(page, "Write a very long story about a dragon who learns to sing.", 2000)
+    page.wait_for_function("() => (document.querySelector('.message.assistant .text')"
+                           "?.textContent.length ?? 0) > 10")
+    page.click("#clear")
+    page.wait_for_function("() => !document.getElementById('send').disabled")
+    page.fill("#prompt", "にほん")
+    page.dispatch_event("#prompt", "keydown", {"key": "Enter", "isComposing": True})
+    assert page.input_value("#prompt") == "にほん" and len(bodies) == 1
+    ask(page, QUESTION, 4)
+    page.wait_for_selector(".message.assistant .stats")
+    assert bodies[-1]["messages"] == [{"role": "user", "content": QUESTION}]
+
+
 def test_an_error_reply_is_shown_as_text(page: Page, cluster: Cluster) -> None:
     body = {"model": cluster.model, "messages": [{"role": "user", "content": "<b>hello</b>"}],
             "max_tokens": 999_999, "temperature": 0, "stream": True,
