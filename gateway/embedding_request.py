@@ -37,7 +37,7 @@ class EmbeddingRequest(RequestModel):
     takes it, `messages` under the chat template (one vector)."""
 
     input: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = Field(default=None, max_length=256)  # ignored, as vLLM does
@@ -84,7 +84,7 @@ class OllamaEmbedRequest(RequestModel):
     # As Ollama reads them, the options' numbers may come as floats: not strict.
     model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] | None = None
     truncate: bool = True  # False: an input longer than the context is an error
     dimensions: int | None = None  # 0 or less: all of them, as Ollama reads it
@@ -104,7 +104,7 @@ class OllamaEmbeddingsRequest(RequestModel):
 
     model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False, frozen=True)
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     prompt: str = ""  # "": no vector, the model only 'loads'
     options: dict[str, object] | None = None
     keep_alive: str | float | None = None
@@ -119,7 +119,7 @@ class LlamaEmbeddingRequest(RequestModel):
     input: list[str | list[TokenId]] | None = Field(default=None, max_length=MAX_INPUTS)
     embd_normalize: int = Field(default=EUCLIDEAN, ge=-1, le=64)
     add_special: bool = True  # llama.cpp's: the tokenizer's BOS and the like
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
 
     @field_validator("content", "input", mode="before")
     @classmethod

@@ -64,7 +64,7 @@ class LlamaCompletionRequest(RequestModel):
     logit_bias: list[BiasEntry] | dict[str, float | bool] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)
     return_tokens: bool = False  # the whole reply's `tokens`: its token ids (a stream's always)
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     n_indent: int = Field(default=0, ge=0, le=_INT32_MAX)  # a line less indented ends it
     t_max_predict_ms: int = Field(default=0, ge=0, le=_INT32_MAX)  # after a new line, a limit
     cache_prompt: bool | None = None  # ignored: every prompt's prefix is cached

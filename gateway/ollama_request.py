@@ -165,7 +165,7 @@ class Message(RequestModel):
 class _Generating(RequestModel):
     """What both routes take beside their prompt."""
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     stream: bool | None = True  # Ollama streams unless told not to (null: as unset)
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options | None = None

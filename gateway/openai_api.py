@@ -296,9 +296,10 @@ class OpenAIRoutes:
     def served_model(self, model: str | None) -> str:
         """The served name a request gave (bare, or with Ollama's `:latest` tag, which its
         /api/tags lists and Ollama's own /v1 routes take too), or the first one where it gave
-        none (as vLLM and llama.cpp do); a 404 for a name this server does not serve."""
+        none, or an empty one (as vLLM and llama.cpp do); a 404 for a name this server does
+        not serve."""
         names = self.state.served_names
-        if model is None:
+        if not model:
             return names[0]
         if model not in names and model.removesuffix(OLLAMA_TAG) in names:
             return model.removesuffix(OLLAMA_TAG)

@@ -219,7 +219,7 @@ class ChatMessage(RequestModel):
 class SamplingRequest(RequestModel):
     """Fields shared by chat and text completion requests."""
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)  # None: the served one
+    model: str | None = Field(default=None, max_length=256)  # None: the served one
     # Bounded: a 4300-digit int parses, then cannot even be formatted into an error message.
     max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -477,7 +477,7 @@ class TokenizeRequest(RequestModel):
     """The body of POST /tokenize: vLLM's (a prompt, or messages under the chat template) or
     llama.cpp's (`content`, `add_special`, `with_pieces`)."""
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     prompt: str | None = None
     content: str | None = None  # llama.cpp's prompt
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -519,7 +519,7 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     """The body of POST /detokenize (vLLM's and llama.cpp's)."""
 
-    model: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(default=None, max_length=256)
     tokens: list[TokenId]
 
 
