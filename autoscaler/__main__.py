@@ -10,10 +10,11 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
-from autoscaler.pools import Bounds, PoolScaler, join_command, run
+from autoscaler.pools import Bounds, LaunchedWorkers, PoolScaler, join_command, run
 from core.cli import ConfigParser
 from core.config import Config, Role
 from core.logs import setup_logging
@@ -48,7 +49,9 @@ def main(argv: list[str]) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    scaler = PoolScaler(bounds, {"prefill": prefill, "decode": decode}, start)
+    launched = LaunchedWorkers(run_dir / "pids")
+    scaler = PoolScaler(bounds, {"prefill": prefill, "decode": decode}, start,
+                        lambda role: launched.count(role, time.monotonic()))
     log.info("sizing the pools between %d and %d workers from %s, every %g s", bounds.least,
              bounds.most, args.url, poll_s)
     run(scaler, lambda: _metrics(args.url, key), poll_s, lambda: stop["now"])

@@ -2,11 +2,13 @@
 gateway's `raging_pool_desired_workers{role}` and make each pool that size, within MIN and
 MAX workers, by starting workers (`launch.sh --join`, one worker each) and draining the newest
 it started (SIGTERM: it finishes what it holds, then leaves). The workers launch.sh started
-itself count toward a pool and are never drained from here."""
+itself count toward a pool while they run (`LaunchedWorkers`) and are never drained from here:
+one that left (drained, or past its restarts) is made up for."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -48,21 +50,64 @@ class Started:
         self.draining = [p for p in self.draining if p.poll() is None]
 
 
+class LaunchedWorkers:
+    """The workers launch.sh started itself, as its `pids` file names them ("PID NAME" lines,
+    a restarted worker's newest PID last). One counts while its process runs, and for
+    `grace_s` after it died, while launch.sh may be starting it again."""
+
+    def __init__(self, pids_file: Path, grace_s: float = 10.0) -> None:
+        self.pids_file = pids_file
+        self.grace_s = grace_s
+        self.dead_since: dict[str, float] = {}  # name: when it was first seen not running
+
+    def count(self, role: Role, now: float) -> int:
+        newest = dict(_names_and_pids(self.pids_file))
+        present = 0
+        for name, pid in newest.items():
+            if not name.startswith(f"{role}-"):
+                continue
+            if _running(pid):
+                self.dead_since.pop(name, None)
+                present += 1
+            elif now - self.dead_since.setdefault(name, now) < self.grace_s:
+                present += 1
+        return present
+
+
+def _names_and_pids(pids_file: Path) -> list[tuple[str, int]]:
+    lines = pids_file.read_text().splitlines() if pids_file.exists() else []
+    return [(name, int(pid)) for pid, name in (line.split() for line in lines if line.strip())]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the PID: ours is gone
+        return False
+    return True
+
+
 class PoolScaler:
     """One round at a time (`adjust`), given what the gateway wants (`desired`) and how to
-    start one worker of a pool (`start`)."""
+    start one worker of a pool (`start`). `launched`: the workers launch.sh started itself,
+    per pool (a pool it started none of stays empty); `launched_now`, how many of them run
+    now (all of them, when not given)."""
 
-    def __init__(self, bounds: Bounds, base: dict[Role, int],
-                 start: Callable[[Role, int], subprocess.Popen[bytes]]) -> None:
+    def __init__(self, bounds: Bounds, launched: dict[Role, int],
+                 start: Callable[[Role, int], subprocess.Popen[bytes]],
+                 launched_now: Callable[[Role], int] | None = None) -> None:
         self.bounds = bounds
-        self.base = base  # workers launch.sh started itself, per pool
+        self.launched = launched
+        self.launched_now = launched_now or launched.__getitem__
         self.start = start
         self.started: dict[Role, Started] = {role: Started() for role in ROLES}
         self.count = 0  # workers started so far: each one's number
 
     def size(self, role: Role) -> int:
         """The pool's workers that are not draining."""
-        return self.base[role] + len(self.started[role].running)
+        return self.launched_now(role) + len(self.started[role].running)
 
     def adjust(self, desired: dict[Role, int]) -> None:
         """Start or drain workers so that each pool heads for its wanted size: all the missing
@@ -70,7 +115,7 @@ class PoolScaler:
         for role in ROLES:
             pool = self.started[role]
             pool.reap()
-            wanted = min(max(desired[role], self.bounds.least if self.base[role] else 0),
+            wanted = min(max(desired[role], self.bounds.least if self.launched[role] else 0),
                          self.bounds.most)
             for _ in range(wanted - self.size(role)):
                 self.count += 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.pools import Bounds, PoolScaler, desired_workers, join_command
+from autoscaler.pools import Bounds, LaunchedWorkers, PoolScaler, desired_workers, join_command
 from core.config import Role
 
 # A stand-in for a launch.sh --join: a real process that exits on SIGTERM (as a drained worker
@@ -88,3 +88,45 @@ def test_a_started_worker_joins_with_the_clusters_address_and_keys() -> None:
                            Path("/run/scaled-decode-3"), ["--config", "c.yaml"])
     assert command == ["/r/scripts/launch.sh", "--join", "tcp://10.0.0.1:8100", "--keys", "/k",
                        "--decode", "1", "--run-dir", "/run/scaled-decode-3", "--config", "c.yaml"]
+
+
+def test_launch_sh_s_own_workers_count_while_they_run_and_a_grace_after(tmp_path: Path) -> None:
+    """Read from launch.sh's pids file (a restarted worker's newest PID last): one that died
+    counts for `grace_s` (launch.sh may be starting it again), then no more."""
+    running = subprocess.Popen(WORKER)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    try:
+        pids = tmp_path / "pids"
+        pids.write_text(f"{gone.pid} gateway\n{gone.pid} decode-0\n{running.pid} decode-0\n"
+                        f"{running.pid} prefill-0\n{gone.pid} decode-1\n")
+        launched = LaunchedWorkers(pids, grace_s=5.0)
+        assert (launched.count("decode", now=100.0), launched.count("prefill", 100.0)) == (2, 1)
+        assert launched.count("decode", now=104.0) == 2  # decode-1 may come back yet
+        assert launched.count("decode", now=105.0) == 1  # it did not
+        pids.write_text(pids.read_text() + f"{running.pid} decode-1\n")  # restarted
+        assert launched.count("decode", now=106.0) == 2
+    finally:
+        running.kill()
+        running.wait(timeout=30)
+
+
+def test_a_pool_whose_own_worker_left_is_made_up_for() -> None:
+    """A worker launch.sh started drained away (or ran out of restarts): the pool would stay
+    below its least size for good unless the scaler starts one in its place."""
+    started: list[Role] = []
+    own = {"prefill": 1, "decode": 1}
+
+    def start(role: Role, number: int) -> subprocess.Popen[bytes]:
+        started.append(role)
+        return subprocess.Popen(WORKER)
+
+    pools = PoolScaler(Bounds(1, 3), {"prefill": 1, "decode": 1}, start, own.__getitem__)
+    try:
+        pools.adjust({"prefill": 1, "decode": 1})
+        assert started == []
+        own["decode"] = 0  # decode-0 left
+        pools.adjust({"prefill": 1, "decode": 1})
+        assert started == ["decode"] and pools.size("decode") == 1
+    finally:
+        pools.stop()
