@@ -242,24 +242,24 @@ class Registry:
         return dead
 
     def drain(self, worker: WorkerInfo, why: str) -> None:
-        """Route nothing new to `worker` from now on: it is draining."""
+        """Route nothing new to `worker` from now on: it is draining. It goes on purpose, so
+        its pool is expected to be that much smaller from now on (health stays "ok")."""
         if not worker.draining:
             worker.draining = True
             self._note("draining", worker, why)
+            serving = len(self.serving(worker.role))
+            self.expected[worker.role] = min(self.expected[worker.role], serving)
 
     def free_to_leave(self) -> list[WorkerInfo]:
         """The draining workers with no request in flight on them: they may leave."""
         return [w for w in self.workers.values() if w.draining and not w.active]
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
-        """A worker that said it is leaving. One that drained first was scaled down on
-        purpose: its pool is expected to be that much smaller from now on."""
+        """A worker that said it is leaving (one that drained first was scaled down on
+        purpose: see `drain`)."""
         worker = self.workers.pop(worker_id, None)
         if worker is not None:
             self._note("left", worker, "drained" if worker.draining else "")
-            if worker.draining:
-                serving = len(self.serving(worker.role))
-                self.expected[worker.role] = min(self.expected[worker.role], serving)
         return worker
 
     def alive(self, role: Role) -> list[WorkerInfo]:

@@ -295,7 +295,16 @@ restart() {  # restart NAME: start it again as it was first started, if it has r
   wait "$BACKOFF" || true
   BACKOFF=""
   echo "[launch] restarting $name ($(( count + 1 )) of $RESTARTS)"
+  if [[ "$name" == gateway ]]; then  # it waits only for the workers still here (not the drained)
+    COMMAND_OF[gateway]="$(sed -E "s/--expect-prefill [0-9]+/--expect-prefill $(running prefill)/;
+      s/--expect-decode [0-9]+/--expect-decode $(running decode)/" <<<"${COMMAND_OF[gateway]}")"
+  fi
   eval "start \"\$name\" ${COMMAND_OF[$name]}"
+}
+running() {  # running ROLE: how many of the ROLE workers started here run now
+  awk -v role="$1" '{ newest[$2] = $1 } END { for (name in newest)
+    if (index(name, role "-") == 1) print newest[name] }' "$RUN_DIR/pids" |
+    while read -r pid; do kill -0 "$pid" 2>/dev/null && echo; done | wc -l
 }
 
 TAG=""  # joining workers' ids name their host and this launch, so ids never clash

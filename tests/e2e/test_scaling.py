@@ -166,6 +166,19 @@ def test_a_sigterm_drains_an_idle_worker_and_its_pool_shrinks(tiny_model_dir: Pa
         assert pools(cluster) == (1, 1)
         assert httpx.get(cluster.url + "/health", timeout=5).json()["status"] == "ok"
         assert "drained in" in cluster.log("decode-1")
+        # A gateway launch.sh starts again waits for the workers still here, not the drained.
+        gateway = cluster.pids()["gateway"]
+        os.kill(gateway, signal.SIGKILL)
+        wait_for(lambda: cluster.pids()["gateway"] != gateway, 30, "the gateway's restart")
+        wait_for(lambda: _health(cluster) == ("ok", 1, 1), 30, "ok again, with 1P+1D")
+
+
+def _health(cluster: Cluster) -> tuple[str, int, int] | None:
+    try:
+        health = httpx.get(cluster.url + "/health", timeout=5).json()
+    except httpx.HTTPError:  # restarting
+        return None
+    return health["status"], health["prefill"], health["decode"]
 
 
 # Two sequences a decode worker before it wants another; back down 2 s after the load ends;

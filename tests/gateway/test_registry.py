@@ -339,7 +339,7 @@ def test_the_registry_keeps_where_each_worker_computes() -> None:
     assert (info.cpus, info.threads, info.max_running, info.host) == ((2, 3), 2, 48, "host-b")
 
 
-def test_a_draining_worker_gets_no_new_work_and_its_leave_shrinks_the_pool() -> None:
+def test_a_draining_worker_gets_no_new_work_and_shrinks_the_pool() -> None:
     reg = registry(prefill=1, decode=2)
     for worker_id in ("d1", "d2"):
         reg.register(register(worker_id, "decode"))
@@ -350,7 +350,7 @@ def test_a_draining_worker_gets_no_new_work_and_its_leave_shrinks_the_pool() -> 
     assert [w.worker_id for w in reg.serving("decode")] == ["d1"]
     router = Router(reg)
     assert {picked(router.pick_decode()) for _ in range(5)} == {"d1"}
-    assert reg.health() == "degraded"  # draining: expected back only once it has left
+    assert reg.expected["decode"] == 1 and reg.health() == "ok"  # it goes on purpose
     reg.remove("d2")
     assert reg.expected["decode"] == 1 and reg.health() == "ok"
     assert [(e.kind, e.worker_id, e.detail) for e in reg.events][-2:] == [
