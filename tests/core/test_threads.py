@@ -34,6 +34,7 @@ def test_a_short_spin_unless_the_environment_says_otherwise(
 
 
 @needs_two_cpus
+@pytest.mark.usefixtures("quiet_cpus")
 def test_threads_spin_through_a_step_and_sleep_when_idle() -> None:
     waits = probe()
     assert waits.sleeps < 40  # of 400 regions

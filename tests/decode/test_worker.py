@@ -409,9 +409,12 @@ def test_decode_follows_the_grammar_from_the_first_token_to_eos(worker: Served) 
     tokenizer = AutoTokenizer.from_pretrained(decode_worker.runner.model_dir)
     schema = {"type": "object", "properties": {"k": {"enum": ["v", "w"]}}, "required": ["k"]}
     (brace,) = tokenizer.encode("{")
+    blocker = threading.Event()  # the grammar thread held up: a fast compile cannot finish
+    decode_worker.grammars._thread.submit(blocker.wait, 120)  # before the first token lands
     arrive(decode_worker, "json", 100, grammar_task(json.dumps(schema)), token_id=brace)
     assert decode_worker.phases.of(RequestKey("json", 0)) is Phase.COMPILING
     assert RequestKey("json", 0) in decode_worker.phases.held()
+    blocker.set()
     compiled(decode_worker, json.dumps(schema))
     output, finish = [brace], None
     while finish is None:
