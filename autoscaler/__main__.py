@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    launched = LaunchedWorkers(run_dir / "pids")
+    launched = LaunchedWorkers(run_dir)
     scaler = PoolScaler(bounds, {"prefill": prefill, "decode": decode}, start,
                         lambda role: launched.count(role, time.monotonic()))
     log.info("sizing the pools between %d and %d workers from %s, every %g s", bounds.least,

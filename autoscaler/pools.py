@@ -8,7 +8,6 @@ one that left (drained, or past its restarts) is made up for."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.config import ROLES, Role
+from core.pids import alive, started_pids
 
 log = logging.getLogger(__name__)
 
@@ -51,42 +51,26 @@ class Started:
 
 
 class LaunchedWorkers:
-    """The workers launch.sh started itself, as its `pids` file names them ("PID NAME" lines,
-    a restarted worker's newest PID last). One counts while its process runs, and for
-    `grace_s` after it died, while launch.sh may be starting it again."""
+    """The workers launch.sh started itself, as its run folder's `pids` file names them. One
+    counts while its process runs, and for `grace_s` after it died, while launch.sh may be
+    starting it again."""
 
-    def __init__(self, pids_file: Path, grace_s: float = 10.0) -> None:
-        self.pids_file = pids_file
+    def __init__(self, run_dir: Path, grace_s: float = 10.0) -> None:
+        self.run_dir = run_dir
         self.grace_s = grace_s
         self.dead_since: dict[str, float] = {}  # name: when it was first seen not running
 
     def count(self, role: Role, now: float) -> int:
-        newest = dict(_names_and_pids(self.pids_file))
         present = 0
-        for name, pid in newest.items():
+        for name, pid in started_pids(self.run_dir).items():
             if not name.startswith(f"{role}-"):
                 continue
-            if _running(pid):
+            if alive(pid):
                 self.dead_since.pop(name, None)
                 present += 1
             elif now - self.dead_since.setdefault(name, now) < self.grace_s:
                 present += 1
         return present
-
-
-def _names_and_pids(pids_file: Path) -> list[tuple[str, int]]:
-    lines = pids_file.read_text().splitlines() if pids_file.exists() else []
-    return [(name, int(pid)) for pid, name in (line.split() for line in lines if line.strip())]
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process took the PID: ours is gone
-        return False
-    return True
 
 
 class PoolScaler:

@@ -1,10 +1,10 @@
 """What `scripts/gpu-check.sh` needs on a GPU machine with no network, gathered here.
 
-    python -m bench gpu bundle [--out .whl] [--python-version 3.12]
+    python -m bench gpu bundle [--wheels .whl] [--python-version 3.12]
 
 The GPU image holds PyTorch, transformers and much else, but not every package raging runs on.
 This collects wheels of the rest (the versions this environment runs, for the GPU machine's
-Python) and the default model's tokenizer and config (in OUT/tokenizer), which `gpu-check.sh`
+Python) and the default model's tokenizer and config (in WHEELS/tokenizer), which `gpu-check.sh`
 installs and reads there. What the image lacks is worked out from raging's requirements and
 those of the packages its CUDA tests import, followed through this environment's installed
 metadata, down to the packages the image already holds.
@@ -119,7 +119,7 @@ def copy_tokenizer(model_folder: Path, out: Path) -> Path:
 
 
 def bundle(model_folder: Path, out: Path, python_version: str) -> str:
-    """Gather the bundle into `out`; a line per package and its size."""
+    """Gather the bundle into `out`; what it holds, a line per package."""
     out.mkdir(parents=True, exist_ok=True)
     packages = carried(python_version)
     download(packages, out, python_version)

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from core.config import Config, load_config
+from core.pids import started_pids
 from engine.locate import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,13 +117,6 @@ def wait_ready(launcher: subprocess.Popen[bytes], run_dir: Path, timeout_s: floa
                                f"{log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.1)
     raise TimeoutError(f"server not ready in {timeout_s:g}s; see {log}")
-
-
-def started_pids(run_dir: Path) -> dict[str, int]:
-    """Process name -> PID of everything launch.sh started in `run_dir`."""
-    path = run_dir / "pids"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return {name: int(pid) for pid, name in (line.split() for line in lines if line.strip())}
 
 
 def stop(launcher: subprocess.Popen[bytes], run_dir: Path,

@@ -37,7 +37,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launcher import LaunchedServer, launched, started_pids
+from bench.launcher import LaunchedServer, launched
 from bench.report import write_json
 from bench.sim_streams import (
     SimRequest,
@@ -49,6 +49,7 @@ from bench.sim_streams import (
 )
 from core.config import GatewayConfig, Role
 from core.messages import Heartbeat, Register
+from core.pids import started_pids
 from engine.kernels.isa import cpu_summary
 from engine.sim.profile import load_profile
 from gateway.__main__ import make_registry, make_router

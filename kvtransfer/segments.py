@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from core.pids import alive
 from kvtransfer.base import BadChunk
 
 T = TypeVar("T")
@@ -17,17 +17,6 @@ _SWEEP_S = 5.0  # how often to look for senders that are gone
 # A segment unused this long is closed (opened again if a chunk names it): a sender's PID says
 # nothing from another PID namespace (containers), so PIDs alone must not keep it open.
 IDLE_CLOSE_S = 120.0
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` exists (someone else's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def segment_owner(prefix: str, name: str) -> int | None:

@@ -20,8 +20,9 @@ import zmq
 
 from core.config import KVBackend
 from core.curve import CurveKeys
+from core.pids import alive
 from kvtransfer.base import BadChunk
-from kvtransfer.segments import OpenSegments, alive, segment_owner
+from kvtransfer.segments import OpenSegments, segment_owner
 from kvtransfer.sender import StagedKVSender
 from kvtransfer.wire import (
     DTYPES,

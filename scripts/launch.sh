@@ -12,9 +12,10 @@
 # --restarts times in a row (default 3; 0: never), after 1, 2, 4... s: its requests have resumed
 # elsewhere (or waited for it), and it rejoins its pool. One that then runs for
 # --restart-window seconds (default 600) without crashing has its restarts back, so that
-# crashes days apart never use them up, while one that crashes as it starts is given up on. One that stops (SIGINT) or drains
-# (SIGTERM) is not. A crashed gateway is restarted the same way: the workers register with
-# the new one as it comes up (requests it was serving are lost with their connections).
+# crashes days apart never use them up, while one that crashes as it starts is given up on.
+# One that stops (SIGINT) or drains (SIGTERM) is not restarted. A crashed gateway is restarted
+# the same way: the workers register with the new one as it comes up (requests it was serving
+# are lost with their connections).
 #   scripts/launch.sh --colocated 2: no prefill pool; each worker prefills (in chunks) and decodes
 #   --model sim (or sim:PROFILE): the real processes with a simulated model's step times and
 #   tokens (docs/simulation.md), for many workers and streams on a small host

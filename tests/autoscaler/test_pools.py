@@ -100,7 +100,7 @@ def test_launch_sh_s_own_workers_count_while_they_run_and_a_grace_after(tmp_path
         pids = tmp_path / "pids"
         pids.write_text(f"{gone.pid} gateway\n{gone.pid} decode-0\n{running.pid} decode-0\n"
                         f"{running.pid} prefill-0\n{gone.pid} decode-1\n")
-        launched = LaunchedWorkers(pids, grace_s=5.0)
+        launched = LaunchedWorkers(tmp_path, grace_s=5.0)
         assert (launched.count("decode", now=100.0), launched.count("prefill", 100.0)) == (2, 1)
         assert launched.count("decode", now=104.0) == 2  # decode-1 may come back yet
         assert launched.count("decode", now=105.0) == 1  # it did not

@@ -18,7 +18,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from bench.client import auth_headers
-from bench.launcher import free_port, started_pids, stop, wait_ready
+from bench.launcher import free_port, stop, wait_ready
+from core.pids import started_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_LAUNCH_S = 420  # the real model: a loaded machine may build the kernels first
